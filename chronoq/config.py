@@ -1,0 +1,188 @@
+"""Broker configuration: every limit named, with a default, checked at the edge.
+
+Theory of operation: `Config` is a frozen dataclass; a field's name carries its unit
+(`_ms`, `_bytes`). `Config.load()` layers defaults < TOML file < environment
+(`CHRONOQ_<FIELD>` upper-case) < explicit overrides, and validates once. Components receive the
+whole `Config` and read what they need; nothing mutates it after start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+KiB = 1024
+MiB = 1024 * KiB
+SECOND_MS = 1000
+MINUTE_MS = 60 * SECOND_MS
+HOUR_MS = 60 * MINUTE_MS
+DAY_MS = 24 * HOUR_MS
+
+DEFAULT_DELAY_LEVELS = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range or of the wrong type."""
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    data_dir: Path = Path("data")
+
+    # -- commit log ------------------------------------------------------------------------
+    flush: Literal["sync", "async"] = "sync"
+    """sync: fsync before acknowledging (group commit); async: fsync every flush_interval_ms."""
+    flush_interval_ms: int = 200
+    segment_size_bytes: int = 256 * MiB
+    max_message_size_bytes: int = 4 * MiB
+    """Largest encoded record (body + properties + header)."""
+    max_properties_size_bytes: int = 32 * KiB
+    max_property_count: int = 128
+    max_topic_name_length: int = 127
+    max_tag_length: int = 255
+    max_keys_count: int = 32
+    max_message_id_length: int = 128
+    retention_ms: int = 72 * HOUR_MS
+    retention_check_interval_ms: int = 60 * SECOND_MS
+
+    # -- topics and consumers ----------------------------------------------------------------
+    auto_create_topics: bool = True
+    default_queue_count: int = 4
+    max_queue_count: int = 256
+    consume_queue_entries_per_file: int = 300_000
+    checkpoint_interval_ms: int = 1000
+    max_delivery_attempts: int = 16
+    default_invisible_duration_ms: int = 30 * SECOND_MS
+    min_invisible_duration_ms: int = 1 * SECOND_MS
+    max_invisible_duration_ms: int = 12 * HOUR_MS
+    max_receive_batch: int = 64
+    max_long_poll_ms: int = 30 * SECOND_MS
+    dedupe_window_ms: int = 10 * MINUTE_MS
+    """A send repeating a message id seen on the same topic within this window returns the first
+    result and stores nothing (client retries are idempotent)."""
+    max_send_batch: int = 1024
+
+    # -- timers ------------------------------------------------------------------------------
+    timer_wheel_enable: bool = True
+    timer_engine: Literal["rocksdb", "spark"] = "rocksdb"
+    timer_precision_ms: int = 1
+    timer_max_delay_ms: int = 30 * DAY_MS
+    timer_congest_num_each_slot: int = 0
+    """Most messages due within one second; 0 means unlimited."""
+    timer_fire_batch: int = 2048
+    """Timers fired per step; the loop steps again at once while due timers remain."""
+    delay_levels: str = DEFAULT_DELAY_LEVELS
+    schedule_topic_levels_enable: bool = True
+    """True: delay-level messages take RocketMQ 4's path (one queue per level, head scanned)."""
+
+    # -- server ------------------------------------------------------------------------------
+    host: str = "127.0.0.1"
+    port: int = 8081
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "data_dir", Path(self.data_dir))
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.flush not in ("sync", "async"):
+            raise ConfigError(f"flush must be 'sync' or 'async', not {self.flush!r}")
+        if self.timer_engine not in ("rocksdb", "spark"):
+            raise ConfigError(f"timer_engine must be 'rocksdb' or 'spark', not {self.timer_engine!r}")
+        positive = [
+            "flush_interval_ms", "segment_size_bytes", "max_message_size_bytes",
+            "max_properties_size_bytes", "max_property_count", "max_topic_name_length",
+            "default_queue_count", "max_queue_count", "consume_queue_entries_per_file",
+            "checkpoint_interval_ms", "max_delivery_attempts", "default_invisible_duration_ms",
+            "min_invisible_duration_ms", "max_invisible_duration_ms", "max_receive_batch",
+            "timer_precision_ms", "timer_max_delay_ms", "timer_fire_batch", "retention_ms",
+            "retention_check_interval_ms", "max_send_batch", "max_message_id_length",
+        ]
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, not {value!r}")
+        if self.timer_congest_num_each_slot < 0:
+            raise ConfigError("timer_congest_num_each_slot must be >= 0 (0 = unlimited)")
+        if self.max_message_size_bytes > self.segment_size_bytes:
+            raise ConfigError("max_message_size_bytes must not exceed segment_size_bytes")
+        if not (self.min_invisible_duration_ms <= self.default_invisible_duration_ms
+                <= self.max_invisible_duration_ms):
+            raise ConfigError("need min_invisible_duration_ms <= default <= max_invisible_duration_ms")
+        if self.default_queue_count > self.max_queue_count:
+            raise ConfigError("default_queue_count must not exceed max_queue_count")
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"port must be in 1..65535, not {self.port}")
+        parse_delay_levels(self.delay_levels)
+
+    def replace(self, **changes: Any) -> Config:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def delay_levels_ms(self) -> tuple[int, ...]:
+        return parse_delay_levels(self.delay_levels)
+
+    @classmethod
+    def load(cls, toml_path: str | Path | None = None, env: Mapping[str, str] | None = None,
+             **overrides: Any) -> Config:
+        values: dict[str, Any] = {}
+        if toml_path is not None:
+            with open(toml_path, "rb") as f:
+                doc = tomllib.load(f)
+            values.update(doc.get("chronoq", doc))
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for key, raw in (env or {}).items():
+            if key.startswith("CHRONOQ_"):
+                name = key[len("CHRONOQ_"):].lower()
+                if name in fields:
+                    values[name] = _coerce(name, raw, cls.__dataclass_fields__[name].default)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        unknown = set(values) - set(fields)
+        if unknown:
+            raise ConfigError(f"unknown configuration keys: {', '.join(sorted(unknown))}")
+        return cls(**values)
+
+
+def _coerce(name: str, raw: str, default: Any) -> Any:
+    if isinstance(default, bool):
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"CHRONOQ_{name.upper()} must be a boolean, not {raw!r}")
+    if isinstance(default, int):
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(f"CHRONOQ_{name.upper()} must be an integer, not {raw!r}") from None
+    return raw
+
+
+_UNITS_MS = {"ms": 1, "s": SECOND_MS, "m": MINUTE_MS, "h": HOUR_MS, "d": DAY_MS}
+
+
+def parse_duration_ms(text: str) -> int:
+    """'1500ms', '5s', '10m', '2h', '3d' -> milliseconds."""
+    text = text.strip()
+    for unit in ("ms", "s", "m", "h", "d"):
+        if text.endswith(unit):
+            number = text[: -len(unit)]
+            if number.isdigit():
+                return int(number) * _UNITS_MS[unit]
+    raise ConfigError(f"cannot read duration {text!r}: use a whole number with ms, s, m, h or d")
+
+
+def parse_delay_levels(text: str) -> tuple[int, ...]:
+    levels = tuple(parse_duration_ms(part) for part in text.split())
+    if not levels:
+        raise ConfigError("delay_levels must name at least one level")
+    if any(b < a for a, b in itertools.pairwise(levels)):
+        raise ConfigError(f"delay_levels must not decrease: {text!r}")
+    return levels

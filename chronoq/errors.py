@@ -1,0 +1,363 @@
+"""Every failure a user can act on, one class each.
+
+Theory of operation: an error names the value that was wrong and the limit it broke, so a
+message like `MessageTooLarge(size_bytes=5000000, limit_bytes=4194304)` needs no log to explain.
+`code` is the status a client sees on the wire: chronoq uses the numbers of the RocketMQ v2
+protocol (`apache.rocketmq.v2.Code`) so the gRPC layer converts errors at one point, without a
+table. `retriable` tells a client whether the same request may succeed later unchanged.
+
+Errors split (as h11 does) into the caller's fault (`BadRequest` and children: the request broke
+a rule, nothing was stored) and the broker's state (`ServerError`: damage, shutdown).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ChronoqError(Exception):
+    code: int = 50000
+    retriable: bool = False
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.message, self.details))
+
+
+def _rebuild(cls: type[ChronoqError], message: str, details: dict[str, Any]) -> ChronoqError:
+    err = cls.__new__(cls)
+    ChronoqError.__init__(err, message, **details)
+    return err
+
+
+# --- the caller broke a rule; nothing was stored -------------------------------------------
+
+
+class BadRequest(ChronoqError):
+    code = 40000
+
+
+class InvalidTopicName(BadRequest):
+    """The topic name is empty, too long, or uses characters outside `[A-Za-z0-9_%|-]`."""
+
+    code = 40002
+
+    def __init__(self, topic: str, reason: str) -> None:
+        super().__init__(f"invalid topic name {topic!r}: {reason}", topic=topic, reason=reason)
+
+
+class InvalidGroupName(BadRequest):
+    code = 40003
+
+    def __init__(self, group: str, reason: str) -> None:
+        super().__init__(f"invalid consumer group {group!r}: {reason}", group=group, reason=reason)
+
+
+class InvalidTag(BadRequest):
+    code = 40004
+
+    def __init__(self, tag: str, reason: str) -> None:
+        super().__init__(f"invalid tag {tag!r}: {reason}", tag=tag, reason=reason)
+
+
+class InvalidKeys(BadRequest):
+    code = 40005
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"invalid message keys: {reason}", reason=reason)
+
+
+class InvalidMessageId(BadRequest):
+    code = 40009
+
+    def __init__(self, message_id: str, reason: str) -> None:
+        super().__init__(f"invalid message id {message_id!r}: {reason}", message_id=message_id, reason=reason)
+
+
+class InvalidFilterExpression(BadRequest):
+    code = 40010
+
+    def __init__(self, expression: str, reason: str) -> None:
+        super().__init__(f"invalid tag filter {expression!r}: {reason}", expression=expression, reason=reason)
+
+
+class InvalidInvisibleDuration(BadRequest):
+    """`invisible_duration_ms` is outside [min, max]."""
+
+    code = 40011
+
+    def __init__(self, invisible_duration_ms: int, min_ms: int, max_ms: int) -> None:
+        super().__init__(
+            f"invisible duration {invisible_duration_ms} ms is outside [{min_ms}, {max_ms}] ms",
+            invisible_duration_ms=invisible_duration_ms, min_ms=min_ms, max_ms=max_ms,
+        )
+
+
+class InvalidReceiptHandle(BadRequest):
+    """The handle is malformed, belongs to another group/topic, or was superseded (acked, renewed,
+    or redelivered to someone else after it expired)."""
+
+    code = 40013
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"invalid receipt handle: {reason}", reason=reason)
+
+
+class InvalidBatchSize(BadRequest):
+    code = 40000
+
+    def __init__(self, batch_size: int, max_batch_size: int) -> None:
+        super().__init__(
+            f"batch size {batch_size} is outside [1, {max_batch_size}]",
+            batch_size=batch_size, max_batch_size=max_batch_size,
+        )
+
+
+class InvalidQueueId(BadRequest):
+    code = 40000
+
+    def __init__(self, topic: str, queue_id: int, queue_count: int) -> None:
+        super().__init__(
+            f"topic {topic!r} has queues 0..{queue_count - 1}, not {queue_id}",
+            topic=topic, queue_id=queue_id, queue_count=queue_count,
+        )
+
+
+class InvalidQueueCount(BadRequest):
+    code = 40000
+
+    def __init__(self, queue_count: int, max_queue_count: int) -> None:
+        super().__init__(
+            f"queue count {queue_count} is outside [1, {max_queue_count}]",
+            queue_count=queue_count, max_queue_count=max_queue_count,
+        )
+
+
+class InvalidOffset(BadRequest):
+    code = 40019
+
+    def __init__(self, offset: int, reason: str) -> None:
+        super().__init__(f"invalid offset {offset}: {reason}", offset=offset, reason=reason)
+
+
+class MessageTypeNotAccepted(BadRequest):
+    """The topic was created without this message type (NORMAL, FIFO, DELAY, TRANSACTION)."""
+
+    code = 40014
+
+    def __init__(self, topic: str, message_type: str, accepted: list[str]) -> None:
+        super().__init__(
+            f"topic {topic!r} does not accept {message_type} messages (accepts {', '.join(accepted)})",
+            topic=topic, message_type=message_type, accepted=accepted,
+        )
+
+
+class TopicNotFound(BadRequest):
+    code = 40402
+
+    def __init__(self, topic: str) -> None:
+        super().__init__(f"topic {topic!r} does not exist (auto-create is off)", topic=topic)
+
+
+class TopicExists(BadRequest):
+    code = 40000
+
+    def __init__(self, topic: str) -> None:
+        super().__init__(f"topic {topic!r} already exists", topic=topic)
+
+
+class SystemTopicForbidden(BadRequest):
+    """Producers may not write to chronoq's system topics (timer, schedule, DLQ are written by
+    the broker itself)."""
+
+    code = 40002
+
+    def __init__(self, topic: str) -> None:
+        super().__init__(f"topic {topic!r} is a system topic; producers may not write to it", topic=topic)
+
+
+class MessageBodyEmpty(BadRequest):
+    code = 41302
+
+    def __init__(self) -> None:
+        super().__init__("message body is empty")
+
+
+class MessageTooLarge(BadRequest):
+    """The encoded message exceeds `max_message_size_bytes`."""
+
+    code = 41301
+
+    def __init__(self, size_bytes: int, limit_bytes: int) -> None:
+        super().__init__(
+            f"message is {size_bytes} bytes; the limit (max_message_size_bytes) is {limit_bytes}",
+            size_bytes=size_bytes, limit_bytes=limit_bytes,
+        )
+
+
+class PropertiesTooLarge(BadRequest):
+    """User properties exceed `max_properties_size_bytes` or `max_property_count`."""
+
+    code = 43101
+
+    def __init__(self, reason: str, value: int, limit: int) -> None:
+        super().__init__(f"message properties too large: {reason} is {value}, limit {limit}",
+                         reason=reason, value=value, limit=limit)
+
+
+class InvalidProperty(BadRequest):
+    code = 40007
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"invalid property {key!r}: {reason}", key=key, reason=reason)
+
+
+class ReservedProperty(BadRequest):
+    """A producer set a property that only chronoq may set (real topic, timer bookkeeping)."""
+
+    code = 40007
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"property {key!r} is reserved for chronoq's internal use", key=key)
+
+
+# --- timer requests -------------------------------------------------------------------------
+
+
+class InvalidDeliveryTime(BadRequest):
+    code = 40012
+
+    def __init__(self, reason: str, **details: Any) -> None:
+        ChronoqError.__init__(self, f"invalid delivery time: {reason}", reason=reason, **details)
+
+
+class DeliveryTimeTooFar(InvalidDeliveryTime):
+    """The deadline lies beyond now + `timer_max_delay_ms`."""
+
+    def __init__(self, deliver_at_ms: int, now_ms: int, max_delay_ms: int) -> None:
+        ChronoqError.__init__(
+            self,
+            f"delivery time {deliver_at_ms} is {deliver_at_ms - now_ms} ms ahead; "
+            f"the limit (timer_max_delay_ms) is {max_delay_ms} ms",
+            deliver_at_ms=deliver_at_ms, now_ms=now_ms, max_delay_ms=max_delay_ms,
+        )
+
+
+class NegativeDelay(InvalidDeliveryTime):
+    def __init__(self, delay_ms: int) -> None:
+        ChronoqError.__init__(self, f"delay {delay_ms} ms is negative", delay_ms=delay_ms)
+
+
+class InvalidDelayLevel(InvalidDeliveryTime):
+    """Delay levels start at 1; 0 or less is refused (a level above the table's top is clamped)."""
+
+    def __init__(self, level: int, max_level: int) -> None:
+        ChronoqError.__init__(self, f"delay level {level} is invalid; levels are 1..{max_level}",
+                              level=level, max_level=max_level)
+
+
+class ConflictingDelivery(InvalidDeliveryTime):
+    def __init__(self, given: list[str]) -> None:
+        ChronoqError.__init__(self, f"give at most one of deliver_at_ms, delay_ms, delay_level; got {given}",
+                              given=given)
+
+
+class TimerDisabled(BadRequest):
+    """`timer_wheel_enable` is false: the broker refuses timer messages."""
+
+    code = 40300
+
+    def __init__(self) -> None:
+        super().__init__("timer messages are disabled on this broker (timer_wheel_enable=false)")
+
+
+class TimerSlotCongested(ChronoqError):
+    """More than `timer_congest_num_each_slot` messages are already due in that second."""
+
+    code = 42900
+    retriable = True
+
+    def __init__(self, slot_s: int, count: int, limit: int) -> None:
+        super().__init__(
+            f"{count} timer messages already due in second {slot_s}; the limit "
+            f"(timer_congest_num_each_slot) is {limit}",
+            slot_s=slot_s, count=count, limit=limit,
+        )
+
+
+class TimerNotFound(BadRequest):
+    code = 40401
+
+    def __init__(self, topic: str, message_id: str) -> None:
+        super().__init__(f"no timer message {message_id!r} on topic {topic!r}", topic=topic, message_id=message_id)
+
+
+class TimerAlreadyFired(BadRequest):
+    """Cancel came too late: the message was delivered (or its time has passed)."""
+
+    code = 42800
+
+    def __init__(self, message_id: str, deliver_at_ms: int) -> None:
+        super().__init__(f"timer message {message_id!r} was due at {deliver_at_ms} and has fired or is firing",
+                         message_id=message_id, deliver_at_ms=deliver_at_ms)
+
+
+class TimerAlreadyCancelled(BadRequest):
+    code = 42800
+
+    def __init__(self, message_id: str) -> None:
+        super().__init__(f"timer message {message_id!r} is already cancelled", message_id=message_id)
+
+
+class InvalidRecallHandle(BadRequest):
+    code = 40000
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"invalid recall handle: {reason}", reason=reason)
+
+
+# --- the broker's state ---------------------------------------------------------------------
+
+
+class ServerError(ChronoqError):
+    code = 50001
+
+
+class BrokerClosed(ServerError):
+    retriable = True
+
+    def __init__(self) -> None:
+        super().__init__("the broker is closed")
+
+
+class FlushFailed(ServerError):
+    """fsync failed: the message is not acknowledged and the broker stops accepting writes."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"flush failed: {reason}", reason=reason)
+
+
+class CorruptRecord(ServerError):
+    """A record on disk fails its length, magic, version or CRC check. Raised by decoders; the
+    store turns it into a truncation (torn tail) or a `check` finding."""
+
+    code = 40016
+
+    def __init__(self, reason: str, position: int | None = None) -> None:
+        where = f" at position {position}" if position is not None else ""
+        super().__init__(f"corrupt record{where}: {reason}", reason=reason, position=position)
+
+
+class DataDirLocked(ServerError):
+    def __init__(self, path: str) -> None:
+        super().__init__(f"data directory {path} is in use by another broker", path=path)
+
+
+class UnsupportedVersion(ServerError):
+    def __init__(self, what: str, version: int, supported: int) -> None:
+        super().__init__(f"{what} has format version {version}; this chronoq reads {supported}",
+                         what=what, version=version, supported=supported)

@@ -1,0 +1,199 @@
+"""The nouns every layer shares: messages, topics, send and receive results.
+
+Theory of operation: these are plain frozen values with no I/O. A producer hands the broker an
+`OutgoingMessage`; the store keeps a `StoredMessage` (the same plus where it lies and when it was
+stored); a consumer gets a `ReceivedMessage` (a stored message plus its receipt handle and
+delivery attempt). Property names that only chronoq may set live here, in one place.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+class MessageType(enum.IntEnum):
+    NORMAL = 1
+    FIFO = 2
+    DELAY = 3
+    TRANSACTION = 4
+
+
+ALL_MESSAGE_TYPES = frozenset(MessageType)
+
+# -- system topics (written by the broker only) ---------------------------------------------
+TIMER_TOPIC = "rmq_sys_wheel_timer"
+"""Timer messages wait here (RocketMQ 5's TIMER_TOPIC) until due, real topic in properties."""
+SCHEDULE_TOPIC = "SCHEDULE_TOPIC_XXXX"
+"""Delay-level messages wait here, one queue per level (RocketMQ 4)."""
+DLQ_PREFIX = "%DLQ%"
+SYSTEM_TOPICS = frozenset({TIMER_TOPIC, SCHEDULE_TOPIC})
+
+# -- producer-facing timer properties (RocketMQ names) ---------------------------------------
+PROP_TIMER_DELIVER_MS = "TIMER_DELIVER_MS"
+PROP_TIMER_DELAY_MS = "TIMER_DELAY_MS"
+PROP_TIMER_DELAY_SEC = "TIMER_DELAY_SEC"
+PROP_DELAY_LEVEL = "DELAY"
+PRODUCER_TIMER_PROPERTIES = frozenset(
+    {PROP_TIMER_DELIVER_MS, PROP_TIMER_DELAY_MS, PROP_TIMER_DELAY_SEC, PROP_DELAY_LEVEL}
+)
+
+# -- internal system properties: chronoq's bookkeeping; a producer may not set them ----------
+SYS_REAL_TOPIC = "REAL_TOPIC"
+SYS_REAL_QUEUE_ID = "REAL_QID"
+SYS_TIMER_OUT_MS = "TIMER_OUT_MS"
+"""The absolute due time of a timer message, ms since the epoch."""
+SYS_TIMER_ENQUEUE_MS = "TIMER_ENQUEUE_MS"
+SYS_TIMER_ROLL_TIMES = "TIMER_ROLL_TIMES"
+SYS_DELAY_LEVEL = "DELAY_LEVEL"
+SYS_FIRED_FROM = "TIMER_FIRED_FROM"
+"""On a delivered timer message: the commit-log position of the timer-topic record it came from."""
+SYS_DLQ_ORIGIN_TOPIC = "DLQ_ORIGIN_TOPIC"
+SYS_DLQ_ORIGIN_QUEUE_ID = "DLQ_ORIGIN_QID"
+SYS_DLQ_ORIGIN_OFFSET = "DLQ_ORIGIN_OFFSET"
+SYS_MESSAGE_GROUP = "MESSAGE_GROUP"
+SYS_TRACE_ACCEPTED_MS = "ACCEPTED_MS"
+RESERVED_PROPERTIES = frozenset({
+    SYS_REAL_TOPIC, SYS_REAL_QUEUE_ID, SYS_TIMER_OUT_MS, SYS_TIMER_ENQUEUE_MS,
+    SYS_TIMER_ROLL_TIMES, SYS_DELAY_LEVEL, SYS_FIRED_FROM, SYS_DLQ_ORIGIN_TOPIC,
+    SYS_DLQ_ORIGIN_QUEUE_ID, SYS_DLQ_ORIGIN_OFFSET, "__STARTDELIVERTIME",
+})
+RESERVED_PREFIX = "__CHRONOQ"
+
+_TOPIC_RE = re.compile(r"^[A-Za-z0-9_%|-]+$")
+
+
+def dlq_topic(group: str) -> str:
+    return f"{DLQ_PREFIX}{group}"
+
+
+def is_system_topic(topic: str) -> bool:
+    return topic in SYSTEM_TOPICS
+
+
+def topic_name_problem(topic: str, max_length: int) -> str | None:
+    """Why `topic` is not a valid name, or None."""
+    if not topic:
+        return "empty"
+    if len(topic) > max_length:
+        return f"{len(topic)} characters; the limit (max_topic_name_length) is {max_length}"
+    if not _TOPIC_RE.match(topic):
+        return "only letters, digits and _ % | - are allowed"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class TopicConfig:
+    name: str
+    queue_count: int
+    message_types: frozenset[MessageType] = ALL_MESSAGE_TYPES
+    created_ms: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class OutgoingMessage:
+    """What a producer asks the broker to store."""
+
+    topic: str
+    body: bytes
+    message_id: str | None = None
+    tag: str | None = None
+    keys: tuple[str, ...] = ()
+    properties: Mapping[str, str] = field(default_factory=dict)
+    queue_id: int | None = None
+    message_group: str | None = None
+    born_ms: int | None = None
+    message_type: MessageType | None = None
+    """None: derived (DELAY when a time is given, FIFO with a message group, else NORMAL)."""
+    deliver_at_ms: int | None = None
+    """Deliver at this absolute time (ms since the epoch). At most one of the three timer fields."""
+    delay_ms: int | None = None
+    delay_level: int | None = None
+    """RocketMQ 4 delay level, 1-based into `Config.delay_levels`."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredMessage:
+    """A message as the commit log holds it."""
+
+    message_id: str
+    topic: str
+    queue_id: int
+    queue_offset: int
+    message_type: MessageType
+    tag: str
+    keys: tuple[str, ...]
+    properties: Mapping[str, str]
+    system_properties: Mapping[str, str]
+    body: bytes
+    born_ms: int
+    store_ms: int
+    position: int
+    """Byte offset of the record in the commit log's position space."""
+    size: int
+
+    @property
+    def deliver_at_ms(self) -> int | None:
+        raw = self.system_properties.get(SYS_TIMER_OUT_MS)
+        return int(raw) if raw is not None else None
+
+
+@dataclass(frozen=True, slots=True)
+class SendResult:
+    message_id: str
+    topic: str
+    queue_id: int
+    queue_offset: int
+    position: int
+    deliver_at_ms: int | None = None
+    recall_handle: str | None = None
+    duplicate: bool = False
+    """True when this id was seen within `dedupe_window_ms` and nothing new was stored."""
+
+
+class TimerState(enum.Enum):
+    PENDING = "pending"
+    DELIVERED = "delivered"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True, slots=True)
+class TimerStatus:
+    """What `Broker.query` knows about a timer message."""
+
+    message_id: str
+    topic: str
+    state: TimerState
+    deliver_at_ms: int
+    accepted_ms: int
+    fired_ms: int | None = None
+    cancelled_ms: int | None = None
+    position: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class ReceivedMessage:
+    message: StoredMessage
+    receipt_handle: str
+    delivery_attempt: int
+    invisible_until_ms: int
+
+
+_id_lock = threading.Lock()
+_id_seq = 0
+_id_prefix = f"{os.getpid() & 0xFFFF:04X}{int.from_bytes(os.urandom(4), 'big'):08X}"
+
+
+def new_message_id() -> str:
+    """A 34-character upper-case hex id shaped like the RocketMQ 5 clients' (version 01)."""
+    global _id_seq
+    with _id_lock:
+        _id_seq = (_id_seq + 1) & 0xFFFFFFFF
+        seq = _id_seq
+    seconds = (int(time.time()) - 1_609_459_200) & 0xFFFFFFFF
+    return f"01{_id_prefix}{int.from_bytes(os.urandom(2), 'big'):04X}{seconds:08X}{seq:08X}"
