@@ -1,0 +1,5 @@
+import sys
+
+from chronoq.cli import main
+
+sys.exit(main())

@@ -1,0 +1,525 @@
+"""The in-process broker API: what the gRPC server, the SDK's tests, Spark and the CLI stand on.
+
+Theory of operation: one asyncio event loop owns all broker state; blocking work is limited to
+short page-cache writes and RocksDB calls on the loop, with fsync in a worker thread. Producers
+call `send`/`send_batch`: admission (`validate.py`) -> routing of timer messages
+(`timer/service.py`) -> `MessageStore.append` -> wait for the group-commit fsync. Durable records
+are dispatched to consume queues and to the timer engine before any sender is released, so an
+acknowledged message is durable *and* indexed. Consumers use RocketMQ 5 simple-consumer calls
+(`consumers.py`).
+
+Background work belongs to the broker and stops with it: the flusher, the timer loop (sleeps
+until the engine's next deadline, woken early by new timers), the checkpoint loop and retention.
+With `background=False` only the flusher runs, and a test moves a `FakeClock` and calls
+`run_due()`, so two days of timers run in milliseconds, deterministically.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import OrderedDict
+from collections.abc import Coroutine, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from chronoq.clock import Clock, SystemClock
+from chronoq.config import Config
+from chronoq.errors import BrokerClosed, ChronoqError, InvalidRecallHandle, MessageTypeNotAccepted, TopicNotFound
+from chronoq.model import (
+    ALL_MESSAGE_TYPES,
+    SCHEDULE_TOPIC,
+    SYS_DLQ_ORIGIN_OFFSET,
+    SYS_DLQ_ORIGIN_QUEUE_ID,
+    SYS_DLQ_ORIGIN_TOPIC,
+    TIMER_TOPIC,
+    MessageType,
+    OutgoingMessage,
+    ReceivedMessage,
+    SendResult,
+    StoredMessage,
+    TimerStatus,
+    TopicConfig,
+    dlq_topic,
+    is_system_topic,
+)
+from chronoq.store import files
+from chronoq.store.groups import GroupStore, InFlight
+from chronoq.store.messagestore import MessageStore, OpenReport, PreparedMessage
+from chronoq.timer.index import RocksTimerIndex, TimerIndexCorrupt
+from chronoq.timer.service import TimerService, decode_recall_handle, encode_recall_handle
+from chronoq.validate import check_group_name, check_topic_name, prepare
+
+log = logging.getLogger("chronoq.broker")
+_SendOutcome = SendResult | ChronoqError
+
+
+class Broker:
+    def __init__(self, config: Config, clock: Clock, store: MessageStore, groups: GroupStore,
+                 timer: TimerService, open_report: OpenReport) -> None:
+        from chronoq.consumers import ConsumerGroups
+
+        self.config = config
+        self.clock = clock
+        self.store = store
+        self.groups = groups
+        self.timer = timer
+        self.consumers = ConsumerGroups(config, store, groups)
+        self.open_report = open_report
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False
+        self._arrivals: dict[str, asyncio.Event] = {}
+        self._timer_wakeup = asyncio.Event()
+        self._recent: OrderedDict[tuple[str, str], tuple[int, SendResult]] = OrderedDict()
+        self._sending: dict[tuple[str, str], asyncio.Future[SendResult]] = {}
+        self.fatal: BaseException | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    @classmethod
+    async def open(cls, config: Config, *, clock: Clock | None = None, background: bool = True) -> Broker:
+        clock = clock or SystemClock()
+        store, report = MessageStore.open(config)
+        groups = engine = None
+        try:
+            groups = GroupStore(config.data_dir / files.GROUPS_DIR)
+            engine = _open_timer_index(config.data_dir / files.TIMER_DIR, store)
+            broker_ref: list[Broker] = []
+
+            async def append(msgs: list[PreparedMessage]) -> list[StoredMessage]:
+                return await broker_ref[0]._append(msgs)
+
+            timer = TimerService(config, store, engine, groups, append)
+            try:
+                timer.recover()
+            except ValueError:  # the index is ahead of the log (power loss): rebuild it
+                engine.close()
+                RocksTimerIndex.destroy(config.data_dir / files.TIMER_DIR)
+                engine = RocksTimerIndex.open(config.data_dir / files.TIMER_DIR)
+                timer = TimerService(config, store, engine, groups, append)
+                timer.recover()
+            broker = cls(config, clock, store, groups, timer, report)
+            broker_ref.append(broker)
+        except BaseException:
+            if engine is not None:
+                engine.close()
+            if groups is not None:
+                groups.close()
+            store.close()
+            raise
+        now = clock.now_ms()
+        store.create_topic(TIMER_TOPIC, 1, ALL_MESSAGE_TYPES, now, exist_ok=True)
+        store.create_topic(SCHEDULE_TOPIC, timer.levels.max_level, ALL_MESSAGE_TYPES, now, exist_ok=True)
+        store.listeners.append(broker._on_dispatch)
+        broker._spawn(store.log.flush_loop(), "flusher")
+        if background:
+            broker._spawn(broker._timer_loop(), "timer")
+            broker._spawn(broker._every(config.checkpoint_interval_ms, broker._checkpoint), "checkpoint")
+            broker._spawn(broker._every(config.retention_check_interval_ms, broker._retention), "retention")
+        return broker
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=f"chronoq-{name}")
+        task.add_done_callback(self._task_done)
+        self._tasks.append(task)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            # A background task must not die silently: the broker stops accepting work.
+            self.fatal = exc
+            log.error("background task %s failed", task.get_name(), exc_info=exc)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        try:
+            await self.store.log.flush_now()
+        except ChronoqError:
+            pass
+        self.timer.engine.close()
+        self.groups.close()
+        self.store.close()
+
+    async def __aenter__(self) -> Broker:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BrokerClosed()
+        if self.fatal is not None:
+            raise BrokerClosed() from self.fatal
+
+    # -- background -------------------------------------------------------------------------
+
+    async def _every(self, interval_ms: int, work: Any) -> None:
+        while True:
+            await asyncio.sleep(interval_ms / 1000)
+            await work(self.clock.now_ms())
+
+    async def _checkpoint(self, now_ms: int) -> None:
+        self.store.checkpoint()
+
+    async def _timer_loop(self) -> None:
+        while True:
+            now = self.clock.now_ms()
+            self._timer_wakeup.clear()
+            fired = await self.timer.fire_due(now)
+            if fired >= self.config.timer_fire_batch:
+                continue
+            deadline = self.timer.next_deadline_ms()
+            if deadline is None:
+                await self._timer_wakeup.wait()
+            elif deadline > now or fired == 0:
+                # fired == 0 with a past deadline: the head is held by a cancel in progress;
+                # its completion (or any new timer) sets the wake-up.
+                sleeper = asyncio.ensure_future(self.clock.sleep_until(max(deadline, now + (fired == 0))))
+                waker = asyncio.ensure_future(self._timer_wakeup.wait())
+                try:
+                    await asyncio.wait((sleeper, waker), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    sleeper.cancel()
+                    waker.cancel()
+
+    async def run_due(self) -> int:
+        """Do all work due at `clock.now_ms()`: fire every due timer (in batches). Returns the
+        number fired. For tests with a FakeClock and `background=False`."""
+        total = 0
+        while True:
+            fired = await self.timer.fire_due(self.clock.now_ms())
+            total += fired
+            if fired == 0:
+                return total
+
+    async def _retention(self, now_ms: int) -> None:
+        limit = self.store.expired_before(now_ms)
+        for pin in (self.groups.min_inflight_position(), self.timer.min_level_position()):
+            if pin is not None:
+                limit = min(limit, pin)
+        if limit <= self.store.log.start_position:
+            return
+        await self.timer.roll_before(limit, now_ms)
+        self.store.checkpoint()
+        self.store.delete_before(limit)
+        self.timer.engine.prune_history(now_ms - self.config.retention_ms)
+
+    async def enforce_retention(self) -> None:
+        await self._retention(self.clock.now_ms())
+
+    def _on_dispatch(self, msgs: list[StoredMessage]) -> None:
+        self.timer.on_dispatch(msgs, self.clock.now_ms())
+        topics = {m.topic for m in msgs}
+        if TIMER_TOPIC in topics or SCHEDULE_TOPIC in topics:
+            self._timer_wakeup.set()
+        for topic in topics:
+            event = self._arrivals.pop(topic, None)
+            if event is not None:
+                event.set()
+
+    async def _append(self, msgs: list[PreparedMessage]) -> list[StoredMessage]:
+        stored = self.store.append(msgs, self.clock.now_ms())
+        if stored:
+            await self.store.wait_durable(stored[-1].position + stored[-1].size)
+        return stored
+
+    # -- topics -----------------------------------------------------------------------------
+
+    async def create_topic(self, name: str, queue_count: int | None = None,
+                           message_types: Iterable[MessageType] | None = None) -> TopicConfig:
+        self._check_open()
+        from chronoq.errors import InvalidQueueCount, SystemTopicForbidden
+
+        check_topic_name(name, self.config)
+        if is_system_topic(name):
+            raise SystemTopicForbidden(name)
+        count = self.config.default_queue_count if queue_count is None else queue_count
+        if not isinstance(count, int) or not 1 <= count <= self.config.max_queue_count:
+            raise InvalidQueueCount(count, self.config.max_queue_count)
+        types = frozenset(MessageType(t) for t in message_types) if message_types is not None else ALL_MESSAGE_TYPES
+        if not types:
+            raise MessageTypeNotAccepted(name, "any", [])
+        return self.store.create_topic(name, count, types, self.clock.now_ms())
+
+    def get_topic(self, name: str) -> TopicConfig:
+        return self.store.get_topic(name)
+
+    def list_topics(self) -> list[TopicConfig]:
+        return sorted((t for t in self.store.topics.values() if not is_system_topic(t.name)), key=lambda t: t.name)
+
+    def _topic_for(self, name: str) -> TopicConfig:
+        topic = self.store.topics.get(name)
+        if topic is not None:
+            return topic
+        if not self.config.auto_create_topics:
+            raise TopicNotFound(name)
+        return self.store.create_topic(name, self.config.default_queue_count, ALL_MESSAGE_TYPES,
+                                       self.clock.now_ms(), exist_ok=True)
+
+    # -- produce ----------------------------------------------------------------------------
+
+    async def send(self, msg: OutgoingMessage) -> SendResult:
+        outcome = (await self.send_batch([msg], partial=True))[0]
+        if isinstance(outcome, ChronoqError):
+            raise outcome
+        return outcome
+
+    async def send_batch(self, msgs: Sequence[OutgoingMessage], *, partial: bool = False) -> list[Any]:
+        """Store `msgs` durably. All-or-nothing validation by default (the first bad message is
+        raised and nothing is stored); with `partial=True` each bad message yields its error in
+        its slot and the good ones are stored."""
+        self._check_open()
+        if len(msgs) > self.config.max_send_batch:
+            from chronoq.errors import InvalidBatchSize
+            raise InvalidBatchSize(len(msgs), self.config.max_send_batch)
+        now = self.clock.now_ms()
+        self._expire_recent(now)
+        outcomes: list[Any] = [None] * len(msgs)
+        to_write: list[PreparedMessage] = []
+        slots: list[tuple[int, tuple[str, str], int | None]] = []
+        waits: list[tuple[int, asyncio.Future[SendResult]]] = []
+        repeats: list[tuple[int, int]] = []  # (slot in msgs, index in to_write) for ids repeated in this batch
+        batch_keys: dict[tuple[str, str], int] = {}
+        for i, msg in enumerate(msgs):
+            try:
+                prepared, timer = prepare(msg, self.config, now, self.timer.levels)
+                topic = self._topic_for(prepared.topic)
+                if prepared.message_type not in topic.message_types:
+                    raise MessageTypeNotAccepted(topic.name, prepared.message_type.name,
+                                                 sorted(t.name for t in topic.message_types))
+                key = (prepared.topic, prepared.message_id)
+                if key in self._recent:
+                    outcomes[i] = _as_duplicate(self._recent[key][1])
+                    continue
+                if key in self._sending:
+                    waits.append((i, self._sending[key]))
+                    continue
+                if key in batch_keys:
+                    repeats.append((i, batch_keys[key]))
+                    continue
+                if timer is not None:
+                    prepared = self.timer.route(prepared, timer.deliver_at_ms, timer.delay_level, now)
+            except ChronoqError as e:
+                if not partial:
+                    self.timer.release_reservations(to_write)
+                    raise
+                outcomes[i] = e
+                continue
+            batch_keys[key] = len(to_write)
+            to_write.append(prepared)
+            slots.append((i, key, timer.deliver_at_ms if timer is not None else None))
+        futures = {key: asyncio.get_running_loop().create_future() for _, key, _ in slots}
+        self._sending.update(futures)
+        try:
+            stored = self._write_prepared(to_write, now)
+            if stored:
+                await self.store.wait_durable(stored[-1].position + stored[-1].size)
+        except BaseException as e:
+            for key, fut in futures.items():
+                self._sending.pop(key, None)
+                if not fut.done():
+                    fut.set_exception(e if isinstance(e, Exception) else BrokerClosed())
+                    fut.exception()  # mark retrieved: waiters may not exist
+            raise
+        for (i, key, deliver_at_ms), rec in zip(slots, stored, strict=True):
+            result = self._result_for(rec, key, deliver_at_ms)
+            outcomes[i] = result
+            self._recent[key] = (now, result)
+            self._sending.pop(key, None)
+            futures[key].set_result(result)
+        for i, j in repeats:
+            outcomes[i] = _as_duplicate(outcomes[slots[j][0]])
+        for i, fut in waits:
+            outcomes[i] = _as_duplicate(await fut)
+        return outcomes
+
+    def _write_prepared(self, to_write: list[PreparedMessage], now: int) -> list[StoredMessage]:
+        try:
+            return self.store.append(to_write, now)
+        except BaseException:
+            self.timer.release_reservations(to_write)
+            raise
+
+    def _result_for(self, rec: StoredMessage, key: tuple[str, str], deliver_at_ms: int | None) -> SendResult:
+        topic, message_id = key
+        if deliver_at_ms is None:
+            return SendResult(message_id, topic, rec.queue_id, rec.queue_offset, rec.position)
+        return SendResult(message_id, topic, rec.queue_id, rec.queue_offset, rec.position, deliver_at_ms,
+                          encode_recall_handle(topic, deliver_at_ms, message_id))
+
+    def _expire_recent(self, now_ms: int) -> None:
+        horizon = now_ms - self.config.dedupe_window_ms
+        while self._recent:
+            _key, (at_ms, _) = next(iter(self._recent.items()))
+            if at_ms >= horizon:
+                break
+            self._recent.popitem(last=False)
+
+    # -- consume ----------------------------------------------------------------------------
+
+    async def receive(self, group: str, topic: str, *, filter_expression: str = "*", batch_size: int = 32,
+                      invisible_duration_ms: int | None = None, wait_ms: int = 0,
+                      queue_id: int | None = None) -> list[ReceivedMessage]:
+        from chronoq.consumers import TagFilter
+
+        self._check_open()
+        check_group_name(group, self.config)
+        check_topic_name(topic, self.config)
+        tcfg = self._topic_for(topic)
+        tag_filter = TagFilter.parse(filter_expression)
+        invisible = (self.config.default_invisible_duration_ms if invisible_duration_ms is None
+                     else invisible_duration_ms)
+        wait_ms = max(0, min(wait_ms, self.config.max_long_poll_ms))
+        deadline = self.clock.now_ms() + wait_ms
+        while True:
+            event = self._arrivals.setdefault(topic, asyncio.Event())
+            now = self.clock.now_ms()
+            outcome = self.consumers.receive(group, tcfg, tag_filter, batch_size, invisible, now, queue_id)
+            if outcome.exhausted:
+                await self._dead_letter(group, outcome.exhausted)
+            if outcome.delivered or now >= deadline:
+                return outcome.delivered
+            wake = deadline
+            next_visible = self.groups.next_visible_ms(group, topic)
+            if next_visible is not None:
+                wake = min(wake, max(next_visible, now + 1))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), (wake - now) / 1000)
+
+    async def ack(self, group: str, topic: str, receipt_handle: str) -> None:
+        self._check_open()
+        self.consumers.ack(group, topic, receipt_handle)
+
+    async def change_invisible_duration(self, group: str, topic: str, receipt_handle: str,
+                                        invisible_duration_ms: int) -> str:
+        self._check_open()
+        entry = self.consumers.change_invisible(group, topic, receipt_handle, invisible_duration_ms,
+                                                self.clock.now_ms())
+        return entry.receipt_handle
+
+    async def nack(self, group: str, topic: str, receipt_handle: str) -> str:
+        """Failed consumption: visible again after the delay level for its attempt (RocketMQ's
+        level 3 + attempts). Returns the new receipt handle."""
+        self._check_open()
+        entry = self.groups.lookup_handle(group, topic, receipt_handle)
+        delay_ms = self.timer.levels.retry_delay_ms(entry.attempt)
+        return self.consumers.postpone(group, topic, receipt_handle, delay_ms, self.clock.now_ms()).receipt_handle
+
+    async def forward_to_dlq(self, group: str, topic: str, receipt_handle: str) -> None:
+        self._check_open()
+        entry = self.groups.lookup_handle(group, topic, receipt_handle)
+        msg = self.store.read_at(entry.position, entry.size)
+        if msg is None:
+            self.consumers.drop([entry])
+            return
+        await self._dead_letter(group, [(entry, msg)])
+
+    async def _dead_letter(self, group: str, items: list[tuple[InFlight, StoredMessage]]) -> None:
+        dlq = dlq_topic(group)
+        self.store.create_topic(dlq, 1, ALL_MESSAGE_TYPES, self.clock.now_ms(), exist_ok=True)
+        copies = []
+        for _entry, msg in items:
+            sp = dict(msg.system_properties)
+            sp.update({SYS_DLQ_ORIGIN_TOPIC: msg.topic, SYS_DLQ_ORIGIN_QUEUE_ID: str(msg.queue_id),
+                       SYS_DLQ_ORIGIN_OFFSET: str(msg.queue_offset)})
+            copies.append(PreparedMessage(
+                topic=dlq, message_id=msg.message_id, message_type=msg.message_type, body=msg.body,
+                born_ms=msg.born_ms, tag=msg.tag, keys=msg.keys, properties=msg.properties,
+                system_properties=sp, queue_id=0))
+        await self._append(copies)  # durable in the DLQ before it leaves the group
+        self.consumers.drop([entry for entry, _ in items])
+
+    # -- read by offset ---------------------------------------------------------------------
+
+    async def read(self, topic: str, queue_id: int, offset: int, max_messages: int) -> list[StoredMessage]:
+        self._check_open()
+        tcfg = self.get_topic(topic)
+        if not 0 <= queue_id < tcfg.queue_count:
+            from chronoq.errors import InvalidQueueId
+            raise InvalidQueueId(topic, queue_id, tcfg.queue_count)
+        cq = self.store.queue(topic, queue_id)
+        out: list[StoredMessage] = []
+        offset = max(offset, cq.min_offset)
+        while len(out) < max_messages and offset < cq.next_offset:
+            entries = cq.read_range(offset, max_messages - len(out))
+            if not entries:
+                break
+            for off, position, size, _ in entries:
+                msg = self.store.read_at(position, size)
+                if msg is not None:
+                    out.append(msg)
+                offset = off + 1
+        return out
+
+    def queue_offsets(self, topic: str, queue_id: int) -> tuple[int, int]:
+        cq = self.store.queue(topic, queue_id)
+        return cq.min_offset, cq.next_offset
+
+    # -- timers -----------------------------------------------------------------------------
+
+    async def cancel(self, *, recall_handle: str | None = None, topic: str | None = None,
+                     message_id: str | None = None) -> str:
+        self._check_open()
+        deliver_at_ms = None
+        if recall_handle is not None:
+            topic, deliver_at_ms, message_id = decode_recall_handle(recall_handle)
+        if topic is None or message_id is None:
+            raise InvalidRecallHandle("give a recall handle, or both topic and message id")
+        await self.timer.cancel(topic, message_id, self.clock.now_ms(), deliver_at_ms=deliver_at_ms)
+        self._timer_wakeup.set()
+        return message_id
+
+    def query(self, message_id: str, topic: str | None = None) -> list[TimerStatus]:
+        return self.timer.query(message_id, topic)
+
+    def query_key(self, key: str) -> list[TimerStatus]:
+        return self.timer.engine.lookup_key(key)
+
+    async def fire_timers(self, positions: list[int]) -> tuple[int, int]:
+        """For the Spark engine: fire these pending timers now (idempotent)."""
+        self._check_open()
+        return await self.timer.fire_positions(positions, self.clock.now_ms())
+
+    def stats(self) -> dict[str, Any]:
+        now = self.clock.now_ms()
+        log_ = self.store.log
+        return {
+            "now_ms": now,
+            "topics": len(self.list_topics()),
+            "commitlog": {"start_position": log_.start_position, "end_position": log_.end_position,
+                          "segments": len(log_.segments()), "fsyncs": log_.fsync_count},
+            "timer": self.timer.stats(now),
+        }
+
+
+def _as_duplicate(result: SendResult) -> SendResult:
+    from dataclasses import replace
+
+    return replace(result, duplicate=True)
+
+
+def _open_timer_index(path: Path, store: MessageStore) -> RocksTimerIndex:
+    try:
+        index = RocksTimerIndex.open(path)
+    except TimerIndexCorrupt as e:
+        log.warning("timer index unusable (%s): rebuilding it from the commit log", e)
+        RocksTimerIndex.destroy(path)
+        return RocksTimerIndex.open(path)
+    if index.indexed_position > store.log.end_position:
+        log.warning("timer index is ahead of the commit log: rebuilding it")
+        index.close()
+        RocksTimerIndex.destroy(path)
+        return RocksTimerIndex.open(path)
+    return index
+

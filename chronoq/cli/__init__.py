@@ -1,0 +1,33 @@
+"""The `chronoq` command: one module per group of subcommands.
+
+Theory of operation: each module in `COMMAND_MODULES` has `register(subparsers)`, which adds its
+subcommands and sets `func(args) -> int` (the exit code) on each. `main` parses and dispatches;
+nothing here knows what a subcommand does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMAND_MODULES = [
+    "chronoq.cli.check",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="chronoq", description="chronoq: scheduled and delayed messages")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,435 @@
+"""The commit log: segmented, append-only, every record checksummed; the single source of truth.
+
+Theory of operation:
+- Positions form one contiguous byte space. A segment file holds the records of
+  [base, base + data_size) behind a 24-byte header; it is named by its base. A record never spans
+  two segments: when it would not fit, the log rolls to a new segment whose base is the current
+  end, so no padding records exist and the position a record was encoded with stays valid.
+- `write()` appends bytes with `os.write` (page cache) and returns at once; `wait_durable(end)`
+  resolves when an fsync covering `end` has finished. One flusher task does the fsyncs, in a
+  worker thread, each covering everything written so far: concurrent producers share one fsync
+  (group commit). With `flush="async"` the flusher runs every `flush_interval_ms` instead.
+- Before rolling, the old segment is fsynced, so only the last segment can hold a torn tail.
+  `open()` scans the last segment from the checkpoint (or its start) and truncates at the first
+  record that fails its checks. Damage anywhere else is reported, never silently cut.
+- `on_durable(end)` lets the broker dispatch what is now durable: visibility follows durability.
+
+Segment header, version 1 (big-endian): magic b"CHRONOQL" (8) | version u32 | base_position u64 |
+crc32c u32 of bytes [0, 20). Records: see `store/record.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import os
+import struct
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import crc32c
+
+from chronoq.errors import BrokerClosed, CorruptRecord, FlushFailed, ServerError
+from chronoq.model import StoredMessage
+from chronoq.store import files
+from chronoq.store.record import HEADER, HEADER_SIZE, RECORD_MAGIC, RECORD_VERSION, decode_record
+
+SEGMENT_MAGIC = b"CHRONOQL"
+SEGMENT_VERSION = 1
+SEGMENT_HEADER = struct.Struct(">8sIQI")
+SEGMENT_HEADER_SIZE = SEGMENT_HEADER.size  # 24
+SCAN_CHUNK_BYTES = 4 * 1024 * 1024
+
+
+class LogDamaged(ServerError):
+    """A commit-log segment other than the last is damaged: acknowledged data may be affected.
+    The broker refuses to start rather than cut it; `chronoq check` says where."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"commit log damaged in {path}: {reason}", path=path, reason=reason)
+
+
+def encode_segment_header(base_position: int) -> bytes:
+    head = SEGMENT_HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, base_position, 0)[:20]
+    return head + struct.pack(">I", crc32c.crc32c(head))
+
+
+def decode_segment_header(buf: bytes) -> int:
+    """The base position, or CorruptRecord naming what is wrong."""
+    if len(buf) < SEGMENT_HEADER_SIZE:
+        raise CorruptRecord(f"segment header is {len(buf)} bytes, needs {SEGMENT_HEADER_SIZE}")
+    magic, version, base, crc = SEGMENT_HEADER.unpack_from(buf)
+    if magic != SEGMENT_MAGIC:
+        raise CorruptRecord(f"bad segment magic {magic!r}")
+    if version != SEGMENT_VERSION:
+        raise CorruptRecord(f"unknown segment version {version}")
+    if crc32c.crc32c(buf[:20]) != crc:
+        raise CorruptRecord("segment header CRC32C mismatch")
+    return int(base)
+
+
+def check_frame(buf: bytes | memoryview, offset: int, position: int) -> int:
+    """Validate the record at `buf[offset]` cheaply (length, magic, version, position, CRC)
+    without decoding its fields; return its size. Raises CorruptRecord."""
+    avail = len(buf) - offset
+    if avail < HEADER_SIZE:
+        raise CorruptRecord(f"{avail} bytes left, a record header needs {HEADER_SIZE}", position)
+    total, crc, magic, version, _kind, _mt, pos = HEADER.unpack_from(buf, offset)[:7]
+    if magic != RECORD_MAGIC or version != RECORD_VERSION:
+        raise CorruptRecord(f"bad magic/version 0x{magic:04X}/{version}", position)
+    if total < HEADER_SIZE or total > avail:
+        raise CorruptRecord(f"record size {total} does not fit the {avail} bytes available", position)
+    if pos != position:
+        raise CorruptRecord(f"record says position {pos}", position)
+    if crc32c.crc32c(memoryview(buf)[offset + 8:offset + total]) != crc:
+        raise CorruptRecord("CRC32C mismatch", position)
+    return int(total)
+
+
+@dataclass
+class Segment:
+    base: int
+    path: Path
+    fd: int
+    data_size: int
+    last_store_ms: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.base + self.data_size
+
+
+@dataclass
+class RecoveryReport:
+    truncated_bytes: int = 0
+    truncated_at: int | None = None
+    reason: str = ""
+    removed_files: list[str] = field(default_factory=list)
+
+
+class CommitLog:
+    def __init__(self, directory: Path, *, segment_size_bytes: int, flush: str = "sync",
+                 flush_interval_ms: int = 200) -> None:
+        self.directory = directory
+        self.segment_size_bytes = segment_size_bytes
+        self.flush_mode = flush
+        self.flush_interval_ms = flush_interval_ms
+        self._segments: list[Segment] = []
+        self._bases: list[int] = []
+        self._flushed = 0
+        self._unsynced_fds: set[int] = set()
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._kick = asyncio.Event()  # binds to a loop on first use, not here
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chronoq-fsync")
+        self._failed: str | None = None
+        self._closed = False
+        self.on_durable: Callable[[int], None] | None = None
+        self.fsync_count = 0
+
+    # -- opening and recovery ---------------------------------------------------------------
+
+    @classmethod
+    def open(cls, directory: Path, *, segment_size_bytes: int, flush: str = "sync",
+             flush_interval_ms: int = 200, scan_from: int = 0) -> tuple[CommitLog, RecoveryReport]:
+        directory.mkdir(parents=True, exist_ok=True)
+        log = cls(directory, segment_size_bytes=segment_size_bytes, flush=flush,
+                  flush_interval_ms=flush_interval_ms)
+        report = log._load(scan_from)
+        log._flushed = log.end_position
+        return log, report
+
+    def _load(self, scan_from: int) -> RecoveryReport:
+        report = RecoveryReport()
+        names = sorted(
+            (base, name) for name in os.listdir(self.directory)
+            if (base := files.parse_numbered(name, files.SEGMENT_SUFFIX)) is not None
+        )
+        for i, (base_from_name, name) in enumerate(names):
+            path = self.directory / name
+            is_last = i == len(names) - 1
+            with open(path, "rb") as f:
+                head = f.read(SEGMENT_HEADER_SIZE)
+            try:
+                base = decode_segment_header(head)
+                if base != base_from_name:
+                    raise CorruptRecord(f"header base {base} differs from the file name")
+            except CorruptRecord as e:
+                if is_last and len(head) < SEGMENT_HEADER_SIZE:
+                    # A roll interrupted before its header reached the disk: nothing in it.
+                    path.unlink()
+                    report.removed_files.append(name)
+                    continue
+                raise LogDamaged(str(path), e.message) from None
+            size = path.stat().st_size - SEGMENT_HEADER_SIZE
+            if self._segments and self._segments[-1].end != base:
+                raise LogDamaged(str(path), f"base {base} does not follow the previous segment's end "
+                                            f"{self._segments[-1].end}")
+            fd = os.open(path, os.O_RDWR)
+            self._add_segment(Segment(base, path, fd, size))
+        if not self._segments:
+            self._new_segment(0)
+            return report
+        self._truncate_torn_tail(scan_from, report)
+        return report
+
+    def _truncate_torn_tail(self, scan_from: int, report: RecoveryReport) -> None:
+        seg = self._segments[-1]
+        start = scan_from if seg.base <= scan_from <= seg.end else seg.base
+        valid_end = start
+        for position, size, err in self._frames(seg, start):
+            if err is not None:
+                report.truncated_at = position
+                report.reason = err
+                break
+            valid_end = position + size
+        else:
+            return
+        report.truncated_bytes = seg.end - valid_end
+        os.ftruncate(seg.fd, valid_end - seg.base + SEGMENT_HEADER_SIZE)
+        os.fsync(seg.fd)
+        seg.data_size = valid_end - seg.base
+
+    def _frames(self, seg: Segment, start: int) -> Iterator[tuple[int, int, str | None]]:
+        """(position, size, error) for each record of `seg` from `start`; stops after an error."""
+        for position, buf, offset in _record_buffers(seg, start, seg.end):
+            try:
+                size = check_frame(buf, offset, position)
+            except CorruptRecord as e:
+                yield position, 0, e.reason
+                return
+            yield position, size, None
+
+    def _add_segment(self, seg: Segment) -> None:
+        self._segments.append(seg)
+        self._bases.append(seg.base)
+
+    def _new_segment(self, base: int) -> Segment:
+        path = self.directory / files.segment_name(base)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(fd, encode_segment_header(base))
+        os.fsync(fd)
+        _fsync_dir(self.directory)
+        seg = Segment(base, path, fd, 0)
+        self._add_segment(seg)
+        return seg
+
+    # -- positions --------------------------------------------------------------------------
+
+    @property
+    def start_position(self) -> int:
+        return self._segments[0].base
+
+    @property
+    def end_position(self) -> int:
+        return self._segments[-1].end
+
+    @property
+    def flushed_position(self) -> int:
+        return self._flushed
+
+    def segments(self) -> list[Segment]:
+        return list(self._segments)
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def fits_in_active(self, size: int) -> bool:
+        return self._segments[-1].data_size + size <= self.segment_size_bytes - SEGMENT_HEADER_SIZE
+
+    def write(self, blob: bytes, store_ms: int = 0) -> int:
+        """Append one or more whole records encoded for `end_position`; return the new end.
+        The caller rolls first (`roll_if_needed`) so the blob fits the active segment."""
+        if self._failed is not None:
+            raise FlushFailed(self._failed)
+        if self._closed:
+            raise BrokerClosed()
+        seg = self._segments[-1]
+        n = os.write(seg.fd, blob)
+        if n != len(blob):  # a short write on a regular file means the disk is full
+            os.ftruncate(seg.fd, seg.data_size + SEGMENT_HEADER_SIZE)
+            raise FlushFailed(f"short write ({n} of {len(blob)} bytes): disk full?")
+        seg.data_size += n
+        seg.last_store_ms = max(seg.last_store_ms, store_ms)
+        self._unsynced_fds.add(seg.fd)
+        return seg.end
+
+    def roll_if_needed(self, size: int) -> None:
+        if self.fits_in_active(size) or self._segments[-1].data_size == 0:
+            return
+        old = self._segments[-1]
+        # Why fsync here: so that only the last segment can ever hold a torn tail.
+        os.fsync(old.fd)
+        self._unsynced_fds.discard(old.fd)
+        self._new_segment(old.end)
+
+    async def wait_durable(self, end: int) -> None:
+        if self._failed is not None:
+            raise FlushFailed(self._failed)
+        if end <= self._flushed:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((end, fut))
+        if self.flush_mode == "sync":
+            self._kick.set()
+        await fut
+
+    def request_flush(self) -> None:
+        self._kick.set()
+
+    async def flush_loop(self) -> None:
+        """The flusher task. Owned by the broker's task group; cancelled on close."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if self.flush_mode == "sync":
+                await self._kick.wait()
+            else:
+                try:
+                    await asyncio.wait_for(self._kick.wait(), self.flush_interval_ms / 1000)
+                except TimeoutError:
+                    pass
+            self._kick.clear()
+            await self._flush_once(loop)
+
+    async def flush_now(self) -> None:
+        await self._flush_once(asyncio.get_running_loop())
+
+    async def _flush_once(self, loop: asyncio.AbstractEventLoop) -> None:
+        target = self.end_position
+        if target <= self._flushed:
+            self._release(target)
+            return
+        fds = list(self._unsynced_fds)
+        self._unsynced_fds.clear()
+        try:
+            await loop.run_in_executor(self._executor, _fsync_all, fds)
+        except OSError as e:
+            self._failed = f"fsync failed: {e}"
+            for _, fut in self._waiters:
+                if not fut.done():
+                    fut.set_exception(FlushFailed(self._failed))
+            self._waiters.clear()
+            return
+        self.fsync_count += 1
+        self._flushed = max(self._flushed, target)
+        if self.on_durable is not None:
+            self.on_durable(self._flushed)
+        self._release(self._flushed)
+
+    def _release(self, upto: int) -> None:
+        keep: list[tuple[int, asyncio.Future[None]]] = []
+        for end, fut in self._waiters:
+            if end <= upto:
+                if not fut.done():
+                    fut.set_result(None)
+            else:
+                keep.append((end, fut))
+        self._waiters = keep
+        if keep:
+            self._kick.set()
+
+    def sync_blocking(self) -> None:
+        """fsync everything now, in this thread (close, tests, recovery)."""
+        for fd in list(self._unsynced_fds):
+            os.fsync(fd)
+        self._unsynced_fds.clear()
+        self._flushed = self.end_position
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def _segment_for(self, position: int) -> Segment:
+        i = bisect.bisect_right(self._bases, position) - 1
+        if i < 0 or position >= self._segments[i].end:
+            raise CorruptRecord("position outside the log", position)
+        return self._segments[i]
+
+    def read_bytes(self, position: int, size: int) -> bytes:
+        seg = self._segment_for(position)
+        if position + size > seg.end:
+            raise CorruptRecord(f"record of {size} bytes runs past its segment's end {seg.end}", position)
+        return os.pread(seg.fd, size, position - seg.base + SEGMENT_HEADER_SIZE)
+
+    def read(self, position: int, size: int) -> StoredMessage:
+        return decode_record(self.read_bytes(position, size), expected_position=position)
+
+    def contains(self, position: int) -> bool:
+        return self.start_position <= position < self.end_position
+
+    def scan(self, start: int, end: int | None = None) -> Iterator[StoredMessage]:
+        """Decode records from `start` (a record boundary) up to `end` (default: the log's end)."""
+        stop = self.end_position if end is None else min(end, self.end_position)
+        position = max(start, self.start_position)
+        while position < stop:
+            seg = self._segment_for(position)
+            for pos, buf, offset in _record_buffers(seg, position, min(stop, seg.end)):
+                msg = decode_record(buf, offset, expected_position=pos)
+                position = pos + msg.size
+                yield msg
+            position = max(position, min(stop, seg.end))
+
+    # -- retention --------------------------------------------------------------------------
+
+    def delete_segments_before(self, position: int) -> list[Path]:
+        """Delete whole segments that end at or before `position` (never the active one)."""
+        removed: list[Path] = []
+        while len(self._segments) > 1 and self._segments[0].end <= position:
+            seg = self._segments.pop(0)
+            self._bases.pop(0)
+            os.close(seg.fd)
+            self._unsynced_fds.discard(seg.fd)
+            seg.path.unlink()
+            removed.append(seg.path)
+        if removed:
+            _fsync_dir(self.directory)
+        return removed
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._failed is None:
+            self.sync_blocking()
+        for seg in self._segments:
+            os.close(seg.fd)
+        self._executor.shutdown(wait=True)
+        for _, fut in self._waiters:
+            if not fut.done():
+                fut.set_exception(BrokerClosed())
+        self._waiters.clear()
+
+
+def _record_buffers(seg: Segment, start: int, stop: int) -> Iterator[tuple[int, bytes, int]]:
+    """Walk records of `seg` in [start, stop): yield (position, buffer, offset in buffer) with at
+    least one whole record (as its size field claims, capped at `stop`) in the buffer. The consumer
+    must validate the record; this only reads. Reads in chunks so a scan costs few syscalls."""
+    position = start
+    buf = b""
+    buf_pos = start
+    while position < stop:
+        off = position - buf_pos
+        need = HEADER_SIZE
+        if len(buf) - off >= 4:
+            need = max(need, int.from_bytes(buf[off:off + 4], "big"))
+        if len(buf) - off < need:
+            buf = os.pread(seg.fd, min(max(SCAN_CHUNK_BYTES, need), stop - position),
+                           position - seg.base + SEGMENT_HEADER_SIZE)
+            buf_pos = position
+            off = 0
+        yield position, buf, off
+        size = int.from_bytes(buf[off:off + 4], "big") if len(buf) - off >= 4 else 0
+        if size < HEADER_SIZE:
+            return  # the consumer raised or stopped on a bad record; nothing sane follows
+        position += size
+
+
+def _fsync_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.fdatasync(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,267 @@
+"""Consume queues: per (topic, queue id), a dense index from logical offset to commit-log record.
+
+Theory of operation: a consume queue is derived state. The dispatcher appends one fixed-size
+entry per durable record; entry i describes the record with queue offset i. Files hold
+`entries_per_file` entries each and are named by their first offset, so offset -> file is
+arithmetic and retention drops whole files from the front. Entries carry their own CRC32C so a
+torn or flipped entry is found by `load`; the caller (recovery) then re-dispatches from the commit
+log. Reads go through `os.pread` on the page cache; nothing is held in memory but file handles.
+
+File header, version 1 (big-endian, 24 bytes): magic b"CHRONOQQ" | version u32 |
+first_offset u64 | crc32c u32 of bytes [0, 20).
+Entry (20 bytes): position u64 | size u32 | tag_hash u32 (CRC32C of the UTF-8 tag) |
+crc32c u32 of the entry's first 16 bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import crc32c
+
+from chronoq.errors import CorruptRecord
+from chronoq.store import files
+
+CQ_MAGIC = b"CHRONOQQ"
+CQ_VERSION = 1
+CQ_HEADER = struct.Struct(">8sIQI")
+CQ_HEADER_SIZE = CQ_HEADER.size  # 24
+ENTRY = struct.Struct(">QII")
+ENTRY_BODY_SIZE = ENTRY.size  # 16
+ENTRY_SIZE = ENTRY_BODY_SIZE + 4  # 20
+_U32 = struct.Struct(">I")
+
+
+def tag_hash(tag: str) -> int:
+    return crc32c.crc32c(tag.encode())
+
+
+def encode_entry(position: int, size: int, tag_hash_value: int) -> bytes:
+    body = ENTRY.pack(position, size, tag_hash_value)
+    return body + _U32.pack(crc32c.crc32c(body))
+
+
+def decode_entry(buf: bytes | memoryview, offset: int = 0) -> tuple[int, int, int]:
+    if len(buf) - offset < ENTRY_SIZE:
+        raise CorruptRecord(f"{len(buf) - offset} bytes left, an entry needs {ENTRY_SIZE}")
+    body = bytes(buf[offset:offset + ENTRY_BODY_SIZE])
+    (crc,) = _U32.unpack_from(buf, offset + ENTRY_BODY_SIZE)
+    if crc32c.crc32c(body) != crc:
+        raise CorruptRecord("consume-queue entry CRC32C mismatch")
+    position, size, th = ENTRY.unpack(body)
+    return int(position), int(size), int(th)
+
+
+def encode_cq_header(first_offset: int) -> bytes:
+    head = CQ_HEADER.pack(CQ_MAGIC, CQ_VERSION, first_offset, 0)[:20]
+    return head + _U32.pack(crc32c.crc32c(head))
+
+
+def decode_cq_header(buf: bytes) -> int:
+    if len(buf) < CQ_HEADER_SIZE:
+        raise CorruptRecord(f"consume-queue header is {len(buf)} bytes, needs {CQ_HEADER_SIZE}")
+    magic, version, first, crc = CQ_HEADER.unpack_from(buf)
+    if magic != CQ_MAGIC:
+        raise CorruptRecord(f"bad consume-queue magic {magic!r}")
+    if version != CQ_VERSION:
+        raise CorruptRecord(f"unknown consume-queue version {version}")
+    if crc32c.crc32c(buf[:20]) != crc:
+        raise CorruptRecord("consume-queue header CRC32C mismatch")
+    return int(first)
+
+
+@dataclass
+class CQFile:
+    first_offset: int
+    path: Path
+    fd: int
+    count: int
+
+
+@dataclass
+class LoadReport:
+    truncated_entries: int = 0
+    damaged: str | None = None
+    """Set when the queue cannot be trusted (bad header, bad entry before the tail, a gap):
+    the caller rebuilds it from the commit log."""
+
+
+class ConsumeQueue:
+    def __init__(self, directory: Path, entries_per_file: int) -> None:
+        self.directory = directory
+        self.entries_per_file = entries_per_file
+        self._files: list[CQFile] = []
+        self._dirty: set[int] = set()
+        self._empty_next_offset = 0
+
+    @classmethod
+    def open(cls, directory: Path, entries_per_file: int, *, log_start: int, log_end: int) -> tuple[
+            ConsumeQueue, LoadReport]:
+        cq = cls(directory, entries_per_file)
+        report = cq._load(log_start, log_end)
+        return cq, report
+
+    def _load(self, log_start: int, log_end: int) -> LoadReport:
+        report = LoadReport()
+        if not self.directory.exists():
+            return report
+        names = sorted(
+            (first, name) for name in os.listdir(self.directory)
+            if (first := files.parse_numbered(name, files.CQ_SUFFIX)) is not None
+        )
+        for i, (first_from_name, name) in enumerate(names):
+            path = self.directory / name
+            with open(path, "rb") as f:
+                data = f.read()
+            try:
+                first = decode_cq_header(data)
+                if first != first_from_name:
+                    raise CorruptRecord("header offset differs from the file name")
+            except CorruptRecord as e:
+                report.damaged = f"{name}: {e.reason}"
+                return report
+            if self._files and self._files[-1].first_offset + self._files[-1].count != first:
+                report.damaged = f"{name}: gap after offset {self._files[-1].first_offset + self._files[-1].count}"
+                return report
+            is_last = i == len(names) - 1
+            body = data[CQ_HEADER_SIZE:]
+            count = 0
+            for j in range(len(body) // ENTRY_SIZE):
+                try:
+                    position, size, _ = decode_entry(body, j * ENTRY_SIZE)
+                except CorruptRecord as e:
+                    if not is_last:
+                        report.damaged = f"{name} entry {j}: {e.reason}"
+                        return report
+                    break
+                if position + size > log_end:
+                    break  # points past the (possibly truncated) log: re-dispatch from there
+                count += 1
+            whole = len(body) // ENTRY_SIZE
+            if count < whole or len(body) % ENTRY_SIZE:
+                if not is_last and count < whole:
+                    report.damaged = f"{name}: entry {count} is beyond the log's end"
+                    return report
+                report.truncated_entries += whole - count
+            fd = os.open(path, os.O_RDWR)
+            if len(body) != count * ENTRY_SIZE:
+                os.ftruncate(fd, CQ_HEADER_SIZE + count * ENTRY_SIZE)
+            self._files.append(CQFile(first, path, fd, count))
+        del log_start  # entries below the log's start are expired, not damaged
+        return report
+
+    # -- offsets ----------------------------------------------------------------------------
+
+    @property
+    def min_offset(self) -> int:
+        return self._files[0].first_offset if self._files else self._empty_next_offset
+
+    @property
+    def next_offset(self) -> int:
+        if not self._files:
+            return self._empty_next_offset
+        last = self._files[-1]
+        return last.first_offset + last.count
+
+    @property
+    def is_empty(self) -> bool:
+        return not self._files
+
+    def set_start(self, offset: int) -> None:
+        """For an empty queue rebuilt from a log whose first records for it were expired."""
+        if self._files:
+            raise ValueError("set_start only applies to an empty consume queue")
+        self._empty_next_offset = offset
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def append(self, position: int, size: int, tag_hash_value: int) -> int:
+        offset = self.next_offset
+        f = self._files[-1] if self._files else None
+        if f is None or f.count >= self.entries_per_file:
+            f = self._new_file(offset)
+        os.pwrite(f.fd, encode_entry(position, size, tag_hash_value), CQ_HEADER_SIZE + f.count * ENTRY_SIZE)
+        f.count += 1
+        self._dirty.add(f.fd)
+        return offset
+
+    def _new_file(self, first_offset: int) -> CQFile:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / files.cq_file_name(first_offset)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.write(fd, encode_cq_header(first_offset))
+        self._dirty.add(fd)
+        f = CQFile(first_offset, path, fd, 0)
+        self._files.append(f)
+        return f
+
+    def flush(self) -> None:
+        for fd in self._dirty:
+            os.fdatasync(fd)
+        self._dirty.clear()
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def _file_for(self, offset: int) -> CQFile | None:
+        if not self._files or offset < self._files[0].first_offset:
+            return None
+        i = (offset - self._files[0].first_offset) // self.entries_per_file
+        if i >= len(self._files):
+            return None
+        f = self._files[i]
+        return f if offset < f.first_offset + f.count else None
+
+    def get(self, offset: int) -> tuple[int, int, int] | None:
+        f = self._file_for(offset)
+        if f is None:
+            return None
+        buf = os.pread(f.fd, ENTRY_SIZE, CQ_HEADER_SIZE + (offset - f.first_offset) * ENTRY_SIZE)
+        return decode_entry(buf)
+
+    def read_range(self, offset: int, max_entries: int) -> list[tuple[int, int, int, int]]:
+        """Up to `max_entries` (offset, position, size, tag_hash) from `offset`, within one file."""
+        offset = max(offset, self.min_offset)
+        f = self._file_for(offset)
+        if f is None:
+            return []
+        n = min(max_entries, f.first_offset + f.count - offset)
+        buf = os.pread(f.fd, n * ENTRY_SIZE, CQ_HEADER_SIZE + (offset - f.first_offset) * ENTRY_SIZE)
+        out = []
+        for j in range(len(buf) // ENTRY_SIZE):
+            position, size, th = decode_entry(buf, j * ENTRY_SIZE)
+            out.append((offset + j, position, size, th))
+        return out
+
+    # -- retention --------------------------------------------------------------------------
+
+    def delete_files_before(self, log_start: int) -> int:
+        """Drop whole files (never the last) whose every entry points below `log_start`."""
+        removed = 0
+        while len(self._files) > 1:
+            last_entry = self.get(self._files[0].first_offset + self._files[0].count - 1)
+            if last_entry is None or last_entry[0] >= log_start:
+                break
+            f = self._files.pop(0)
+            os.close(f.fd)
+            self._dirty.discard(f.fd)
+            f.path.unlink()
+            removed += 1
+        return removed
+
+    def destroy(self) -> None:
+        self.close()
+        if self.directory.exists():
+            for name in os.listdir(self.directory):
+                (self.directory / name).unlink()
+        self._files = []
+
+    def close(self) -> None:
+        for f in self._files:
+            if f.fd in self._dirty:
+                os.fdatasync(f.fd)
+            os.close(f.fd)
+        self._dirty.clear()
+        self._files = []

@@ -1,0 +1,51 @@
+"""Every file and directory name in a chronoq data directory, in one place.
+
+    DATA_DIR/
+      LOCK                          flock'ed by the running broker
+      topics                        topic table (magic CQTP, CRC32C, JSON)
+      checkpoint                    dispatch checkpoint (magic CQCKPT01, CRC32C)
+      commitlog/<20-digit base>.log commit-log segments, named by their first position
+      queues/<topic>/<qid>/<20-digit first offset>.cq   consume-queue files
+      groups/                       consumer-group state (RocksDB)
+      timer/                        the timer index (RocksDB)
+      trace/                        delivery trace journal (when tracing is on)
+
+`docs/disk-format.md` gives each file's byte layout.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+LOCK = "LOCK"
+TOPICS = "topics"
+CHECKPOINT = "checkpoint"
+COMMITLOG_DIR = "commitlog"
+SEGMENT_SUFFIX = ".log"
+QUEUES_DIR = "queues"
+CQ_SUFFIX = ".cq"
+GROUPS_DIR = "groups"
+TIMER_DIR = "timer"
+TRACE_DIR = "trace"
+
+
+def segment_name(base_position: int) -> str:
+    return f"{base_position:020d}{SEGMENT_SUFFIX}"
+
+
+def cq_file_name(first_offset: int) -> str:
+    return f"{first_offset:020d}{CQ_SUFFIX}"
+
+
+def queue_dir(data_dir: Path, topic: str, queue_id: int) -> Path:
+    return data_dir / QUEUES_DIR / topic / str(queue_id)
+
+
+def parse_numbered(name: str, suffix: str) -> int | None:
+    """The number in `<20 digits><suffix>`, or None for any other name (temp files, strays)."""
+    if not name.endswith(suffix):
+        return None
+    stem = name[: -len(suffix)]
+    if len(stem) != 20 or not stem.isdigit():
+        return None
+    return int(stem)

@@ -1,0 +1,345 @@
+"""The message store: commit log + consume queues + topic table + dispatch + recovery + retention.
+
+Theory of operation: `append()` encodes records for the log's current end, assigns each its
+queue and queue offset, and writes them (page cache) in one call; `wait_durable()` returns when
+an fsync covers them. When the log reports new durable bytes, the store *dispatches* those
+records: appends their consume-queue entries and hands them to the dispatch listeners (the timer
+engine, long-polling receivers). So nothing is visible to a consumer before it is durable.
+
+Recovery (`open`) in order: lock the directory; read the topic table; open the log, truncating a
+torn tail; load each consume queue, dropping entries past the log's end and marking damaged ones
+for rebuild; replay the log from the checkpoint's dispatched position (idempotent: an entry is
+appended only where the queue is missing it); rebuild damaged queues from the whole log.
+The store knows nothing of consumers or timers: listeners and the broker own those meanings.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import os
+import shutil
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from chronoq.config import Config
+from chronoq.errors import DataDirLocked, InvalidQueueId, TopicExists, TopicNotFound
+from chronoq.model import MessageType, StoredMessage, TopicConfig
+from chronoq.store import files
+from chronoq.store.commitlog import CommitLog, RecoveryReport
+from chronoq.store.consumequeue import ConsumeQueue, tag_hash
+from chronoq.store.meta import decode_topics, encode_checkpoint, encode_topics, read_checkpoint, write_atomic
+from chronoq.store.record import encode_record
+
+DispatchListener = Callable[[list[StoredMessage]], None]
+
+
+@dataclass(slots=True)
+class PreparedMessage:
+    """A validated message the broker asks the store to append."""
+
+    topic: str
+    message_id: str
+    message_type: MessageType
+    body: bytes
+    born_ms: int
+    tag: str = ""
+    keys: tuple[str, ...] = ()
+    properties: Mapping[str, str] = field(default_factory=dict)
+    system_properties: Mapping[str, str] = field(default_factory=dict)
+    queue_id: int | None = None
+    queue_key: str | None = None
+    """FIFO: messages with the same key go to the same queue."""
+
+
+@dataclass
+class OpenReport:
+    log: RecoveryReport
+    replayed_records: int = 0
+    rebuilt_queues: list[str] = field(default_factory=list)
+    truncated_cq_entries: int = 0
+    checkpoint: int | None = None
+
+
+class MessageStore:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.dir = config.data_dir
+        self.topics: dict[str, TopicConfig] = {}
+        self._cqs: dict[tuple[str, int], ConsumeQueue] = {}
+        self._next_qoff: dict[tuple[str, int], int] = {}
+        self._round_robin: dict[str, itertools.count[int]] = {}
+        self._undispatched: deque[StoredMessage] = deque()
+        self.dispatched_position = 0
+        self.listeners: list[DispatchListener] = []
+        self._lock_fd: int | None = None
+        self.log: CommitLog
+
+    # -- opening ----------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, config: Config) -> tuple[MessageStore, OpenReport]:
+        store = cls(config)
+        store.dir.mkdir(parents=True, exist_ok=True)
+        store._lock()
+        try:
+            report = store._recover()
+        except BaseException:
+            store._unlock()
+            raise
+        return store, report
+
+    def _lock(self) -> None:
+        fd = os.open(self.dir / files.LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DataDirLocked(str(self.dir)) from None
+        self._lock_fd = fd
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _recover(self) -> OpenReport:
+        topics_path = self.dir / files.TOPICS
+        if topics_path.exists():
+            self.topics = {t.name: t for t in decode_topics(topics_path.read_bytes())}
+        checkpoint = read_checkpoint(self.dir / files.CHECKPOINT)
+        self.log, log_report = CommitLog.open(
+            self.dir / files.COMMITLOG_DIR, segment_size_bytes=self.config.segment_size_bytes,
+            flush=self.config.flush, flush_interval_ms=self.config.flush_interval_ms,
+            scan_from=checkpoint or 0,
+        )
+        report = OpenReport(log=log_report, checkpoint=checkpoint)
+        damaged: set[tuple[str, int]] = set()
+        queues_root = self.dir / files.QUEUES_DIR
+        if queues_root.exists():
+            for topic in sorted(os.listdir(queues_root)):
+                for qid_name in sorted(os.listdir(queues_root / topic)):
+                    if not qid_name.isdigit():
+                        continue
+                    key = (topic, int(qid_name))
+                    cq, cq_report = ConsumeQueue.open(
+                        queues_root / topic / qid_name, self.config.consume_queue_entries_per_file,
+                        log_start=self.log.start_position, log_end=self.log.end_position)
+                    report.truncated_cq_entries += cq_report.truncated_entries
+                    if cq_report.damaged:
+                        cq.destroy()
+                        cq = ConsumeQueue(cq.directory, self.config.consume_queue_entries_per_file)
+                        damaged.add(key)
+                    self._cqs[key] = cq
+        start = min(checkpoint if checkpoint is not None else 0, self.log.end_position)
+        for msg in self.log.scan(start):
+            report.replayed_records += 1
+            self._ensure_topic_for(msg)
+            key = (msg.topic, msg.queue_id)
+            if key in damaged:
+                continue
+            cq = self._cq(key)
+            if msg.queue_offset < cq.next_offset:
+                continue
+            if msg.queue_offset > cq.next_offset:
+                # Entries are missing below the checkpoint (a deleted or damaged queue, or records
+                # expired before the queue was first written): rebuild it from the whole log.
+                cq.destroy()
+                self._cqs[key] = ConsumeQueue(cq.directory, self.config.consume_queue_entries_per_file)
+                damaged.add(key)
+                continue
+            cq.append(msg.position, msg.size, tag_hash(msg.tag))
+        if damaged:
+            self._rebuild(damaged)
+            report.rebuilt_queues = sorted(f"{t}/{q}" for t, q in damaged)
+        for key, cq in self._cqs.items():
+            self._next_qoff[key] = cq.next_offset
+        self.dispatched_position = self.log.end_position
+        self.log.on_durable = self._on_durable
+        self.checkpoint()
+        return report
+
+    def _rebuild(self, keys: set[tuple[str, int]]) -> None:
+        """Rebuild the named consume queues from the whole retained log."""
+        for msg in self.log.scan(self.log.start_position):
+            key = (msg.topic, msg.queue_id)
+            if key not in keys:
+                continue
+            cq = self._cqs[key]
+            if cq.is_empty and msg.queue_offset > cq.next_offset:
+                cq.set_start(msg.queue_offset)  # earlier records were removed by retention
+            if msg.queue_offset == cq.next_offset:
+                cq.append(msg.position, msg.size, tag_hash(msg.tag))
+
+    def _ensure_topic_for(self, msg: StoredMessage) -> None:
+        topic = self.topics.get(msg.topic)
+        if topic is None or topic.queue_count <= msg.queue_id:
+            self.topics[msg.topic] = TopicConfig(
+                msg.topic, max(msg.queue_id + 1, topic.queue_count if topic else 1),
+                topic.message_types if topic else frozenset(MessageType), msg.store_ms)
+            self._save_topics()
+
+    # -- topics -----------------------------------------------------------------------------
+
+    def create_topic(self, name: str, queue_count: int, message_types: frozenset[MessageType],
+                     now_ms: int, *, exist_ok: bool = False) -> TopicConfig:
+        existing = self.topics.get(name)
+        if existing is not None:
+            if exist_ok:
+                return existing
+            raise TopicExists(name)
+        topic = TopicConfig(name, queue_count, message_types, now_ms)
+        self.topics[name] = topic
+        self._save_topics()
+        return topic
+
+    def get_topic(self, name: str) -> TopicConfig:
+        topic = self.topics.get(name)
+        if topic is None:
+            raise TopicNotFound(name)
+        return topic
+
+    def _save_topics(self) -> None:
+        write_atomic(self.dir / files.TOPICS, encode_topics(list(self.topics.values())))
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def _cq(self, key: tuple[str, int]) -> ConsumeQueue:
+        cq = self._cqs.get(key)
+        if cq is None:
+            cq = ConsumeQueue(files.queue_dir(self.dir, *key), self.config.consume_queue_entries_per_file)
+            self._cqs[key] = cq
+        return cq
+
+    def _pick_queue(self, topic: TopicConfig, msg: PreparedMessage) -> int:
+        if msg.queue_id is not None:
+            if not 0 <= msg.queue_id < topic.queue_count:
+                raise InvalidQueueId(topic.name, msg.queue_id, topic.queue_count)
+            return msg.queue_id
+        if msg.queue_key is not None:
+            return tag_hash(msg.queue_key) % topic.queue_count
+        rr = self._round_robin.setdefault(topic.name, itertools.count())
+        return next(rr) % topic.queue_count
+
+    def append(self, msgs: list[PreparedMessage], store_ms: int) -> list[StoredMessage]:
+        """Write `msgs` (validated, topics existing) to the log; return them as stored.
+        Durable only after `wait_durable(result[-1].position + result[-1].size)`."""
+        out: list[StoredMessage] = []
+        blobs: list[bytes] = []
+        pending_len = 0
+        for msg in msgs:
+            topic = self.get_topic(msg.topic)
+            qid = self._pick_queue(topic, msg)
+            key = (msg.topic, qid)
+            qoff = self._next_qoff.get(key, 0)
+            # Rolling never moves the end position (a new segment starts at the old end), so
+            # a record encoded for `position` stays valid whichever segment receives it.
+            position = self.log.end_position + pending_len
+            blob = self._encode(msg, qid, qoff, position, store_ms)
+            if not self.log.fits_in_active(pending_len + len(blob)):
+                if blobs:
+                    self.log.write(b"".join(blobs), store_ms)
+                    blobs.clear()
+                    pending_len = 0
+                self.log.roll_if_needed(len(blob))
+            blobs.append(blob)
+            pending_len += len(blob)
+            self._next_qoff[key] = qoff + 1
+            out.append(StoredMessage(
+                message_id=msg.message_id, topic=msg.topic, queue_id=qid, queue_offset=qoff,
+                message_type=msg.message_type, tag=msg.tag, keys=msg.keys, properties=msg.properties,
+                system_properties=msg.system_properties, body=msg.body, born_ms=msg.born_ms,
+                store_ms=store_ms, position=position, size=len(blob)))
+        if blobs:
+            self.log.write(b"".join(blobs), store_ms)
+        self._undispatched.extend(out)
+        if self.config.flush == "async":
+            self._on_durable(self.log.end_position)  # async mode: visible once written
+        return out
+
+    @staticmethod
+    def _encode(msg: PreparedMessage, qid: int, qoff: int, position: int, store_ms: int) -> bytes:
+        return encode_record(
+            position=position, message_id=msg.message_id, topic=msg.topic, queue_id=qid,
+            queue_offset=qoff, message_type=msg.message_type, tag=msg.tag, keys=msg.keys,
+            properties=msg.properties, system_properties=msg.system_properties, body=msg.body,
+            born_ms=msg.born_ms, store_ms=store_ms)
+
+    async def wait_durable(self, end: int) -> None:
+        await self.log.wait_durable(end)
+
+    def _on_durable(self, end: int) -> None:
+        batch: list[StoredMessage] = []
+        while self._undispatched and self._undispatched[0].position < end:
+            msg = self._undispatched.popleft()
+            if msg.position < self.dispatched_position:
+                continue
+            self._cq((msg.topic, msg.queue_id)).append(msg.position, msg.size, tag_hash(msg.tag))
+            batch.append(msg)
+        if batch:
+            self.dispatched_position = batch[-1].position + batch[-1].size
+            for listener in self.listeners:
+                listener(batch)
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def queue(self, topic: str, queue_id: int) -> ConsumeQueue:
+        return self._cq((topic, queue_id))
+
+    def queue_keys(self) -> list[tuple[str, int]]:
+        return list(self._cqs)
+
+    def read_at(self, position: int, size: int) -> StoredMessage | None:
+        """The record at `position`, or None when retention has removed it."""
+        if position < self.log.start_position:
+            return None
+        return self.log.read(position, size)
+
+    def scan(self, start: int, end: int | None = None) -> Iterator[StoredMessage]:
+        return self.log.scan(start, end)
+
+    # -- checkpoint and retention -----------------------------------------------------------
+
+    def checkpoint(self) -> int:
+        """Make consume queues durable and record how far they cover."""
+        position = self.dispatched_position
+        for cq in self._cqs.values():
+            cq.flush()
+        write_atomic(self.dir / files.CHECKPOINT, encode_checkpoint(position, 0))
+        return position
+
+    def expired_before(self, now_ms: int) -> int:
+        """The position below which whole segments are older than the retention period."""
+        cutoff_ms = now_ms - self.config.retention_ms
+        limit = self.log.start_position
+        for seg in self.log.segments()[:-1]:
+            last_ms = seg.last_store_ms or int(os.stat(seg.path).st_mtime * 1000)
+            if last_ms >= cutoff_ms:
+                break
+            limit = seg.end
+        return min(limit, self.dispatched_position)
+
+    def delete_before(self, position: int) -> int:
+        removed = self.log.delete_segments_before(position)
+        if removed:
+            for cq in self._cqs.values():
+                cq.delete_files_before(self.log.start_position)
+        return len(removed)
+
+    def close(self) -> None:
+        try:
+            if hasattr(self, "log"):
+                self.log.close()
+                self.checkpoint()
+                for cq in self._cqs.values():
+                    cq.close()
+        finally:
+            self._unlock()
+
+    @staticmethod
+    def wipe_derived(data_dir: Path) -> None:
+        """Remove consume queues and the checkpoint (tests of rebuild-from-log)."""
+        shutil.rmtree(data_dir / files.QUEUES_DIR, ignore_errors=True)
+        (data_dir / files.CHECKPOINT).unlink(missing_ok=True)

@@ -1,0 +1,112 @@
+"""Small metadata files: the dispatch checkpoint and the topic table.
+
+Theory of operation: both are rewritten whole, atomically (write a temp file, fsync it, rename
+over the old one, fsync the directory), so a crash leaves the old or the new version, never a
+mix. Each carries magic, version and a CRC32C; `read_*` names which check failed.
+
+checkpoint, version 1 (32 bytes, big-endian): magic b"CQCKPT01" (8) | version u32 |
+reserved u32 | dispatched_position u64 | written_s u32 | crc32c u32 of bytes [0, 28).
+Meaning: every consume queue holds every record below dispatched_position, durably.
+
+topics, version 1: magic b"CQTP" | version u16 | crc32c u32 of the JSON | length u32 | JSON
+`{"topics": [{"name", "queue_count", "message_types": [int], "created_ms"}]}`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import crc32c
+
+from chronoq.errors import CorruptRecord
+from chronoq.model import MessageType, TopicConfig
+
+CHECKPOINT_MAGIC = b"CQCKPT01"
+CHECKPOINT_VERSION = 1
+CHECKPOINT_SIZE = 32
+TOPICS_MAGIC = b"CQTP"
+TOPICS_VERSION = 1
+TOPICS_HEADER = struct.Struct(">4sHII")
+TOPICS_HEADER_SIZE = TOPICS_HEADER.size  # 14
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def encode_checkpoint(dispatched_position: int, written_ms: int) -> bytes:
+    head = struct.pack(">8sIIQ", CHECKPOINT_MAGIC, CHECKPOINT_VERSION, 0, dispatched_position)
+    head += struct.pack(">I", written_ms // 1000 & 0xFFFFFFFF)  # seconds: enough for a human
+    return head + struct.pack(">I", crc32c.crc32c(head))
+
+
+def decode_checkpoint(buf: bytes) -> int:
+    if len(buf) != CHECKPOINT_SIZE:
+        raise CorruptRecord(f"checkpoint is {len(buf)} bytes, expected {CHECKPOINT_SIZE}")
+    magic, version, _reserved, position = struct.unpack_from(">8sIIQ", buf)
+    if magic != CHECKPOINT_MAGIC:
+        raise CorruptRecord(f"bad checkpoint magic {magic!r}")
+    if version != CHECKPOINT_VERSION:
+        raise CorruptRecord(f"unknown checkpoint version {version}")
+    (crc,) = struct.unpack_from(">I", buf, 28)
+    if crc32c.crc32c(buf[:28]) != crc:
+        raise CorruptRecord("checkpoint CRC32C mismatch")
+    return int(position)
+
+
+def read_checkpoint(path: Path) -> int | None:
+    """The dispatched position, or None if missing or invalid (then dispatch replays from 0)."""
+    try:
+        return decode_checkpoint(path.read_bytes())
+    except (FileNotFoundError, CorruptRecord):
+        return None
+
+
+def encode_topics(topics: list[TopicConfig]) -> bytes:
+    doc = {"topics": [
+        {"name": t.name, "queue_count": t.queue_count,
+         "message_types": sorted(int(m) for m in t.message_types), "created_ms": t.created_ms}
+        for t in sorted(topics, key=lambda t: t.name)
+    ]}
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    return TOPICS_HEADER.pack(TOPICS_MAGIC, TOPICS_VERSION, crc32c.crc32c(body), len(body)) + body
+
+
+def decode_topics(buf: bytes) -> list[TopicConfig]:
+    if len(buf) < TOPICS_HEADER_SIZE:
+        raise CorruptRecord(f"topics file is {len(buf)} bytes, the header needs {TOPICS_HEADER_SIZE}")
+    magic, version, crc, length = TOPICS_HEADER.unpack_from(buf)
+    if magic != TOPICS_MAGIC:
+        raise CorruptRecord(f"bad topics magic {magic!r}")
+    if version != TOPICS_VERSION:
+        raise CorruptRecord(f"unknown topics version {version}")
+    body = buf[TOPICS_HEADER_SIZE:]
+    if len(body) != length:
+        raise CorruptRecord(f"topics body is {len(body)} bytes, header says {length}")
+    if crc32c.crc32c(body) != crc:
+        raise CorruptRecord("topics CRC32C mismatch")
+    try:
+        doc = json.loads(body)
+        return [
+            TopicConfig(name=t["name"], queue_count=int(t["queue_count"]),
+                        message_types=frozenset(MessageType(m) for m in t["message_types"]),
+                        created_ms=int(t["created_ms"]))
+            for t in doc["topics"]
+        ]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptRecord(f"topics JSON is malformed: {e}") from None

@@ -1,0 +1,178 @@
+"""The commit-log record: one message, framed, versioned and checksummed.
+
+Theory of operation: `encode_record` turns a message into bytes; `decode_record` turns bytes back
+and raises `CorruptRecord` (and nothing else) on any mismatch: short input, a length that runs
+past the buffer, wrong magic, unknown version, bad CRC, a position that is not where the record
+was read from. The store uses the same decoder for recovery (a failure at the tail is a torn
+write) and for `chronoq check` (a failure elsewhere is damage). Pure functions, no I/O.
+
+Byte layout, version 1 (all integers big-endian; `docs/disk-format.md` repeats it):
+
+    off  size  field
+      0     4  total_size      u32  whole record, this field included
+      4     4  crc32c          u32  CRC32C (Castagnoli) of bytes [8, total_size)
+      8     2  magic           u16  0xC4A0
+     10     1  version         u8   1
+     11     1  kind            u8   1 = message
+     12     1  message_type    u8   1 NORMAL, 2 FIFO, 3 DELAY, 4 TRANSACTION
+     13     3  reserved        zero
+     16     8  position        u64  this record's position in the log (self-check)
+     24     8  queue_offset    u64  logical offset in (topic, queue_id)
+     32     4  queue_id        u32
+     36     8  born_ms         u64
+     44     8  store_ms        u64
+     52     2  message_id_len  u16
+     54     2  topic_len       u16
+     56     2  tag_len         u16
+     58     2  keys_len        u16  length of the keys block
+     60     4  props_len       u32  length of the user-properties block
+     64     4  sysprops_len    u32  length of the system-properties block
+     68     4  body_len        u32
+     72     -  message_id, topic, tag (UTF-8), keys block, props block, sysprops block, body
+
+    keys block:       keys joined by 0x00 (a key may not contain 0x00; empty block = no keys)
+    properties block: repeated (u16 key_len, key UTF-8, u32 value_len, value UTF-8), sorted by key
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping
+
+import crc32c
+
+from chronoq.errors import CorruptRecord
+from chronoq.model import MessageType, StoredMessage
+
+RECORD_MAGIC = 0xC4A0
+RECORD_VERSION = 1
+KIND_MESSAGE = 1
+HEADER = struct.Struct(">IIHBBB3xQQIQQHHHHIII")
+HEADER_SIZE = HEADER.size  # 72
+_PREFIX = struct.Struct(">II")
+_U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
+MAX_U16 = 0xFFFF
+
+assert HEADER_SIZE == 72
+
+
+def encode_properties(props: Mapping[str, str]) -> bytes:
+    parts: list[bytes] = []
+    for key in sorted(props):
+        k = key.encode()
+        v = props[key].encode()
+        parts.append(_U16.pack(len(k)) + k + _U32.pack(len(v)) + v)
+    return b"".join(parts)
+
+
+def decode_properties(buf: bytes | memoryview) -> dict[str, str]:
+    out: dict[str, str] = {}
+    i = 0
+    n = len(buf)
+    try:
+        while i < n:
+            if i + 2 > n:
+                raise CorruptRecord("properties block ends inside a key length")
+            (klen,) = _U16.unpack_from(buf, i)
+            i += 2
+            if i + klen + 4 > n:
+                raise CorruptRecord("properties block ends inside a key")
+            key = bytes(buf[i:i + klen]).decode()
+            i += klen
+            (vlen,) = _U32.unpack_from(buf, i)
+            i += 4
+            if i + vlen > n:
+                raise CorruptRecord("properties block ends inside a value")
+            out[key] = bytes(buf[i:i + vlen]).decode()
+            i += vlen
+    except UnicodeDecodeError as e:
+        raise CorruptRecord(f"property is not UTF-8: {e}") from None
+    return out
+
+
+def encode_keys(keys: tuple[str, ...]) -> bytes:
+    return "\x00".join(keys).encode()
+
+
+def decode_keys(buf: bytes) -> tuple[str, ...]:
+    return tuple(buf.decode().split("\x00")) if buf else ()
+
+
+def encode_record(
+    *, position: int, message_id: str, topic: str, queue_id: int, queue_offset: int,
+    message_type: MessageType, tag: str, keys: tuple[str, ...], properties: Mapping[str, str],
+    system_properties: Mapping[str, str], body: bytes, born_ms: int, store_ms: int,
+) -> bytes:
+    mid = message_id.encode()
+    tp = topic.encode()
+    tg = tag.encode()
+    ks = encode_keys(keys)
+    pr = encode_properties(properties)
+    sp = encode_properties(system_properties)
+    for name, blob in (("message id", mid), ("topic", tp), ("tag", tg), ("keys", ks)):
+        if len(blob) > MAX_U16:
+            raise ValueError(f"{name} is {len(blob)} bytes; the record format allows {MAX_U16}")
+    total = HEADER_SIZE + len(mid) + len(tp) + len(tg) + len(ks) + len(pr) + len(sp) + len(body)
+    head = HEADER.pack(
+        total, 0, RECORD_MAGIC, RECORD_VERSION, KIND_MESSAGE, int(message_type), position,
+        queue_offset, queue_id, born_ms, store_ms, len(mid), len(tp), len(tg), len(ks),
+        len(pr), len(sp), len(body),
+    )
+    rest = b"".join((head[8:], mid, tp, tg, ks, pr, sp, body))
+    return _PREFIX.pack(total, crc32c.crc32c(rest)) + rest
+
+
+def peek_total_size(buf: bytes | memoryview, offset: int = 0) -> int | None:
+    """The record's declared size, or None if fewer than 4 bytes remain."""
+    if len(buf) - offset < 4:
+        return None
+    return int(_U32.unpack_from(buf, offset)[0])
+
+
+def decode_record(buf: bytes | memoryview, offset: int = 0, *, expected_position: int | None = None) -> StoredMessage:
+    """Decode the record that starts at `buf[offset]`. Trailing bytes after it are ignored;
+    the caller learns the record's extent from `StoredMessage.size`."""
+    avail = len(buf) - offset
+    if avail < HEADER_SIZE:
+        raise CorruptRecord(f"{avail} bytes left, a record header needs {HEADER_SIZE}", expected_position)
+    (total, crc, magic, version, kind, mtype, position, queue_offset, queue_id, born_ms, store_ms,
+     mid_len, topic_len, tag_len, keys_len, props_len, sys_len, body_len) = HEADER.unpack_from(buf, offset)
+    if magic != RECORD_MAGIC:
+        raise CorruptRecord(f"bad magic 0x{magic:04X}", expected_position)
+    if version != RECORD_VERSION:
+        raise CorruptRecord(f"unknown record version {version}", expected_position)
+    if total < HEADER_SIZE or total > avail:
+        raise CorruptRecord(f"record size {total} does not fit the {avail} bytes available", expected_position)
+    var_len = mid_len + topic_len + tag_len + keys_len + props_len + sys_len + body_len
+    if HEADER_SIZE + var_len != total:
+        raise CorruptRecord(f"field lengths add to {HEADER_SIZE + var_len}, record size says {total}",
+                            expected_position)
+    view = memoryview(buf)[offset:offset + total]
+    if crc32c.crc32c(view[8:]) != crc:
+        raise CorruptRecord("CRC32C mismatch", expected_position)
+    if kind != KIND_MESSAGE:
+        raise CorruptRecord(f"unknown record kind {kind}", expected_position)
+    if expected_position is not None and position != expected_position:
+        raise CorruptRecord(f"record says position {position}, read at {expected_position}", expected_position)
+    try:
+        message_type = MessageType(mtype)
+    except ValueError:
+        raise CorruptRecord(f"unknown message type {mtype}", expected_position) from None
+    i = HEADER_SIZE
+    fields: list[bytes] = []
+    for length in (mid_len, topic_len, tag_len, keys_len, props_len, sys_len):
+        fields.append(bytes(view[i:i + length]))
+        i += length
+    body = bytes(view[i:i + body_len])
+    try:
+        mid, topic, tag = (f.decode() for f in fields[:3])
+        keys = decode_keys(fields[3])
+    except UnicodeDecodeError as e:
+        raise CorruptRecord(f"text field is not UTF-8: {e}", expected_position) from None
+    return StoredMessage(
+        message_id=mid, topic=topic, queue_id=queue_id, queue_offset=queue_offset,
+        message_type=message_type, tag=tag, keys=keys, properties=decode_properties(fields[4]),
+        system_properties=decode_properties(fields[5]), body=body, born_ms=born_ms,
+        store_ms=store_ms, position=position, size=total,
+    )

@@ -1,0 +1,384 @@
+"""The timer service: the broker's side of timer messages, between the store and a timer engine.
+
+Theory of operation (RocketMQ 5's shape, with RocksDB in place of the timer log + wheel):
+1. Accept: `route()` rewrites a timer message to the system timer topic, keeping the real topic,
+   queue and due time in system properties; the broker appends it, so it is durable when acked.
+   Delay-level messages go instead to the schedule topic, one queue per level (RocketMQ 4).
+2. Index: every durable record is dispatched to `on_dispatch`, which turns timer records,
+   tombstones, fired copies and rolled copies into one `IndexBatch` for the engine. The engine is
+   derived state: `recover()` replays the log from `engine.indexed_position`; nothing fires then.
+3. Fire: `fire_due(now_ms)` asks the engine for due entries, writes each message to its real
+   topic with the original id (the "fired copy", carrying the timer record's position), and
+   waits for durability; the copy's own dispatch marks the timer fired. A crash between the two
+   cannot fire twice: replay sees the fired copy. Delay-level queues are scanned at their heads
+   (all entries of one level share one delay, so each queue is already in due order); their
+   progress is the group offset of `%SCHEDULE%`, committed when the fired copies dispatch.
+4. Cancel: a tombstone record in the timer topic (RocketMQ 5's delete). While it is being made
+   durable the fire loop holds the timer back, so a cancel racing the fire has one winner.
+5. Roll: before retention deletes a segment, pending timers in it are re-appended (rolled) so a
+   timer due in 30 days outlives 72-hour segments, and the index moves to the new copy.
+The service never reads the clock: every entry point takes `now_ms`.
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import replace
+from typing import Any
+
+import crc32c
+
+from chronoq.config import Config
+from chronoq.errors import (
+    InvalidRecallHandle,
+    TimerAlreadyCancelled,
+    TimerAlreadyFired,
+    TimerDisabled,
+    TimerNotFound,
+    TimerSlotCongested,
+)
+from chronoq.model import (
+    SCHEDULE_TOPIC,
+    SYS_DELAY_LEVEL,
+    SYS_FIRED_FROM,
+    SYS_FIRED_OFFSET,
+    SYS_REAL_QUEUE_ID,
+    SYS_REAL_TOPIC,
+    SYS_TIMER_DEL_UNIQKEY,
+    SYS_TIMER_ENQUEUE_MS,
+    SYS_TIMER_OUT_MS,
+    SYS_TIMER_ROLL_TIMES,
+    SYS_TIMER_ROLLED_FROM,
+    TIMER_TOPIC,
+    MessageType,
+    StoredMessage,
+    TimerState,
+    TimerStatus,
+)
+from chronoq.store.groups import GroupStore
+from chronoq.store.messagestore import MessageStore, PreparedMessage
+from chronoq.timer.engine import IndexBatch, TimerEngine, TimerEntry
+from chronoq.timer.levels import DelayLevels
+
+SCHEDULE_GROUP = "%SCHEDULE%"
+Append = Callable[[list[PreparedMessage]], Awaitable[list[StoredMessage]]]
+_RECALL = struct.Struct(">BQ")
+RECALL_VERSION = 1
+_TIMER_ONLY_PROPS = (SYS_REAL_TOPIC, SYS_REAL_QUEUE_ID, SYS_TIMER_ENQUEUE_MS, SYS_TIMER_ROLL_TIMES,
+                     SYS_TIMER_ROLLED_FROM, SYS_DELAY_LEVEL)
+
+
+def encode_recall_handle(topic: str, deliver_at_ms: int, message_id: str) -> str:
+    """Opaque, like RocketMQ 5.3's: version, due time, topic and id, with a checksum."""
+    raw = _RECALL.pack(RECALL_VERSION, deliver_at_ms) + topic.encode() + b"\x00" + message_id.encode()
+    return base64.urlsafe_b64encode(raw + struct.pack(">I", crc32c.crc32c(raw))).decode().rstrip("=")
+
+
+def decode_recall_handle(handle: str) -> tuple[str, int, str]:
+    """(topic, deliver_at_ms, message_id) or InvalidRecallHandle."""
+    if not isinstance(handle, str) or not handle or len(handle) > 1024:
+        raise InvalidRecallHandle("not a chronoq recall handle")
+    try:
+        raw = base64.urlsafe_b64decode(handle + "=" * (-len(handle) % 4))
+    except (ValueError, TypeError):
+        raise InvalidRecallHandle("not base64") from None
+    if len(raw) < _RECALL.size + 6 or crc32c.crc32c(raw[:-4]) != struct.unpack(">I", raw[-4:])[0]:
+        raise InvalidRecallHandle("checksum mismatch")
+    version, deliver_at_ms = _RECALL.unpack_from(raw)
+    if version != RECALL_VERSION:
+        raise InvalidRecallHandle(f"unknown version {version}")
+    try:
+        topic, _, message_id = raw[_RECALL.size:-4].decode().partition("\x00")
+    except UnicodeDecodeError:
+        raise InvalidRecallHandle("not UTF-8") from None
+    if not topic or not message_id:
+        raise InvalidRecallHandle("missing topic or message id")
+    return topic, deliver_at_ms, message_id
+
+
+class TimerService:
+    def __init__(self, config: Config, store: MessageStore, engine: TimerEngine, groups: GroupStore,
+                 append: Append) -> None:
+        self.config = config
+        self.store = store
+        self.engine = engine
+        self.groups = groups
+        self.levels = DelayLevels(config.delay_levels_ms)
+        self._append = append
+        self._holding: set[int] = set()
+        """Positions with a cancel being made durable: the fire loop leaves them alone."""
+        self._reserved: Counter[int] = Counter()
+        """Per-second count of timers accepted but not yet indexed (for slot congestion)."""
+        self._level_head_cache: dict[int, int | None] = {}
+        self.fires_by_level = Counter[int]()
+
+    # -- accept -----------------------------------------------------------------------------
+
+    def route(self, msg: PreparedMessage, deliver_at_ms: int, delay_level: int | None,
+              now_ms: int) -> PreparedMessage:
+        """Rewrite a validated timer message to the timer or schedule topic (raises if refused)."""
+        if not self.config.timer_wheel_enable:
+            raise TimerDisabled()
+        sysprops = dict(msg.system_properties)
+        sysprops[SYS_REAL_TOPIC] = msg.topic
+        if msg.queue_id is not None:
+            sysprops[SYS_REAL_QUEUE_ID] = str(msg.queue_id)
+        sysprops[SYS_TIMER_OUT_MS] = str(deliver_at_ms)
+        sysprops[SYS_TIMER_ENQUEUE_MS] = str(now_ms)
+        if delay_level is not None and self.config.schedule_topic_levels_enable:
+            level = self.levels.clamp(delay_level)
+            sysprops[SYS_DELAY_LEVEL] = str(level)
+            return replace(msg, topic=SCHEDULE_TOPIC, queue_id=level - 1, queue_key=None,
+                           system_properties=sysprops)
+        limit = self.config.timer_congest_num_each_slot
+        slot_s = deliver_at_ms // 1000
+        if limit and deliver_at_ms > now_ms:
+            count = self.engine.slot_count(slot_s) + self._reserved[slot_s]
+            if count >= limit:
+                raise TimerSlotCongested(slot_s, count, limit)
+        self._reserved[slot_s] += 1
+        return replace(msg, topic=TIMER_TOPIC, queue_id=0, queue_key=None, system_properties=sysprops)
+
+    def release_reservations(self, msgs: list[PreparedMessage]) -> None:
+        """Undo `route` reservations for messages that were not written after all."""
+        for m in msgs:
+            if m.topic == TIMER_TOPIC:
+                self._unreserve(int(m.system_properties[SYS_TIMER_OUT_MS]) // 1000)
+
+    def _unreserve(self, slot_s: int) -> None:
+        if self._reserved[slot_s] > 1:
+            self._reserved[slot_s] -= 1
+        else:
+            self._reserved.pop(slot_s, None)
+
+    # -- index ------------------------------------------------------------------------------
+
+    def on_dispatch(self, msgs: list[StoredMessage], now_ms: int | None) -> None:
+        batch, level_offsets = self._batch_for(msgs, now_ms)
+        end = msgs[-1].position + msgs[-1].size if msgs else self.engine.indexed_position
+        if batch.adds or batch.cancels or batch.fired or batch.rolled or end > self.engine.indexed_position:
+            self.engine.apply(replace(batch, indexed_position=max(end, self.engine.indexed_position)))
+        if level_offsets:
+            self.groups.commit(offsets=[(SCHEDULE_GROUP, SCHEDULE_TOPIC, lvl - 1, off)
+                                        for lvl, off in level_offsets.items()])
+            self._level_head_cache.clear()
+        if any(m.topic == SCHEDULE_TOPIC for m in msgs):
+            self._level_head_cache.clear()
+
+    def _batch_for(self, msgs: list[StoredMessage], now_ms: int | None) -> tuple[IndexBatch, dict[int, int]]:
+        adds: list[TimerEntry] = []
+        cancels: list[tuple[str, str, int]] = []
+        fired: list[tuple[int, int]] = []
+        rolled: list[tuple[int, TimerEntry]] = []
+        level_offsets: dict[int, int] = {}
+        for m in msgs:
+            sp = m.system_properties
+            if m.topic == TIMER_TOPIC:
+                if SYS_TIMER_DEL_UNIQKEY in sp:
+                    cancels.append((sp[SYS_REAL_TOPIC], sp[SYS_TIMER_DEL_UNIQKEY], m.store_ms))
+                    continue
+                due = int(sp[SYS_TIMER_OUT_MS])
+                entry = TimerEntry(due, m.position, m.size, m.message_id, sp[SYS_REAL_TOPIC],
+                                   int(sp.get(SYS_TIMER_ENQUEUE_MS, m.store_ms)), m.keys)
+                if now_ms is not None:
+                    self._unreserve(due // 1000)
+                if SYS_TIMER_ROLLED_FROM in sp:
+                    rolled.append((int(sp[SYS_TIMER_ROLLED_FROM]), entry))
+                else:
+                    adds.append(entry)
+            elif SYS_FIRED_FROM in sp:
+                if SYS_FIRED_OFFSET in sp and SYS_DELAY_LEVEL in sp:
+                    level = int(sp[SYS_DELAY_LEVEL])
+                    level_offsets[level] = max(level_offsets.get(level, 0), int(sp[SYS_FIRED_OFFSET]) + 1)
+                else:
+                    fired.append((int(sp[SYS_FIRED_FROM]), m.store_ms))
+        return IndexBatch(adds=adds, cancels=cancels, fired=fired, rolled=rolled, applied_ms=now_ms), level_offsets
+
+    def recover(self) -> int:
+        """Replay the log into the engine from its indexed position; return records replayed.
+        Nothing fires here."""
+        start = self.engine.indexed_position
+        if start > self.store.log.end_position:
+            raise ValueError("timer index is ahead of the log")  # caller rebuilds the index
+        start = max(start, self.store.log.start_position)
+        n = 0
+        chunk: list[StoredMessage] = []
+        for msg in self.store.scan(start):
+            chunk.append(msg)
+            if len(chunk) >= 1024:
+                self.on_dispatch(chunk, None)
+                n += len(chunk)
+                chunk = []
+        if chunk:
+            self.on_dispatch(chunk, None)
+            n += len(chunk)
+        return n
+
+    # -- fire -------------------------------------------------------------------------------
+
+    def next_deadline_ms(self) -> int | None:
+        deadlines = [d for d in (self._engine_deadline(), self._levels_deadline()) if d is not None]
+        return min(deadlines) if deadlines else None
+
+    def _engine_deadline(self) -> int | None:
+        if self.config.timer_engine == "spark":
+            return None
+        return self.engine.next_deadline_ms()
+
+    def _levels_deadline(self) -> int | None:
+        best: int | None = None
+        for level in range(1, self.levels.max_level + 1):
+            if level not in self._level_head_cache:
+                head = next(self._level_head(level, 1), None)
+                self._level_head_cache[level] = int(head[1].system_properties[SYS_TIMER_OUT_MS]) if head else None
+            due = self._level_head_cache[level]
+            if due is not None and (best is None or due < best):
+                best = due
+        return best
+
+    def _level_head(self, level: int, limit: int) -> Iterator[tuple[int, StoredMessage]]:
+        """Up to `limit` (queue offset, record) from the head of a delay level's queue, lazily:
+        the caller stops at the first one not yet due."""
+        cq = self.store.queue(SCHEDULE_TOPIC, level - 1)
+        stored = self.groups.offset(SCHEDULE_GROUP, SCHEDULE_TOPIC, level - 1)
+        offset = max(stored if stored is not None else cq.min_offset, cq.min_offset)
+        for off, position, size, _ in cq.read_range(offset, limit):
+            msg = self.store.read_at(position, size)
+            if msg is not None:
+                yield off, msg
+
+    async def fire_due(self, now_ms: int) -> int:
+        """Fire what is due at `now_ms`, up to `timer_fire_batch`; return how many fired."""
+        batch = self.config.timer_fire_batch
+        copies: list[PreparedMessage] = []
+        if self.config.timer_engine != "spark":
+            for entry in self.engine.due(now_ms, batch):
+                if entry.position in self._holding:
+                    continue
+                rec = self.store.read_at(entry.position, entry.size)
+                if rec is not None:
+                    copies.append(self.delivered_copy(rec))
+        for level in range(1, self.levels.max_level + 1):
+            if len(copies) >= batch:
+                break
+            for off, rec in self._level_head(level, batch - len(copies)):
+                if int(rec.system_properties[SYS_TIMER_OUT_MS]) > now_ms:
+                    break
+                copies.append(self.delivered_copy(rec, {SYS_FIRED_OFFSET: str(off), SYS_DELAY_LEVEL: str(level)}))
+                self.fires_by_level[level] += 1
+        if copies:
+            await self._append(copies)
+        return len(copies)
+
+    async def fire_positions(self, positions: list[int], now_ms: int) -> tuple[int, int]:
+        """Fire the pending timers at these positions (the Spark engine decides when).
+        Returns (fired, skipped): a position not pending (fired, cancelled, unknown) is skipped,
+        so a retried call fires nothing twice."""
+        copies = []
+        for position in dict.fromkeys(positions):
+            entry = self._pending_at(position)
+            if entry is None or position in self._holding or entry.deliver_at_ms > now_ms:
+                continue
+            rec = self.store.read_at(entry.position, entry.size)
+            if rec is not None:
+                copies.append(self.delivered_copy(rec))
+        if copies:
+            await self._append(copies)
+        return len(copies), len(positions) - len(copies)
+
+    def _pending_at(self, position: int) -> TimerEntry | None:
+        for entry in self.engine.pending_in(position, position + 1):
+            return entry
+        return None
+
+    def delivered_copy(self, rec: StoredMessage, extra: dict[str, str] | None = None) -> PreparedMessage:
+        """The message as its consumers will see it: real topic, original id, timer bookkeeping
+        cleared (the due time stays, as TIMER_OUT_MS, so a consumer can tell how late it is)."""
+        sp = dict(rec.system_properties)
+        real_topic = sp[SYS_REAL_TOPIC]
+        real_qid = sp.get(SYS_REAL_QUEUE_ID)
+        for k in _TIMER_ONLY_PROPS:
+            sp.pop(k, None)
+        sp[SYS_FIRED_FROM] = str(rec.position)
+        sp.update(extra or {})
+        topic = self.store.topics.get(real_topic)
+        qid = int(real_qid) if real_qid is not None and topic and int(real_qid) < topic.queue_count else None
+        return PreparedMessage(
+            topic=real_topic, message_id=rec.message_id, message_type=rec.message_type, body=rec.body,
+            born_ms=rec.born_ms, tag=rec.tag, keys=rec.keys, properties=rec.properties, system_properties=sp,
+            queue_id=qid)
+
+    # -- cancel and query -------------------------------------------------------------------
+
+    async def cancel(self, topic: str, message_id: str, now_ms: int, *, deliver_at_ms: int | None = None) -> None:
+        status = self.engine.lookup(topic, message_id)
+        if status is None:
+            raise TimerNotFound(topic, message_id)
+        if deliver_at_ms is not None and status.deliver_at_ms != deliver_at_ms:
+            raise InvalidRecallHandle("its delivery time does not match the stored timer message")
+        if status.state is TimerState.CANCELLED:
+            raise TimerAlreadyCancelled(message_id)
+        if status.state is TimerState.DELIVERED or status.deliver_at_ms <= now_ms:
+            raise TimerAlreadyFired(message_id, status.deliver_at_ms)
+        tombstone = PreparedMessage(
+            topic=TIMER_TOPIC, message_id=message_id, message_type=MessageType.DELAY, body=b"",
+            born_ms=now_ms, system_properties={SYS_REAL_TOPIC: topic, SYS_TIMER_DEL_UNIQKEY: message_id},
+            queue_id=0)
+        self._holding.add(status.position)
+        try:
+            await self._append([tombstone])
+        finally:
+            self._holding.discard(status.position)
+
+    def query(self, message_id: str, topic: str | None = None) -> list[TimerStatus]:
+        if topic is not None:
+            status = self.engine.lookup(topic, message_id)
+            return [status] if status is not None else []
+        return self.engine.lookup_id(message_id)
+
+    # -- roll -------------------------------------------------------------------------------
+
+    async def roll_before(self, position: int, now_ms: int) -> int:
+        """Re-append pending timers whose records lie below `position`; return how many."""
+        start = self.store.log.start_position
+        entries = self.engine.pending_in(start, position)
+        copies = []
+        for entry in entries:
+            rec = self.store.read_at(entry.position, entry.size)
+            if rec is None:
+                continue
+            sp = dict(rec.system_properties)
+            sp[SYS_TIMER_ROLLED_FROM] = str(rec.position)
+            sp[SYS_TIMER_ROLL_TIMES] = str(int(sp.get(SYS_TIMER_ROLL_TIMES, "0")) + 1)
+            copies.append(PreparedMessage(
+                topic=TIMER_TOPIC, message_id=rec.message_id, message_type=rec.message_type, body=rec.body,
+                born_ms=rec.born_ms, tag=rec.tag, keys=rec.keys, properties=rec.properties,
+                system_properties=sp, queue_id=0))
+        for i in range(0, len(copies), 1024):
+            await self._append(copies[i:i + 1024])
+        return len(copies)
+
+    def min_level_position(self) -> int | None:
+        """Lowest log position a delay-level queue still needs (retention keeps it)."""
+        low = None
+        for level in range(1, self.levels.max_level + 1):
+            head = next(self._level_head(level, 1), None)
+            if head:
+                p = head[1].position
+                low = p if low is None else min(low, p)
+        return low
+
+    def stats(self, now_ms: int) -> dict[str, Any]:
+        out = self.engine.metrics(now_ms).to_dict()
+        pending_levels = {}
+        for level in range(1, self.levels.max_level + 1):
+            cq = self.store.queue(SCHEDULE_TOPIC, level - 1)
+            stored = self.groups.offset(SCHEDULE_GROUP, SCHEDULE_TOPIC, level - 1)
+            n = cq.next_offset - max(stored if stored is not None else cq.min_offset, cq.min_offset)
+            if n:
+                pending_levels[str(level)] = n
+        out["pending_by_delay_level"] = pending_levels
+        return out

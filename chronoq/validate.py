@@ -1,0 +1,189 @@
+"""Admission: turn a producer's `OutgoingMessage` into a `PreparedMessage`, or refuse it.
+
+Theory of operation: every rule a message must satisfy is checked here, at the edge, before
+anything is written; a refusal raises the specific `ChronoqError` naming the value and the limit,
+and changes nothing. Pure functions of (message, topic, config, now_ms): no I/O, no clock.
+Timer requests (deliver-at, delay, delay level, or their RocketMQ properties) are resolved to one
+absolute due time here; the broker then routes the message to the timer or schedule topic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from chronoq.config import Config
+from chronoq.errors import (
+    ConflictingDelivery,
+    DeliveryTimeTooFar,
+    InvalidDeliveryTime,
+    InvalidGroupName,
+    InvalidKeys,
+    InvalidMessageId,
+    InvalidProperty,
+    InvalidTag,
+    InvalidTopicName,
+    MessageBodyEmpty,
+    MessageTooLarge,
+    NegativeDelay,
+    PropertiesTooLarge,
+    ReservedProperty,
+    SystemTopicForbidden,
+)
+from chronoq.model import (
+    PROP_DELAY_LEVEL,
+    PROP_TIMER_DELAY_MS,
+    PROP_TIMER_DELAY_SEC,
+    PROP_TIMER_DELIVER_MS,
+    RESERVED_PREFIX,
+    RESERVED_PROPERTIES,
+    SYS_MESSAGE_GROUP,
+    MessageType,
+    OutgoingMessage,
+    is_system_topic,
+    new_message_id,
+    topic_name_problem,
+)
+from chronoq.store.messagestore import PreparedMessage
+from chronoq.store.record import HEADER_SIZE
+from chronoq.timer.levels import DelayLevels
+
+
+@dataclass(frozen=True, slots=True)
+class TimerRequest:
+    deliver_at_ms: int
+    """The absolute due time, rounded up to the timer precision (never early)."""
+    delay_level: int | None = None
+    """Set for RocketMQ 4 delay-level messages (after clamping to the table's top)."""
+
+
+def check_topic_name(topic: str, config: Config) -> None:
+    if not isinstance(topic, str):
+        raise InvalidTopicName(str(topic), "not a string")
+    problem = topic_name_problem(topic, config.max_topic_name_length)
+    if problem:
+        raise InvalidTopicName(topic, problem)
+
+
+def check_group_name(group: str, config: Config) -> None:
+    problem = topic_name_problem(group, config.max_topic_name_length) if isinstance(group, str) else "not a string"
+    if problem:
+        raise InvalidGroupName(str(group), problem)
+
+
+def _text_ok(value: str) -> bool:
+    return "\x00" not in value and all(c >= " " for c in value)
+
+
+def _parse_int_property(key: str, raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise InvalidProperty(key, f"must be an integer, not {raw!r}") from None
+
+
+def resolve_timer(msg: OutgoingMessage, config: Config, now_ms: int, levels: DelayLevels) -> TimerRequest | None:
+    props = msg.properties
+    given: dict[str, int] = {}
+    if msg.deliver_at_ms is not None:
+        given["deliver_at_ms"] = msg.deliver_at_ms
+    if msg.delay_ms is not None:
+        given["delay_ms"] = msg.delay_ms
+    if msg.delay_level is not None:
+        given["delay_level"] = msg.delay_level
+    if PROP_TIMER_DELIVER_MS in props:
+        given[PROP_TIMER_DELIVER_MS] = _parse_int_property(PROP_TIMER_DELIVER_MS, props[PROP_TIMER_DELIVER_MS])
+    if PROP_TIMER_DELAY_MS in props:
+        given[PROP_TIMER_DELAY_MS] = _parse_int_property(PROP_TIMER_DELAY_MS, props[PROP_TIMER_DELAY_MS])
+    if PROP_TIMER_DELAY_SEC in props:
+        given[PROP_TIMER_DELAY_SEC] = _parse_int_property(PROP_TIMER_DELAY_SEC, props[PROP_TIMER_DELAY_SEC]) * 1000
+    if PROP_DELAY_LEVEL in props:
+        given[PROP_DELAY_LEVEL] = _parse_int_property(PROP_DELAY_LEVEL, props[PROP_DELAY_LEVEL])
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ConflictingDelivery(sorted(given))
+    (kind, value), = given.items()
+    level: int | None = None
+    if kind in ("delay_level", PROP_DELAY_LEVEL):
+        level = min(value, levels.max_level) if value >= 1 else value
+        deliver_at_ms = now_ms + levels.delay_ms(value)
+    elif kind in ("deliver_at_ms", PROP_TIMER_DELIVER_MS):
+        if value < 0:
+            raise InvalidDeliveryTime(f"deliver-at {value} is before the epoch", deliver_at_ms=value)
+        deliver_at_ms = value
+    else:
+        if value < 0:
+            raise NegativeDelay(value)
+        deliver_at_ms = now_ms + value
+    if deliver_at_ms - now_ms > config.timer_max_delay_ms:
+        raise DeliveryTimeTooFar(deliver_at_ms, now_ms, config.timer_max_delay_ms)
+    precision = config.timer_precision_ms
+    deliver_at_ms = -(-deliver_at_ms // precision) * precision  # round up: never early
+    return TimerRequest(deliver_at_ms, level)
+
+
+def prepare(msg: OutgoingMessage, config: Config, now_ms: int, levels: DelayLevels) -> tuple[
+        PreparedMessage, TimerRequest | None]:
+    """Validate `msg` and resolve its timer request. Topic existence and message-type acceptance
+    are the broker's business (they depend on the topic table)."""
+    check_topic_name(msg.topic, config)
+    if is_system_topic(msg.topic):
+        raise SystemTopicForbidden(msg.topic)
+    if not isinstance(msg.body, bytes | bytearray | memoryview):
+        raise InvalidProperty("body", f"must be bytes, not {type(msg.body).__name__}")
+    body = bytes(msg.body)
+    if not body:
+        raise MessageBodyEmpty()
+    message_id = msg.message_id if msg.message_id is not None else new_message_id()
+    if not isinstance(message_id, str) or not message_id or len(message_id) > config.max_message_id_length \
+            or not message_id.isprintable() or " " in message_id:
+        raise InvalidMessageId(str(message_id), f"must be 1..{config.max_message_id_length} printable "
+                                                "characters without spaces")
+    tag = msg.tag or ""
+    if len(tag) > config.max_tag_length:
+        raise InvalidTag(tag, f"{len(tag)} characters; the limit (max_tag_length) is {config.max_tag_length}")
+    if not _text_ok(tag) or "|" in tag or (tag and not tag.strip()):
+        raise InvalidTag(tag, "may not contain '|', control characters, or be blank")
+    keys = tuple(msg.keys)
+    if len(keys) > config.max_keys_count:
+        raise InvalidKeys(f"{len(keys)} keys; the limit (max_keys_count) is {config.max_keys_count}")
+    for key in keys:
+        if not isinstance(key, str) or not key or not _text_ok(key):
+            raise InvalidKeys(f"key {key!r} is empty or has control characters")
+    props: dict[str, str] = {}
+    for k, v in msg.properties.items():
+        if not isinstance(k, str) or not isinstance(v, str) or not k or not _text_ok(k) or "\x00" in v:
+            raise InvalidProperty(str(k), "keys must be non-empty text and values text without NUL")
+        if k in RESERVED_PROPERTIES or k.startswith(RESERVED_PREFIX):
+            raise ReservedProperty(k)
+        props[k] = v
+    if len(props) > config.max_property_count:
+        raise PropertiesTooLarge("property count", len(props), config.max_property_count)
+    props_size = sum(len(k.encode()) + len(v.encode()) + 6 for k, v in props.items())
+    if props_size > config.max_properties_size_bytes:
+        raise PropertiesTooLarge("encoded size in bytes", props_size, config.max_properties_size_bytes)
+    timer = resolve_timer(msg, config, now_ms, levels)
+    # Timer properties become system properties; they stay out of the user's property map.
+    for k in (PROP_TIMER_DELIVER_MS, PROP_TIMER_DELAY_MS, PROP_TIMER_DELAY_SEC, PROP_DELAY_LEVEL):
+        props.pop(k, None)
+    size = (HEADER_SIZE + len(body) + props_size + len(message_id) + len(msg.topic) + len(tag)
+            + sum(len(k) + 1 for k in keys) + 256)  # 256: room for the system properties we add
+    if size > config.max_message_size_bytes:
+        raise MessageTooLarge(size, config.max_message_size_bytes)
+    if msg.message_type is not None:
+        mtype = msg.message_type
+    elif timer is not None:
+        mtype = MessageType.DELAY
+    elif msg.message_group:
+        mtype = MessageType.FIFO
+    else:
+        mtype = MessageType.NORMAL
+    sysprops: dict[str, str] = {}
+    if msg.message_group:
+        sysprops[SYS_MESSAGE_GROUP] = msg.message_group
+    born_ms = msg.born_ms if msg.born_ms is not None else now_ms
+    prepared = PreparedMessage(
+        topic=msg.topic, message_id=message_id, message_type=mtype, body=body, born_ms=born_ms,
+        tag=tag, keys=keys, properties=props, system_properties=sysprops, queue_id=msg.queue_id,
+        queue_key=msg.message_group or None)
+    return prepared, timer
