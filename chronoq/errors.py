@@ -350,6 +350,8 @@ class CorruptRecord(ServerError):
     def __init__(self, reason: str, position: int | None = None) -> None:
         where = f" at position {position}" if position is not None else ""
         super().__init__(f"corrupt record{where}: {reason}", reason=reason, position=position)
+        self.reason = reason
+        self.position = position
 
 
 class DataDirLocked(ServerError):

@@ -13,6 +13,7 @@ import sys
 
 COMMAND_MODULES = [
     "chronoq.cli.check",
+    "chronoq.cli.demo",
 ]
 
 
