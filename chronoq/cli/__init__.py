@@ -14,6 +14,7 @@ import sys
 COMMAND_MODULES = [
     "chronoq.cli.check",
     "chronoq.cli.demo",
+    "chronoq.cli.serve",
 ]
 
 

@@ -1,0 +1,170 @@
+"""chronoq's admin protocol: JSON request bodies -> arguments, results -> JSON reply bodies.
+
+Theory of operation: RocketMQ v2 has no admin RPCs, so chronoq serves `chronoq.admin.v1.Admin`
+beside it on the same port, with UTF-8 JSON objects as request and reply bodies (no .proto to
+compile; any gRPC client can call it with identity serializers). This module is its codec, pure
+like `requests`/`responses`: `parse_request` turns bytes into a dict or raises
+`MalformedRequest`; the `arg_*` readers take one field with its type checked; the `*_json`
+functions turn model values into JSON-ready dicts. Every reply is `{"code": 20000, "message":
+"OK", ...result}` or `error_json(err)`: `{"code", "message", "error": class name, "retriable"}`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from chronoq.config import Config
+from chronoq.errors import ChronoqError
+from chronoq.model import MessageType, OutgoingMessage, SendResult, StoredMessage, TimerStatus, TopicConfig
+from chronoq.protocol.errors import InvalidField, MalformedRequest, MissingField
+from chronoq.protocol.requests import decode_topic_name
+
+SERVICE_NAME = "chronoq.admin.v1.Admin"
+OK_CODE = 20000
+
+_MISSING = object()
+
+
+def parse_request(method: str, data: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(data.decode("utf-8")) if data else {}
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise MalformedRequest(method, f"the body is not UTF-8 JSON ({type(exc).__name__}: {exc})") from None
+    if not isinstance(doc, dict):
+        raise MalformedRequest(method, f"the body must be a JSON object, not {type(doc).__name__}")
+    return doc
+
+
+def encode_reply(doc: Mapping[str, Any]) -> bytes:
+    return json.dumps(doc, separators=(",", ":")).encode("utf-8")
+
+
+def ok_json(**result: Any) -> dict[str, Any]:
+    return {"code": OK_CODE, "message": "OK", **result}
+
+
+def error_json(err: ChronoqError) -> dict[str, Any]:
+    return {"code": err.code, "message": err.message, "error": type(err).__name__, "retriable": err.retriable}
+
+
+def internal_json(err: BaseException) -> dict[str, Any]:
+    return {"code": 50000, "message": f"internal error ({type(err).__name__}); see the server log",
+            "error": "InternalError", "retriable": False}
+
+
+# -- typed field readers -----------------------------------------------------------------------
+
+
+def arg_str(doc: Mapping[str, Any], name: str, *, required: bool = True) -> str | None:
+    value = doc.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        if required:
+            raise MissingField(name, "admin")
+        return None
+    if not isinstance(value, str):
+        raise InvalidField(name, f"must be a string, not {type(value).__name__}")
+    return value
+
+
+def arg_int(doc: Mapping[str, Any], name: str, *, required: bool = True) -> int | None:
+    value = doc.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        if required:
+            raise MissingField(name, "admin")
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidField(name, f"must be an integer, not {type(value).__name__}")
+    return value
+
+
+def arg_topic(doc: Mapping[str, Any], config: Config, name: str = "topic") -> str:
+    return decode_topic_name(arg_str(doc, name) or "", config)
+
+
+def arg_message_types(doc: Mapping[str, Any]) -> list[MessageType] | None:
+    value = doc.get("message_types")
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise InvalidField("message_types", "must be a list of strings")
+    types = []
+    for v in value:
+        if v.upper() not in MessageType.__members__:
+            raise InvalidField("message_types", f"{v!r} is not one of {', '.join(MessageType.__members__)}")
+        types.append(MessageType[v.upper()])
+    return types
+
+
+def _str_list(doc: Mapping[str, Any], name: str) -> tuple[str, ...]:
+    value = doc.get(name)
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise InvalidField(name, "must be a string or a list of strings")
+    return tuple(value)
+
+
+def _str_map(doc: Mapping[str, Any], name: str) -> dict[str, str]:
+    value = doc.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise InvalidField(name, "must be an object of string values")
+    return dict(value)
+
+
+def message_from_json(doc: Any, config: Config) -> OutgoingMessage:
+    """One entry of SendBatch. Limits on size, keys and properties are the broker's (it checks
+    them for every path); this checks the JSON's shape and the body's encoding."""
+    if not isinstance(doc, dict):
+        raise InvalidField("messages[]", f"must be an object, not {type(doc).__name__}")
+    try:
+        body = base64.b64decode(arg_str(doc, "body_b64") or "", validate=True)
+    except binascii.Error as exc:
+        raise InvalidField("body_b64", f"not base64: {exc}") from None
+    return OutgoingMessage(
+        topic=arg_topic(doc, config),
+        body=body,
+        message_id=arg_str(doc, "message_id", required=False) or None,
+        tag=arg_str(doc, "tag", required=False) or None,
+        keys=_str_list(doc, "keys"),
+        properties=_str_map(doc, "properties"),
+        deliver_at_ms=arg_int(doc, "deliver_at_ms", required=False),
+        delay_ms=arg_int(doc, "delay_ms", required=False),
+        delay_level=arg_int(doc, "delay_level", required=False),
+    )
+
+
+# -- results -> JSON -------------------------------------------------------------------------------
+
+
+def topic_json(topic: TopicConfig) -> dict[str, Any]:
+    return {"name": topic.name, "queue_count": topic.queue_count,
+            "message_types": sorted((t.name for t in topic.message_types), key=lambda n: MessageType[n]),
+            "created_ms": topic.created_ms}
+
+
+def send_result_json(result: SendResult) -> dict[str, Any]:
+    return {"message_id": result.message_id, "topic": result.topic, "queue_id": result.queue_id,
+            "queue_offset": result.queue_offset, "deliver_at_ms": result.deliver_at_ms,
+            "recall_handle": result.recall_handle, "duplicate": result.duplicate}
+
+
+def timer_status_json(status: TimerStatus) -> dict[str, Any]:
+    return {"message_id": status.message_id, "topic": status.topic, "state": status.state.value,
+            "deliver_at_ms": status.deliver_at_ms, "accepted_ms": status.accepted_ms,
+            "fired_ms": status.fired_ms, "cancelled_ms": status.cancelled_ms}
+
+
+def stored_message_json(msg: StoredMessage) -> dict[str, Any]:
+    return {"message_id": msg.message_id, "topic": msg.topic, "queue_id": msg.queue_id,
+            "queue_offset": msg.queue_offset, "tag": msg.tag, "keys": list(msg.keys),
+            "properties": dict(msg.properties), "system_properties": dict(msg.system_properties),
+            "body_b64": base64.b64encode(msg.body).decode("ascii"), "born_ms": msg.born_ms,
+            "store_ms": msg.store_ms, "deliver_at_ms": msg.deliver_at_ms}

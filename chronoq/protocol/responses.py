@@ -1,0 +1,246 @@
+"""Encoding: chronoq results and errors -> RocketMQ v2 response messages.
+
+Theory of operation: pure functions from chronoq's model (`TopicConfig`, `SendResult`,
+`ReceivedMessage`, `ChronoqError`) to protobuf responses; no I/O, no clock (times arrive as
+arguments). Every response carries a `Status`: the official clients treat a missing or zero code
+as an illegal response, 20000 as OK and 40401 as "no message". Errors are converted in exactly
+one place, `error_status`, because `ChronoqError.code` already holds the protocol's number.
+
+Facts of the official clients that shape the encoding (measured in
+`shared/notes/rocketmq-grpc-facts.md`):
+* Routes: the clients use only queues with broker id 0 and a readable/writable permission, open a
+  channel to `broker.endpoints` (empty endpoints become an empty channel target), and refuse
+  locally to send a type the queue does not list in `accept_message_types`.
+* Delivered messages need a receipt handle, a delivery attempt, and a body digest. MD5 in
+  upper-case hex is the one digest Python, Node and Java all verify alike.
+* Telemetry: the Python producer copies `publishing.max_body_size` from the reply unconditionally
+  (0 would make it refuse every message), the Node producer asserts an exponential backoff, and
+  the Python PushConsumer takes its retry delays from a customized backoff if one is given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+from collections.abc import Sequence
+from typing import TypeVar
+
+from chronoq.config import Config
+from chronoq.errors import ChronoqError
+from chronoq.model import SYS_MESSAGE_GROUP, ReceivedMessage, SendResult, TopicConfig
+from chronoq.protocol.requests import Endpoint
+from chronoq.protocol.v2 import (
+    MODEL_TO_WIRE_TYPE,
+    Code,
+    definition,
+    service,
+    set_duration_ms,
+    set_timestamp_ms,
+)
+
+BROKER_NAME = "chronoq"
+PRODUCER_MAX_ATTEMPTS = 3
+"""Send attempts a producer makes (it retries with the same message id; the broker dedupes)."""
+PRODUCER_BACKOFF_INITIAL_MS = 10
+PRODUCER_BACKOFF_MAX_MS = 1000
+PRODUCER_BACKOFF_MULTIPLIER = 2.0
+CONSUMER_RETRY_FIRST_LEVEL = 1
+"""A PushConsumer's retry delays are the delay-level table (`Config.delay_levels`) from this level
+on, one per failed attempt: 1 s, 5 s, 10 s, ... by default; the last level repeats."""
+DEFAULT_PUSH_BATCH = 32
+
+Response = TypeVar("Response")
+
+
+# -- statuses ------------------------------------------------------------------------------------
+
+
+def ok_status(message: str = "OK") -> definition.Status:
+    return definition.Status(code=Code.OK, message=message)
+
+
+def error_status(error: ChronoqError) -> definition.Status:
+    """The one conversion from a chronoq error to the wire."""
+    return definition.Status(code=error.code, message=error.message)
+
+
+def internal_status(error: BaseException) -> definition.Status:
+    """An unexpected exception: the client gets 50000 and the exception's type, never a trace."""
+    return definition.Status(code=Code.INTERNAL_ERROR,
+                             message=f"internal error ({type(error).__name__}); see the server log")
+
+
+def with_status(response_type: type[Response], status: definition.Status) -> Response:
+    """A status-only response of any unary RPC (they all have a `status` field)."""
+    return response_type(status=status)  # type: ignore[call-arg]
+
+
+# -- routes --------------------------------------------------------------------------------------
+
+
+def endpoints(endpoint: Endpoint) -> definition.Endpoints:
+    try:
+        version = ipaddress.ip_address(endpoint.host).version
+        scheme = definition.IPv4 if version == 4 else definition.IPv6
+    except ValueError:
+        scheme = definition.DOMAIN_NAME
+    return definition.Endpoints(scheme=scheme, addresses=[definition.Address(host=endpoint.host, port=endpoint.port)])
+
+
+def message_queue(topic: TopicConfig, queue_id: int, endpoint: Endpoint) -> definition.MessageQueue:
+    return definition.MessageQueue(
+        topic=definition.Resource(name=topic.name),
+        id=queue_id,
+        permission=definition.READ_WRITE,
+        broker=definition.Broker(name=BROKER_NAME, id=0, endpoints=endpoints(endpoint)),
+        accept_message_types=sorted(MODEL_TO_WIRE_TYPE[t] for t in topic.message_types),
+    )
+
+
+def route_response(topic: TopicConfig, endpoint: Endpoint) -> service.QueryRouteResponse:
+    return service.QueryRouteResponse(
+        status=ok_status(),
+        message_queues=[message_queue(topic, q, endpoint) for q in range(topic.queue_count)],
+    )
+
+
+def assignment_response(topic: TopicConfig, endpoint: Endpoint) -> service.QueryAssignmentResponse:
+    return service.QueryAssignmentResponse(
+        status=ok_status(),
+        assignments=[definition.Assignment(message_queue=message_queue(topic, q, endpoint))
+                     for q in range(topic.queue_count)],
+    )
+
+
+# -- send ------------------------------------------------------------------------------------------
+
+
+def send_response(results: Sequence[SendResult]) -> service.SendMessageResponse:
+    return service.SendMessageResponse(
+        status=ok_status(),
+        entries=[
+            service.SendResultEntry(status=ok_status("duplicate" if r.duplicate else "OK"), message_id=r.message_id,
+                                    offset=r.queue_offset, recall_handle=r.recall_handle or "")
+            for r in results
+        ],
+    )
+
+
+# -- receive ---------------------------------------------------------------------------------------
+
+
+def body_digest(body: bytes) -> definition.Digest:
+    return definition.Digest(type=definition.MD5, checksum=hashlib.md5(body).hexdigest().upper())
+
+
+def encode_received(received: ReceivedMessage, invisible_duration_ms: int) -> definition.Message:
+    stored = received.message
+    system = definition.SystemProperties(
+        message_id=stored.message_id,
+        keys=list(stored.keys),
+        body_digest=body_digest(stored.body),
+        body_encoding=definition.IDENTITY,
+        message_type=MODEL_TO_WIRE_TYPE[stored.message_type],
+        receipt_handle=received.receipt_handle,
+        queue_id=stored.queue_id,
+        queue_offset=stored.queue_offset,
+        delivery_attempt=received.delivery_attempt,
+    )
+    if stored.tag:
+        system.tag = stored.tag
+    set_timestamp_ms(system.born_timestamp, stored.born_ms)
+    set_timestamp_ms(system.store_timestamp, stored.store_ms)
+    system.store_host = BROKER_NAME
+    if stored.deliver_at_ms is not None:
+        set_timestamp_ms(system.delivery_timestamp, stored.deliver_at_ms)
+    set_duration_ms(system.invisible_duration, invisible_duration_ms)
+    group = stored.system_properties.get(SYS_MESSAGE_GROUP)
+    if group:
+        system.message_group = group
+    return definition.Message(topic=definition.Resource(name=stored.topic), user_properties=dict(stored.properties),
+                              system_properties=system, body=stored.body)
+
+
+def receive_responses(received: Sequence[ReceivedMessage], invisible_duration_ms: int,
+                      now_ms: int) -> list[service.ReceiveMessageResponse]:
+    """The server stream of one ReceiveMessage call: status first, then one response per message,
+    then the delivery timestamp; or a single 40401 when nothing was received."""
+    if not received:
+        return [service.ReceiveMessageResponse(status=definition.Status(code=Code.MESSAGE_NOT_FOUND,
+                                                                        message="no new message"))]
+    out = [service.ReceiveMessageResponse(status=ok_status())]
+    out.extend(service.ReceiveMessageResponse(message=encode_received(r, invisible_duration_ms)) for r in received)
+    stamp = service.ReceiveMessageResponse()
+    set_timestamp_ms(stamp.delivery_timestamp, now_ms)
+    out.append(stamp)
+    return out
+
+
+def receive_error(status: definition.Status) -> list[service.ReceiveMessageResponse]:
+    return [service.ReceiveMessageResponse(status=status)]
+
+
+# -- ack, change invisible, recall --------------------------------------------------------------
+
+
+def ack_response(entries: Sequence[tuple[str, str, definition.Status]]) -> service.AckMessageResponse:
+    """`entries`: (message_id, receipt_handle, status) per acked handle. The top status is the
+    common one if all agree, else MULTIPLE_RESULTS (30000), as the Apache proxy answers."""
+    codes = {status.code for _, _, status in entries}
+    if len(codes) == 1:
+        top = entries[0][2]
+    else:
+        top = definition.Status(code=Code.MULTIPLE_RESULTS, message="entries have different results")
+    return service.AckMessageResponse(
+        status=top,
+        entries=[service.AckMessageResultEntry(message_id=m, receipt_handle=h, status=s) for m, h, s in entries],
+    )
+
+
+def change_invisible_response(receipt_handle: str) -> service.ChangeInvisibleDurationResponse:
+    return service.ChangeInvisibleDurationResponse(status=ok_status(), receipt_handle=receipt_handle)
+
+
+def recall_response(message_id: str) -> service.RecallMessageResponse:
+    return service.RecallMessageResponse(status=ok_status(), message_id=message_id)
+
+
+# -- telemetry -----------------------------------------------------------------------------------
+
+
+def settings_reply(client: definition.Settings, config: Config) -> service.TelemetryCommand:
+    """Echo the client's Settings with the server's values filled in."""
+    settings = definition.Settings()
+    settings.CopyFrom(client)
+    settings.metric.Clear()
+    settings.metric.on = False  # on=True would start an OTLP exporter toward us
+    case = client.WhichOneof("pub_sub")
+    if case == "subscription" or client.client_type in (definition.PUSH_CONSUMER, definition.SIMPLE_CONSUMER):
+        _fill_subscription(settings, config)
+    else:
+        _fill_publishing(settings, config)
+    return service.TelemetryCommand(status=ok_status(), settings=settings)
+
+
+def _fill_publishing(settings: definition.Settings, config: Config) -> None:
+    settings.publishing.max_body_size = config.max_message_size_bytes
+    settings.publishing.validate_message_type = True
+    policy = settings.backoff_policy
+    policy.Clear()
+    policy.max_attempts = PRODUCER_MAX_ATTEMPTS
+    set_duration_ms(policy.exponential_backoff.initial, PRODUCER_BACKOFF_INITIAL_MS)
+    set_duration_ms(policy.exponential_backoff.max, PRODUCER_BACKOFF_MAX_MS)
+    policy.exponential_backoff.multiplier = PRODUCER_BACKOFF_MULTIPLIER
+
+
+def _fill_subscription(settings: definition.Settings, config: Config) -> None:
+    subscription = settings.subscription
+    polling_ms = subscription.long_polling_timeout.seconds * 1000 + subscription.long_polling_timeout.nanos // 1_000_000
+    set_duration_ms(subscription.long_polling_timeout, min(max(polling_ms, 0), config.max_long_poll_ms))
+    batch = subscription.receive_batch_size
+    subscription.receive_batch_size = min(batch if batch > 0 else DEFAULT_PUSH_BATCH, config.max_receive_batch)
+    policy = settings.backoff_policy
+    policy.Clear()
+    policy.max_attempts = config.max_delivery_attempts
+    for delay_ms in config.delay_levels_ms[CONSUMER_RETRY_FIRST_LEVEL - 1:] or config.delay_levels_ms[-1:]:
+        set_duration_ms(policy.customized_backoff.next.add(), delay_ms)

@@ -1,0 +1,141 @@
+"""`chronoq.admin.v1.Admin`: topics, timer queries and cancels, offset reads, stats, batch sends.
+
+Theory of operation: a JSON-over-gRPC service beside MessagingService on the same port (the
+RocketMQ v2 protocol has no admin RPCs). Each method is a unary RPC whose request and reply bodies
+are UTF-8 JSON objects; the codec is `chronoq.protocol.admin`, and this module only calls the
+broker. Errors are converted at one point (`_handler`): a `ChronoqError` becomes
+`{"code", "message", "error", "retriable"}`, anything else a 50000 reply and a log line.
+
+SendBatch reports per message: messages that fail to decode get their own error entry and the
+rest go to `Broker.send_batch(partial=True)` in one durable write, which reports each message's
+outcome in its slot (one bad message does not fail the others).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from chronoq.config import Config
+from chronoq.errors import ChronoqError, InvalidBatchSize
+from chronoq.model import OutgoingMessage
+from chronoq.protocol import admin as codec
+from chronoq.protocol.errors import InvalidField, MalformedRequest, MissingField
+
+log = logging.getLogger(__name__)
+
+Method = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+class AdminService:
+    def __init__(self, broker: Any, config: Config) -> None:
+        self.broker = broker
+        self.config = config
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        methods: dict[str, Method] = {
+            "CreateTopic": self.create_topic, "ListTopics": self.list_topics, "DescribeTopic": self.describe_topic,
+            "QueryMessage": self.query_message, "CancelMessage": self.cancel_message,
+            "ReadMessages": self.read_messages, "Stats": self.stats, "SendBatch": self.send_batch,
+        }
+        handlers = {name: grpc.unary_unary_rpc_method_handler(self._handler(name, body))
+                    for name, body in methods.items()}
+        return grpc.method_handlers_generic_handler(codec.SERVICE_NAME, handlers)
+
+    def _handler(self, name: str, body: Method) -> Callable[[bytes, Any], Awaitable[bytes]]:
+        async def handle(data: bytes, context: Any) -> bytes:
+            try:
+                reply = await body(codec.parse_request(name, data))
+            except ChronoqError as err:
+                reply = codec.error_json(err)
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:
+                log.exception("admin %s failed", name)
+                reply = codec.internal_json(err)
+            return codec.encode_reply(reply)
+        handle.__name__ = name
+        return handle
+
+    # -- topics ----------------------------------------------------------------------------------
+
+    async def create_topic(self, doc: dict[str, Any]) -> dict[str, Any]:
+        topic = await self.broker.create_topic(codec.arg_topic(doc, self.config, "name"),
+                                               codec.arg_int(doc, "queue_count", required=False),
+                                               codec.arg_message_types(doc))
+        return codec.ok_json(topic=codec.topic_json(topic))
+
+    async def list_topics(self, doc: dict[str, Any]) -> dict[str, Any]:
+        return codec.ok_json(topics=[codec.topic_json(t) for t in self.broker.list_topics()])
+
+    async def describe_topic(self, doc: dict[str, Any]) -> dict[str, Any]:
+        topic = self.broker.get_topic(codec.arg_topic(doc, self.config, "name"))
+        queues = []
+        for queue_id in range(topic.queue_count):
+            min_offset, next_offset = self.broker.queue_offsets(topic.name, queue_id)
+            queues.append({"queue_id": queue_id, "min_offset": min_offset, "max_offset": next_offset})
+        return codec.ok_json(topic=codec.topic_json(topic), queues=queues)
+
+    # -- timers ----------------------------------------------------------------------------------
+
+    async def query_message(self, doc: dict[str, Any]) -> dict[str, Any]:
+        message_id = codec.arg_str(doc, "message_id", required=False)
+        key = codec.arg_str(doc, "key", required=False)
+        topic = codec.arg_topic(doc, self.config) if doc.get("topic") is not None else None
+        if message_id:
+            statuses = self.broker.query(message_id, topic)
+        elif key:
+            statuses = self.broker.query_key(key)
+        else:
+            raise MissingField("message_id or key", "QueryMessage")
+        return codec.ok_json(statuses=[codec.timer_status_json(s) for s in statuses])
+
+    async def cancel_message(self, doc: dict[str, Any]) -> dict[str, Any]:
+        recall_handle = codec.arg_str(doc, "recall_handle", required=False)
+        if recall_handle:
+            message_id = await self.broker.cancel(recall_handle=recall_handle)
+        else:
+            message_id = await self.broker.cancel(topic=codec.arg_topic(doc, self.config),
+                                                  message_id=codec.arg_str(doc, "message_id"))
+        return codec.ok_json(message_id=message_id)
+
+    # -- reads, stats, sends ---------------------------------------------------------------------
+
+    async def read_messages(self, doc: dict[str, Any]) -> dict[str, Any]:
+        topic = codec.arg_topic(doc, self.config)
+        queue_id = codec.arg_int(doc, "queue_id") or 0
+        offset = codec.arg_int(doc, "offset") or 0
+        max_messages = codec.arg_int(doc, "max_messages") or 0
+        if max_messages <= 0:
+            raise InvalidField("max_messages", f"{max_messages} must be positive")
+        # One reply carries at most a send batch's worth; `next_offset` says where to go on.
+        messages = await self.broker.read(topic, queue_id, offset, min(max_messages, self.config.max_send_batch))
+        next_offset = messages[-1].queue_offset + 1 if messages else offset
+        return codec.ok_json(messages=[codec.stored_message_json(m) for m in messages], next_offset=next_offset)
+
+    async def stats(self, doc: dict[str, Any]) -> dict[str, Any]:
+        return codec.ok_json(**self.broker.stats())
+
+    async def send_batch(self, doc: dict[str, Any]) -> dict[str, Any]:
+        entries = doc.get("messages")
+        if not isinstance(entries, list):
+            raise MalformedRequest("SendBatch", "'messages' must be a list")
+        if not 1 <= len(entries) <= self.config.max_send_batch:
+            raise InvalidBatchSize(len(entries), self.config.max_send_batch)
+        results: list[dict[str, Any] | None] = [None] * len(entries)
+        decoded: list[tuple[int, OutgoingMessage]] = []
+        for i, entry in enumerate(entries):
+            try:
+                decoded.append((i, codec.message_from_json(entry, self.config)))
+            except ChronoqError as err:
+                results[i] = {"error": codec.error_json(err)}
+        if decoded:
+            outcomes = await self.broker.send_batch([m for _, m in decoded], partial=True)
+            for (i, _), outcome in zip(decoded, outcomes, strict=True):
+                results[i] = ({"error": codec.error_json(outcome)} if isinstance(outcome, ChronoqError)
+                              else codec.send_result_json(outcome))
+        return codec.ok_json(results=results)

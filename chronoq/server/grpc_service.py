@@ -1,0 +1,280 @@
+"""`apache.rocketmq.v2.MessagingService` over the in-process `Broker`.
+
+Theory of operation: a thin asyncio shell. Each RPC decodes its request with
+`chronoq.protocol.requests`, calls the broker, and encodes the answer with
+`chronoq.protocol.responses`; no protocol rule lives here. Errors are converted at one point,
+`_guard`: a `ChronoqError` becomes its status code, anything else becomes 50000 and a log line,
+so no request, however hostile, gets an RPC failure instead of a status.
+
+The handlers are registered by hand (`generic_handler`) rather than through the generated
+`add_MessagingServiceServicer_to_server`, so that request bytes that do not parse reach the
+handler as `Undecodable` and are answered with a 40000 status instead of grpc's bare INTERNAL.
+
+Long polls: ReceiveMessage waits at most `min(long_polling_timeout, time_remaining - margin)`,
+so the answer arrives before the client's deadline (Python: request_timeout + await_duration).
+Auto-renewed receives (PushConsumer) are tracked in `Renewals`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from chronoq.config import Config
+from chronoq.errors import ChronoqError, TopicExists, TopicNotFound
+from chronoq.model import TopicConfig
+from chronoq.protocol import requests as rq
+from chronoq.protocol import responses as rs
+from chronoq.protocol.errors import MalformedRequest, Unsupported
+from chronoq.protocol.v2 import SERVICE_NAME, service
+from chronoq.server.renewals import Renewals
+
+log = logging.getLogger(__name__)
+
+LONG_POLL_DEADLINE_MARGIN_MS = 1000
+"""Answer a long poll this long before the client's deadline (network and encoding time)."""
+CLIENT_ID_HEADER = "x-mq-client-id"
+
+
+class Undecodable:
+    """Stands in for a request whose bytes did not parse."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _deserializer(request_type: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return request_type.FromString(data)
+        except Exception as exc:  # DecodeError, or any parser complaint about hostile bytes
+            return Undecodable(f"{type(exc).__name__}: {exc}")
+    return parse
+
+
+def _client_id(context: grpc.aio.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == CLIENT_ID_HEADER:
+            return str(value)
+    return ""
+
+
+class MessagingService:
+    """The servicer. `advertised` is the address routes name; None (server bound to a wildcard
+    address) means "the address the client says it used"."""
+
+    def __init__(self, broker: Any, config: Config, *, advertised: rq.Endpoint | None, port: int) -> None:
+        self.broker = broker
+        self.config = config
+        self.advertised = advertised
+        self.port = port
+        self.renewals = Renewals(broker, broker.clock, duration_ms=config.default_invisible_duration_ms,
+                                 max_hold_ms=config.max_invisible_duration_ms)
+
+    # -- plumbing --------------------------------------------------------------------------------
+
+    async def _guard(self, rpc: str, response_type: Any, request: Any,
+                     body: Callable[[Any], Awaitable[Any]]) -> Any:
+        try:
+            if isinstance(request, Undecodable):
+                raise MalformedRequest(rpc, request.reason)
+            return await body(request)
+        except ChronoqError as err:
+            return rs.with_status(response_type, rs.error_status(err))
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            log.exception("%s failed", rpc)
+            return rs.with_status(response_type, rs.internal_status(err))
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        unary = {
+            "QueryRoute": (service.QueryRouteRequest, service.QueryRouteResponse, self._query_route),
+            "Heartbeat": (service.HeartbeatRequest, service.HeartbeatResponse, self._ok),
+            "SendMessage": (service.SendMessageRequest, service.SendMessageResponse, self._send),
+            "QueryAssignment": (service.QueryAssignmentRequest, service.QueryAssignmentResponse,
+                                self._query_assignment),
+            "AckMessage": (service.AckMessageRequest, service.AckMessageResponse, self._ack),
+            "ForwardMessageToDeadLetterQueue": (service.ForwardMessageToDeadLetterQueueRequest,
+                                                service.ForwardMessageToDeadLetterQueueResponse, self._dead_letter),
+            "UpdateOffset": (service.UpdateOffsetRequest, service.UpdateOffsetResponse, self._unsupported),
+            "GetOffset": (service.GetOffsetRequest, service.GetOffsetResponse, self._unsupported),
+            "QueryOffset": (service.QueryOffsetRequest, service.QueryOffsetResponse, self._unsupported),
+            "EndTransaction": (service.EndTransactionRequest, service.EndTransactionResponse, self._unsupported),
+            "NotifyClientTermination": (service.NotifyClientTerminationRequest,
+                                        service.NotifyClientTerminationResponse, self._client_termination),
+            "ChangeInvisibleDuration": (service.ChangeInvisibleDurationRequest,
+                                        service.ChangeInvisibleDurationResponse, self._change_invisible),
+            "RecallMessage": (service.RecallMessageRequest, service.RecallMessageResponse, self._recall),
+            "SyncLiteSubscription": (service.SyncLiteSubscriptionRequest, service.SyncLiteSubscriptionResponse,
+                                     self._unsupported),
+        }
+        handlers: dict[str, grpc.RpcMethodHandler] = {}
+        for name, (request_type, response_type, body) in unary.items():
+            handlers[name] = grpc.unary_unary_rpc_method_handler(
+                self._unary(name, response_type, body), request_deserializer=_deserializer(request_type),
+                response_serializer=response_type.SerializeToString)
+        handlers["ReceiveMessage"] = grpc.unary_stream_rpc_method_handler(
+            self.receive_message, request_deserializer=_deserializer(service.ReceiveMessageRequest),
+            response_serializer=service.ReceiveMessageResponse.SerializeToString)
+        handlers["PullMessage"] = grpc.unary_stream_rpc_method_handler(
+            self.pull_message, request_deserializer=_deserializer(service.PullMessageRequest),
+            response_serializer=service.PullMessageResponse.SerializeToString)
+        handlers["Telemetry"] = grpc.stream_stream_rpc_method_handler(
+            self.telemetry, request_deserializer=_deserializer(service.TelemetryCommand),
+            response_serializer=service.TelemetryCommand.SerializeToString)
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+    def _unary(self, rpc: str, response_type: Any,
+               body: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any], Awaitable[Any]]:
+        async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            self.renewals.touch(_client_id(context))
+            return await self._guard(rpc, response_type, request, lambda r: body(r, context))
+        handler.__name__ = rpc
+        return handler
+
+    def _endpoint(self, access_point: rq.Endpoint | None) -> rq.Endpoint:
+        if self.advertised is not None:
+            return self.advertised
+        return access_point or rq.Endpoint("127.0.0.1", self.port)
+
+    async def _topic(self, name: str) -> TopicConfig:
+        """The topic, created with all message types if it is new and auto-create is on."""
+        try:
+            return self.broker.get_topic(name)
+        except TopicNotFound:
+            if not self.config.auto_create_topics:
+                raise
+        try:
+            return await self.broker.create_topic(name)
+        except TopicExists:
+            return self.broker.get_topic(name)
+
+    # -- unary RPCs -------------------------------------------------------------------------------
+
+    async def _ok(self, request: Any, context: Any) -> Any:
+        return service.HeartbeatResponse(status=rs.ok_status())
+
+    async def _unsupported(self, request: Any, context: Any) -> Any:
+        raise Unsupported(f"{type(request).DESCRIPTOR.name.removesuffix('Request')} (chronoq serves "
+                          "Producer, SimpleConsumer and PushConsumer clients)")
+
+    async def _query_route(self, request: service.QueryRouteRequest, context: Any) -> Any:
+        query = rq.decode_route(request, self.config)
+        return rs.route_response(await self._topic(query.topic), self._endpoint(query.access_point))
+
+    async def _query_assignment(self, request: service.QueryAssignmentRequest, context: Any) -> Any:
+        query = rq.decode_assignment(request, self.config)
+        access_point = None
+        if request.endpoints.addresses:
+            first = request.endpoints.addresses[0]
+            if first.host and 0 < first.port < 65536:
+                access_point = rq.Endpoint(first.host, first.port)
+        return rs.assignment_response(await self._topic(query.topic), self._endpoint(access_point))
+
+    async def _send(self, request: service.SendMessageRequest, context: Any) -> Any:
+        command = rq.decode_send(request, self.config)
+        if len(command.messages) == 1:
+            results = [await self.broker.send(command.messages[0])]
+        else:
+            results = await self.broker.send_batch(command.messages)
+        return rs.send_response(results)
+
+    async def _ack(self, request: service.AckMessageRequest, context: Any) -> Any:
+        command = rq.decode_ack(request, self.config)
+        outcomes = []
+        for entry in command.entries:
+            try:
+                async with self.renewals.settle(entry.receipt_handle) as handle:
+                    await self.broker.ack(command.group, command.topic, handle)
+                status = rs.ok_status()
+            except ChronoqError as err:
+                status = rs.error_status(err)
+            outcomes.append((entry.message_id, entry.receipt_handle, status))
+        return rs.ack_response(outcomes)
+
+    async def _change_invisible(self, request: service.ChangeInvisibleDurationRequest, context: Any) -> Any:
+        command = rq.decode_change_invisible(request, self.config)
+        async with self.renewals.settle(command.receipt_handle) as handle:
+            new_handle = await self.broker.change_invisible_duration(
+                command.group, command.topic, handle, command.invisible_duration_ms)
+        return rs.change_invisible_response(new_handle)
+
+    async def _recall(self, request: service.RecallMessageRequest, context: Any) -> Any:
+        command = rq.decode_recall(request, self.config)
+        message_id = await self.broker.cancel(recall_handle=command.recall_handle)
+        return rs.recall_response(message_id)
+
+    async def _dead_letter(self, request: service.ForwardMessageToDeadLetterQueueRequest, context: Any) -> Any:
+        command = rq.decode_dead_letter(request, self.config)
+        async with self.renewals.settle(command.receipt_handle) as handle:
+            await self.broker.forward_to_dlq(command.group, command.topic, handle)
+        return service.ForwardMessageToDeadLetterQueueResponse(status=rs.ok_status())
+
+    async def _client_termination(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        client_id = _client_id(context)
+        if client_id:
+            self.renewals.drop_client(client_id)  # after `touch` in the handler: gone for good
+        return service.NotifyClientTerminationResponse(status=rs.ok_status())
+
+    # -- streaming RPCs ---------------------------------------------------------------------------
+
+    def _wait_ms(self, requested_ms: int, context: grpc.aio.ServicerContext) -> int:
+        remaining_s = context.time_remaining()
+        if remaining_s is None:
+            return requested_ms
+        return max(0, min(requested_ms, int(remaining_s * 1000) - LONG_POLL_DEADLINE_MARGIN_MS))
+
+    async def _receive(self, request: Any, context: grpc.aio.ServicerContext) -> list[Any]:
+        if isinstance(request, Undecodable):
+            raise MalformedRequest("ReceiveMessage", request.reason)
+        command = rq.decode_receive(request, self.config)
+        invisible_ms = command.invisible_duration_ms or self.renewals.duration_ms
+        received = await self.broker.receive(
+            command.group, command.topic, filter_expression=command.filter_expression,
+            batch_size=command.batch_size, invisible_duration_ms=invisible_ms,
+            wait_ms=self._wait_ms(command.long_polling_ms, context))
+        if command.auto_renew:
+            client_id = _client_id(context)
+            for r in received:
+                self.renewals.hold(r.receipt_handle, group=command.group, topic=command.topic, client_id=client_id,
+                                   invisible_until_ms=r.invisible_until_ms)
+        return rs.receive_responses(received, invisible_ms, self.broker.clock.now_ms())
+
+    async def receive_message(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        self.renewals.touch(_client_id(context))
+        try:
+            responses = await self._receive(request, context)
+        except ChronoqError as err:
+            responses = rs.receive_error(rs.error_status(err))
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            log.exception("ReceiveMessage failed")
+            responses = rs.receive_error(rs.internal_status(err))
+        for response in responses:
+            yield response
+
+    async def pull_message(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        yield service.PullMessageResponse(status=rs.error_status(Unsupported("PullMessage (use ReceiveMessage)")))
+
+    async def telemetry(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        """Answer each Settings with the server's Settings; other commands need no reply."""
+        client_id = _client_id(context)
+        async for command in requests:
+            self.renewals.touch(client_id)
+            if isinstance(command, Undecodable):
+                yield service.TelemetryCommand(status=rs.error_status(MalformedRequest("Telemetry", command.reason)))
+                continue
+            if command.HasField("settings"):
+                try:
+                    yield rs.settings_reply(command.settings, self.config)
+                except ChronoqError as err:
+                    yield service.TelemetryCommand(status=rs.error_status(err))
+

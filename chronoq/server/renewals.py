@@ -1,0 +1,134 @@
+"""Server-side renewal of messages received with `auto_renew` (the PushConsumer's mode).
+
+Theory of operation: a PushConsumer's ReceiveMessage carries `auto_renew=true` and no invisible
+duration: the server chooses the duration and keeps the message invisible while the client holds
+it, as the Apache proxy does. chronoq gives such messages `duration_ms`
+(`default_invisible_duration_ms`) unless the request names a duration, and, while the client
+holds one, extends it by `duration_ms` through `Broker.change_invisible_duration` whenever less
+than a third of `duration_ms` remains.
+
+A renewal issues a new receipt handle, but the client only knows the first one, so this table
+maps the handle the client holds to the current one. Ack, ChangeInvisibleDuration and
+ForwardMessageToDeadLetterQueue go through `settle`, which translates the handle under the
+entry's lock (a renewal and an ack never race on one handle) and forgets the entry. A message is
+held at most `max_hold_ms` (`max_invisible_duration_ms`) after its receipt. Renewal also stops
+for a client that says goodbye (NotifyClientTermination) or falls silent: every RPC a client
+makes (its heartbeat comes every 10 s) marks it alive, and a client unheard of for
+`CLIENT_SILENT_MS` is taken for crashed. Its messages then become visible again when the current
+duration runs out, which is the redelivery a crashed consumer needs.
+
+The table is in memory: after a server restart the handles are stale anyway (the broker's
+invisibility survives, and the message is redelivered when it runs out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from chronoq.clock import Clock
+from chronoq.errors import ChronoqError
+
+log = logging.getLogger(__name__)
+
+CHECK_INTERVAL_MS = 1000
+"""How often the renewal loop looks for entries near expiry; well under a third of any sane
+invisible duration (the minimum is `min_invisible_duration_ms`, 1 s by default, and auto-renewed
+messages use the 30 s default)."""
+
+
+CLIENT_SILENT_MS = 45_000
+"""A client unheard of this long is taken for gone (the official clients heartbeat every 10 s)."""
+
+
+@dataclass
+class Held:
+    group: str
+    topic: str
+    client_id: str
+    current_handle: str
+    invisible_until_ms: int
+    received_ms: int
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class Renewals:
+    def __init__(self, broker: Any, clock: Clock, *, duration_ms: int, max_hold_ms: int) -> None:
+        self._broker = broker
+        self._clock = clock
+        self.duration_ms = duration_ms
+        self._max_hold_ms = max_hold_ms
+        self._held: dict[str, Held] = {}
+        self._last_seen_ms: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def hold(self, handle: str, *, group: str, topic: str, client_id: str, invisible_until_ms: int) -> None:
+        now_ms = self._clock.now_ms()
+        self.touch(client_id)
+        self._held[handle] = Held(group, topic, client_id, handle, invisible_until_ms, now_ms)
+
+    @contextlib.asynccontextmanager
+    async def settle(self, handle: str) -> AsyncIterator[str]:
+        """Yield the handle to give the broker for `handle`; forget the entry afterwards."""
+        held = self._held.get(handle)
+        if held is None:
+            yield handle
+            return
+        async with held.lock:
+            try:
+                yield held.current_handle
+            finally:
+                self._held.pop(handle, None)
+
+    def touch(self, client_id: str) -> None:
+        """The client made a call: it is alive."""
+        if client_id:
+            self._last_seen_ms[client_id] = self._clock.now_ms()
+
+    def drop_client(self, client_id: str) -> int:
+        self._last_seen_ms.pop(client_id, None)
+        gone = [h for h, held in self._held.items() if held.client_id == client_id]
+        for handle in gone:
+            del self._held[handle]
+        return len(gone)
+
+    async def renew_due(self) -> None:
+        """Renew every entry with less than a third of its duration left."""
+        now_ms = self._clock.now_ms()
+        threshold_ms = self.duration_ms // 3
+        for client_id, seen_ms in list(self._last_seen_ms.items()):
+            if now_ms - seen_ms > CLIENT_SILENT_MS:
+                self.drop_client(client_id)
+        for handle, held in list(self._held.items()):
+            if now_ms - held.received_ms >= self._max_hold_ms:
+                self._held.pop(handle, None)
+                continue
+            if held.invisible_until_ms - now_ms > threshold_ms:
+                continue
+            async with held.lock:
+                if self._held.get(handle) is not held:
+                    continue  # settled while we waited for the lock
+                try:
+                    held.current_handle = await self._broker.change_invisible_duration(
+                        held.group, held.topic, held.current_handle, self.duration_ms)
+                    held.invisible_until_ms = self._clock.now_ms() + self.duration_ms
+                except ChronoqError as err:
+                    log.info("auto-renew of %s/%s stopped: %s", held.topic, held.group, err)
+                    self._held.pop(handle, None)
+
+    async def run(self) -> None:
+        """Renew until cancelled (the server's task group owns this loop)."""
+        while True:
+            await self._clock.sleep_until(self._clock.now_ms() + CHECK_INTERVAL_MS)
+            try:
+                await self.renew_due()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("auto-renew pass failed; retrying in %d ms", CHECK_INTERVAL_MS)

@@ -1,0 +1,169 @@
+"""`serve()` and `chronoq serve`: readiness line, health, TLS, config layers, SIGTERM shutdown."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import chronoq
+from chronoq.broker import Broker
+from chronoq.cli import COMMAND_MODULES
+from chronoq.cli import serve as serve_cli
+from chronoq.config import Config
+from chronoq.server.serve import serve
+
+ROOT = Path(chronoq.__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def health_status(channel: grpc.aio.Channel, service_name: str = "") -> int:
+    reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service_name),
+                                                            timeout=5)
+    return reply.status
+
+
+def test_serve_reports_ready_is_healthy_and_stops_cleanly(tmp_path: Path) -> None:
+    async def body() -> None:
+        port = free_port()
+        config = Config(data_dir=tmp_path / "data", port=port)
+        stop = asyncio.Event()
+        ready: list[str] = []
+        task = asyncio.create_task(serve(config, stop=stop, on_ready=ready.append))
+        while not ready:
+            assert not task.done(), task
+            await asyncio.sleep(0.05)
+        assert ready == [f"chronoq serving on 127.0.0.1:{port}"]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            for name in ("", "apache.rocketmq.v2.MessagingService", "chronoq.admin.v1.Admin"):
+                assert await health_status(channel, name) == health_pb2.HealthCheckResponse.SERVING
+        stop.set()
+        assert await asyncio.wait_for(task, 10) == 0
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await health_status(channel)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        broker = await Broker.open(config)  # the data directory's lock was released
+        await broker.close()
+    asyncio.run(body())
+
+
+def _openssl_cert(tmp_path: Path) -> tuple[Path, Path]:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+def test_tls_serves_secure_clients_only(tmp_path: Path) -> None:
+    cert, key = _openssl_cert(tmp_path)
+
+    async def body() -> None:
+        port = free_port()
+        config = Config(data_dir=tmp_path / "data", port=port, tls_cert_file=str(cert), tls_key_file=str(key))
+        stop = asyncio.Event()
+        ready: list[str] = []
+        task = asyncio.create_task(serve(config, stop=stop, on_ready=ready.append))
+        while not ready:
+            assert not task.done(), task
+            await asyncio.sleep(0.05)
+        assert ready[0].endswith("(TLS)")
+        credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+        async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
+            assert await health_status(channel) == health_pb2.HealthCheckResponse.SERVING
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError):
+                await health_status(channel)
+        stop.set()
+        assert await asyncio.wait_for(task, 10) == 0
+    asyncio.run(body())
+
+
+def _args(**values: object) -> argparse.Namespace:
+    base = {"data_dir": None, "port": None, "host": None, "config": None, "tls_cert": None, "tls_key": None,
+            "log_level": "WARNING"}
+    base.update(values)
+    return argparse.Namespace(**base)
+
+
+def test_config_layers_toml_then_env_then_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    toml = tmp_path / "chronoq.toml"
+    toml.write_text('[chronoq]\nport = 9001\nmax_long_poll_ms = 5000\ndefault_queue_count = 2\n')
+    monkeypatch.setenv("CHRONOQ_MAX_LONG_POLL_MS", "7000")
+    monkeypatch.setenv("CHRONOQ_PORT", "9002")
+    config = serve_cli.load_config(_args(config=str(toml), data_dir=str(tmp_path / "d")))
+    assert (config.port, config.max_long_poll_ms, config.default_queue_count) == (9002, 7000, 2)
+    assert config.data_dir == tmp_path / "d"
+    config = serve_cli.load_config(_args(config=str(toml), port=9003, tls_cert="c.pem", tls_key="k.pem"))
+    assert (config.port, config.tls_cert_file, config.tls_key_file) == (9003, "c.pem", "k.pem")
+
+
+def test_bad_configuration_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    toml = tmp_path / "bad.toml"
+    toml.write_text("no_such_setting = 1\n")
+    assert serve_cli.run(_args(config=str(toml), data_dir=str(tmp_path / "d"))) == 2
+    assert "no_such_setting" in capsys.readouterr().err
+    assert serve_cli.run(_args(data_dir=str(tmp_path / "d"), tls_cert=str(tmp_path / "missing.pem"),
+                               tls_key=str(tmp_path / "missing.key"), port=free_port())) == 2
+    assert "cannot read TLS file" in capsys.readouterr().err
+
+
+def _start_cli(data_dir: Path, port: int) -> subprocess.Popen[bytes]:
+    module = ["chronoq", "serve"] if "chronoq.cli.serve" in COMMAND_MODULES else ["chronoq.cli.serve", "serve"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    return subprocess.Popen([sys.executable, "-m", *module, "--data-dir", str(data_dir), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+
+
+def _admin(address: str, method: str, body: dict) -> dict:
+    with grpc.insecure_channel(address) as channel:
+        return json.loads(channel.unary_unary(f"/chronoq.admin.v1.Admin/{method}")(json.dumps(body).encode(),
+                                                                                   timeout=10))
+
+
+@pytest.mark.slow
+def test_cli_serve_sigterm_is_a_clean_shutdown_and_data_survives(tmp_path: Path) -> None:
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    proc = _start_cli(tmp_path / "data", port)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().decode().strip() == f"chronoq serving on {address}"
+        sent = _admin(address, "SendBatch", {"messages": [{"topic": "keep", "body_b64": "a2VlcA==",
+                                                           "message_id": "KEEP-1"}]})
+        queue_id = sent["results"][0]["queue_id"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    proc = _start_cli(tmp_path / "data", port)
+    try:
+        assert proc.stdout is not None
+        proc.stdout.readline()
+        read = _admin(address, "ReadMessages", {"topic": "keep", "queue_id": queue_id, "offset": 0,
+                                                "max_messages": 10})
+        assert [m["message_id"] for m in read["messages"]] == ["KEEP-1"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
