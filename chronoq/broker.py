@@ -33,6 +33,9 @@ from chronoq.model import (
     SYS_DLQ_ORIGIN_OFFSET,
     SYS_DLQ_ORIGIN_QUEUE_ID,
     SYS_DLQ_ORIGIN_TOPIC,
+    SYS_FIRED_FROM,
+    SYS_REAL_TOPIC,
+    SYS_TIMER_ROLLED_FROM,
     TIMER_TOPIC,
     MessageType,
     OutgoingMessage,
@@ -49,6 +52,7 @@ from chronoq.store.groups import GroupStore, InFlight
 from chronoq.store.messagestore import MessageStore, OpenReport, PreparedMessage
 from chronoq.timer.index import RocksTimerIndex, TimerIndexCorrupt
 from chronoq.timer.service import TimerService, decode_recall_handle, encode_recall_handle
+from chronoq.trace import ACCEPTED, FIRED, TraceJournal
 from chronoq.validate import check_group_name, check_topic_name, prepare
 
 log = logging.getLogger("chronoq.broker")
@@ -74,6 +78,7 @@ class Broker:
         self._recent: OrderedDict[tuple[str, str], tuple[int, SendResult]] = OrderedDict()
         self._sending: dict[tuple[str, str], asyncio.Future[SendResult]] = {}
         self.fatal: BaseException | None = None
+        self.trace: TraceJournal | None = TraceJournal(config.data_dir) if config.trace_enable else None
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -149,6 +154,8 @@ class Broker:
         self.timer.engine.close()
         self.groups.close()
         self.store.close()
+        if self.trace is not None:
+            self.trace.close()
 
     async def __aenter__(self) -> Broker:
         return self
@@ -171,6 +178,8 @@ class Broker:
 
     async def _checkpoint(self, now_ms: int) -> None:
         self.store.checkpoint()
+        if self.trace is not None:
+            self.trace.flush()
 
     async def _timer_loop(self) -> None:
         while True:
@@ -220,6 +229,8 @@ class Broker:
 
     def _on_dispatch(self, msgs: list[StoredMessage]) -> None:
         self.timer.on_dispatch(msgs, self.clock.now_ms())
+        if self.trace is not None:
+            self._trace_dispatch(msgs)
         topics = {m.topic for m in msgs}
         if TIMER_TOPIC in topics or SCHEDULE_TOPIC in topics:
             self._timer_wakeup.set()
@@ -227,6 +238,18 @@ class Broker:
             event = self._arrivals.pop(topic, None)
             if event is not None:
                 event.set()
+
+    def _trace_dispatch(self, msgs: list[StoredMessage]) -> None:
+        assert self.trace is not None
+        for m in msgs:
+            due = m.deliver_at_ms
+            if due is None:
+                continue
+            if m.topic == TIMER_TOPIC:  # (tombstones carry no due time, so they never get here)
+                if SYS_TIMER_ROLLED_FROM not in m.system_properties:
+                    self.trace.record(ACCEPTED, m.system_properties[SYS_REAL_TOPIC], m.message_id, m.store_ms, due)
+            elif SYS_FIRED_FROM in m.system_properties:
+                self.trace.record(FIRED, m.topic, m.message_id, m.store_ms, due)
 
     async def _append(self, msgs: list[PreparedMessage]) -> list[StoredMessage]:
         stored = self.store.append(msgs, self.clock.now_ms())
@@ -294,6 +317,7 @@ class Broker:
         for i, msg in enumerate(msgs):
             try:
                 prepared, timer = prepare(msg, self.config, now, self.timer.levels)
+                self._check_queue_id(prepared)
                 topic = self._topic_for(prepared.topic)
                 if prepared.message_type not in topic.message_types:
                     raise MessageTypeNotAccepted(topic.name, prepared.message_type.name,
@@ -344,6 +368,18 @@ class Broker:
             outcomes[i] = _as_duplicate(await fut)
         return outcomes
 
+    def _check_queue_id(self, msg: PreparedMessage) -> None:
+        """Refuse a queue id outside the topic (or outside the topic auto-create would make)
+        here, per message and before auto-create, so one bad message neither fails its batch
+        nor leaves a new topic behind."""
+        topic = self.store.topics.get(msg.topic)
+        if msg.queue_id is None or (topic is None and not self.config.auto_create_topics):
+            return  # no queue asked for, or TopicNotFound is the better answer
+        count = topic.queue_count if topic is not None else self.config.default_queue_count
+        if isinstance(msg.queue_id, bool) or not isinstance(msg.queue_id, int) or not 0 <= msg.queue_id < count:
+            from chronoq.errors import InvalidQueueId
+            raise InvalidQueueId(msg.topic, msg.queue_id, count)
+
     def _write_prepared(self, to_write: list[PreparedMessage], now: int) -> list[StoredMessage]:
         try:
             return self.store.append(to_write, now)
@@ -389,6 +425,11 @@ class Broker:
             if outcome.exhausted:
                 await self._dead_letter(group, outcome.exhausted)
             if outcome.delivered or now >= deadline:
+                if self.trace is not None:
+                    for rm in outcome.delivered:
+                        due = rm.message.deliver_at_ms
+                        if due is not None and rm.delivery_attempt == 1:
+                            self.trace.received(rm.message.topic, rm.message.message_id, now, due)
                 return outcome.delivered
             wake = deadline
             next_visible = self.groups.next_visible_ms(group, topic)

@@ -80,6 +80,9 @@ class Config:
     schedule_topic_levels_enable: bool = True
     """True: delay-level messages take RocketMQ 4's path (one queue per level, head scanned)."""
 
+    trace_enable: bool = False
+    """Journal accepted/fired/first-received times of timer messages (`chronoq trace export`)."""
+
     # -- server ------------------------------------------------------------------------------
     host: str = "127.0.0.1"
     port: int = 8081

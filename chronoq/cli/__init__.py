@@ -15,6 +15,7 @@ COMMAND_MODULES = [
     "chronoq.cli.check",
     "chronoq.cli.demo",
     "chronoq.cli.serve",
+    "chronoq.cli.trace",
 ]
 
 

@@ -167,4 +167,4 @@ def stored_message_json(msg: StoredMessage) -> dict[str, Any]:
             "queue_offset": msg.queue_offset, "tag": msg.tag, "keys": list(msg.keys),
             "properties": dict(msg.properties), "system_properties": dict(msg.system_properties),
             "body_b64": base64.b64encode(msg.body).decode("ascii"), "born_ms": msg.born_ms,
-            "store_ms": msg.store_ms, "deliver_at_ms": msg.deliver_at_ms}
+            "store_ms": msg.store_ms, "deliver_at_ms": msg.deliver_at_ms, "position": msg.position}

@@ -41,6 +41,7 @@ class AdminService:
             "CreateTopic": self.create_topic, "ListTopics": self.list_topics, "DescribeTopic": self.describe_topic,
             "QueryMessage": self.query_message, "CancelMessage": self.cancel_message,
             "ReadMessages": self.read_messages, "Stats": self.stats, "SendBatch": self.send_batch,
+            "FireTimers": self.fire_timers,
         }
         handlers = {name: grpc.unary_unary_rpc_method_handler(self._handler(name, body))
                     for name, body in methods.items()}
@@ -102,6 +103,17 @@ class AdminService:
             message_id = await self.broker.cancel(topic=codec.arg_topic(doc, self.config),
                                                   message_id=codec.arg_str(doc, "message_id"))
         return codec.ok_json(message_id=message_id)
+
+    async def fire_timers(self, doc: dict[str, Any]) -> dict[str, Any]:
+        """For the Spark timer engine: fire the pending timers whose records lie at these
+        commit-log positions, if due. Idempotent: a position already fired is skipped."""
+        positions = doc.get("positions")
+        if not isinstance(positions, list) or not all(type(p) is int and p >= 0 for p in positions):
+            raise MalformedRequest("FireTimers", "'positions' must be a list of non-negative integers")
+        if len(positions) > self.config.max_send_batch:
+            raise InvalidBatchSize(len(positions), self.config.max_send_batch)
+        fired, skipped = await self.broker.fire_timers(positions)
+        return codec.ok_json(fired=fired, skipped=skipped)
 
     # -- reads, stats, sends ---------------------------------------------------------------------
 
