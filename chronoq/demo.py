@@ -1,84 +1,78 @@
-"""The main job's demo: a broker on the default data directory, a few normal and timer messages,
-each printed as it arrives with how late it was.
+"""The main job's demo: `chronoq serve` on the default data directory, then a producer and a
+consumer using chronoq's SDK over the RocketMQ 5 gRPC protocol.
 
-Theory of operation: starts an in-process broker with background tasks (the real clock), sends
-three normal messages and five timer messages (delay, deliver-at, a RocketMQ 4 delay level, and
-one that is cancelled before it is due), then long-polls a consumer group until every expected
-message has arrived or a timeout passes. The exit code is non-zero if a message is missing,
-arrives early, or the cancelled one arrives.
+Theory of operation: starts `chronoq serve` as a child process (as a deployment would run it),
+sends three normal messages and five timer messages (a delay, a deliver-at, a RocketMQ 4 delay
+level, and one that is recalled before it is due), then long-polls a consumer group until every
+expected message has arrived or a timeout passes, printing each with how late it was. The exit
+code is non-zero if a message is missing, arrives early, or the recalled one arrives.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from datetime import timedelta
 from pathlib import Path
 
-from chronoq.broker import Broker
-from chronoq.config import Config
-from chronoq.model import OutgoingMessage
+from chronoq.client import AsyncConsumer, AsyncProducer
+from chronoq.client.testing import ServerProcess
 
 TOPIC = "demo-orders"
 GROUP = "demo-group"
 
 
-async def run_demo(data_dir: Path, timeout_s: float = 20.0) -> int:
-    broker = await Broker.open(Config(data_dir=data_dir))
-    try:
-        return await _demo(broker, timeout_s)
-    finally:
-        await broker.close()
-
-
-async def _demo(broker: Broker, timeout_s: float) -> int:
-    now = broker.clock.now_ms()
-    # Start the group at the end of the topic, so earlier runs' messages do not show up here.
-    await broker.create_topic(TOPIC) if TOPIC not in {t.name for t in broker.list_topics()} else None
-    while await broker.receive(GROUP, TOPIC, batch_size=64, invisible_duration_ms=1000):
-        pass
-    expected: dict[str, int | None] = {}
-    for i in range(3):
-        r = await broker.send(OutgoingMessage(TOPIC, f"order {i} created".encode(), tag="created"))
-        expected[r.message_id] = None
-    plans = [
-        ("cancel-if-unpaid after 2 s", {"delay_ms": 2000}),
-        ("reminder at now + 3.5 s", {"deliver_at_ms": now + 3500}),
-        ("retry after delay level 1 (1 s)", {"delay_level": 1}),
-        ("follow-up after 5 s", {"delay_ms": 5000}),
-    ]
-    for body, when in plans:
-        r = await broker.send(OutgoingMessage(TOPIC, body.encode(), tag="timer", **when))  # type: ignore[arg-type]
-        expected[r.message_id] = r.deliver_at_ms
-        print(f"sent   {body!r:40} due in {(r.deliver_at_ms or now) - broker.clock.now_ms():>6} ms")
-    doomed = await broker.send(OutgoingMessage(TOPIC, b"this one is cancelled", delay_ms=4000))
-    await broker.cancel(recall_handle=doomed.recall_handle)
-    print(f"cancelled {doomed.message_id} before it was due")
-    problems = 0
-    deadline = time.monotonic() + timeout_s
-    while expected and time.monotonic() < deadline:
-        for rm in await broker.receive(GROUP, TOPIC, batch_size=16, wait_ms=1000):
-            m = rm.message
-            received_ms = broker.clock.now_ms()
-            due = m.deliver_at_ms
-            late = f"{received_ms - due:+5d} ms vs due" if due is not None else "normal message"
-            print(f"received {m.body.decode()!r:40} {late}")
-            if m.message_id == doomed.message_id:
-                print("  PROBLEM: the cancelled message arrived")
-                problems += 1
-            if due is not None and received_ms < due:
-                print("  PROBLEM: early")
-                problems += 1
-            expected.pop(m.message_id, None)
-            await broker.ack(GROUP, TOPIC, rm.receipt_handle)
-    if expected:
-        print(f"PROBLEM: {len(expected)} messages did not arrive within {timeout_s} s")
-        problems += len(expected)
-    stats = broker.stats()["timer"]
-    print(f"pending timers now: {stats['pending_total']}; delivery error so far: "
-          f"{stats['latencies']['delivery_error_ms']}")
+async def _demo(server: str, timeout_s: float) -> int:
+    async with AsyncProducer(server) as producer, AsyncConsumer(GROUP, TOPIC, server=server) as consumer:
+        # Messages of earlier runs in this data directory are not part of this demo.
+        while stale := await consumer.receive(32):
+            await consumer.ack(*stale)
+        expected: set[str] = set()
+        for i in range(3):
+            r = await producer.send(TOPIC, f"order {i} created", tag="created")
+            expected.add(r.message_id)
+            print(f"sent     {f'order {i} created'!r:36} normal")
+        now_ms = int(time.time() * 1000)
+        plans = [
+            ("cancel-if-unpaid after 2 s", {"delay": timedelta(seconds=2)}),
+            ("reminder at now + 3.5 s", {"deliver_at": now_ms + 3500}),
+            ("retry after delay level 1 (1 s)", {"delay_level": 1}),
+            ("follow-up after 5 s", {"delay": timedelta(seconds=5)}),
+        ]
+        for body, when in plans:
+            r = await producer.send(TOPIC, body, tag="timer", **when)  # type: ignore[arg-type]
+            expected.add(r.message_id)
+            print(f"sent     {body!r:36} timer, recall handle {r.recall_handle or '-'}")
+        doomed = await producer.send(TOPIC, "recalled before it is due", delay=timedelta(seconds=4))
+        await producer.recall(TOPIC, doomed.recall_handle or "")
+        print(f"recalled {doomed.message_id} before it was due")
+        problems = 0
+        deadline = time.monotonic() + timeout_s
+        while expected and time.monotonic() < deadline:
+            for m in await consumer.receive(16, wait=timedelta(seconds=2)):
+                late = f"{m.lateness_ms:+5d} ms after due" if m.lateness_ms is not None else "normal message"
+                print(f"received {m.body.decode()!r:36} {late}")
+                if m.message_id == doomed.message_id:
+                    print("  PROBLEM: the recalled message arrived")
+                    problems += 1
+                if m.lateness_ms is not None and m.lateness_ms < 0:
+                    print("  PROBLEM: early")
+                    problems += 1
+                expected.discard(m.message_id)
+                await consumer.ack(m)
+        if expected:
+            print(f"PROBLEM: {len(expected)} messages did not arrive within {timeout_s} s")
+            problems += len(expected)
+        timer = (await producer.stats()).get("timer", {})
+        err = timer.get("latencies", {}).get("delivery_error_ms", {})
+        print(f"broker: {timer.get('pending_total')} timers pending; fired minus due so far: "
+              f"p50 {err.get('p50')} ms, p99 {err.get('p99')} ms, max {err.get('max')} ms over {err.get('count')}")
     print("demo OK" if not problems else f"demo FAILED: {problems} problems")
     return 0 if not problems else 1
 
 
-def main(data_dir: str = "data") -> int:
-    return asyncio.run(run_demo(Path(data_dir)))
+def main(data_dir: str = "data", port: int | None = None, timeout_s: float = 20.0) -> int:
+    path = Path(data_dir)
+    with ServerProcess(path, port=port) as server:
+        print(f"chronoq serve is running on {server.address} (pid {server.pid}), data in {path.resolve()}")
+        return asyncio.run(_demo(server.address, timeout_s))

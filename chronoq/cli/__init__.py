@@ -16,6 +16,9 @@ COMMAND_MODULES = [
     "chronoq.cli.demo",
     "chronoq.cli.serve",
     "chronoq.cli.trace",
+    "chronoq.cli.messages",
+    "chronoq.cli.topics",
+    "chronoq.cli.stats",
 ]
 
 

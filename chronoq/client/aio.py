@@ -1,0 +1,437 @@
+"""The asyncio SDK: `AsyncAdmin`, `AsyncProducer`, `AsyncConsumer` over one grpc.aio channel.
+
+Theory of operation: a client owns one `grpc.aio` channel to one chronoq server and speaks two
+services on it: `apache.rocketmq.v2.MessagingService` (send, receive, ack, change-invisible,
+recall) with the protobuf messages of `rocketmq-python-client` (through `chronoq.protocol.v2`),
+and chronoq's admin service (topics, query, cancel by id, stats, read by offset, batched send)
+whose bodies are JSON. Both go through generic calls (a path, a serializer, a parser), so the
+generated `*_pb2_grpc` stubs are not needed. Everything that turns values into bytes and
+statuses into exceptions lives in `chronoq.client.wire` and `chronoq.client.errors`; this
+module only makes calls, so every gRPC failure is translated at one point (`_translate`).
+
+The channel is opened lazily on first use, inside the running loop (grpc.aio binds a channel to
+the loop that created it), and closed by `close()` / `async with`. A client holds no background
+tasks: nothing outlives a call. The SDK, unlike the broker core, may read the real clock: it
+stamps born and received times, as any client does.
+
+Sends are retried (same message id, so the server's dedupe window makes a retry idempotent)
+when the failure is retriable: the connection, a deadline, or a retriable server code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import socket
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+import grpc
+
+from chronoq import __version__
+from chronoq import errors as core
+from chronoq.client import wire
+from chronoq.client.errors import (
+    MESSAGE_NOT_FOUND,
+    BatchSendError,
+    InvalidArgument,
+    ProtocolViolation,
+    RemoteError,
+    RequestTimedOut,
+    ServerUnavailable,
+)
+from chronoq.client.types import (
+    BatchOutcome,
+    ReadResult,
+    ReceivedMessage,
+    SendReceipt,
+    TimerInfo,
+    TopicDescription,
+    TopicInfo,
+)
+from chronoq.clock import SystemClock
+from chronoq.model import OutgoingMessage
+from chronoq.protocol.v2 import SERVICE_NAME
+from chronoq.protocol.v2 import definition as pb
+from chronoq.protocol.v2 import service as svc
+
+DEFAULT_SERVER = "127.0.0.1:8081"
+SERVER_ENV = "CHRONOQ_SERVER"
+ADMIN_SERVICE = "chronoq.admin.v1.Admin"
+DEFAULT_TIMEOUT_MS = 10_000
+DEFAULT_SEND_ATTEMPTS = 3
+DEFAULT_MAX_BATCH = 1024
+"""Messages per request in `send_batch`; the server's own limit is `Config.max_send_batch`."""
+MAX_GRPC_MESSAGE_BYTES = 256 * 1024 * 1024
+RETRY_BACKOFF_MS = 100
+
+_client_seq = itertools.count(1)
+_GRPC_RETRIABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED}
+
+
+def default_server() -> str:
+    return os.environ.get(SERVER_ENV) or DEFAULT_SERVER
+
+
+def _json_bytes(doc: Mapping[str, Any]) -> bytes:
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def _serialize(message: Any) -> bytes:
+    return message.SerializeToString()
+
+
+def _json_reply(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        # A reply that is not JSON is the server's protocol error; say so at the call.
+        return None
+
+
+class AsyncAdmin:
+    """Topics, timer queries, cancel by id, stats and read by offset; the base of both clients."""
+
+    def __init__(self, server: str | None = None, *, timeout_ms: int = DEFAULT_TIMEOUT_MS,
+                 tls: bool = False, root_certificates: bytes | None = None) -> None:
+        self.server = server or default_server()
+        host, sep, port = self.server.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise InvalidArgument("server", self.server, "use host:port")
+        self._host, self._port = host, int(port)
+        self.timeout_ms = timeout_ms
+        self._tls = tls
+        self._root_certificates = root_certificates
+        self._channel: grpc.aio.Channel | None = None
+        self._calls: dict[str, Any] = {}
+        self._clock = SystemClock()
+        self._metadata = (
+            ("x-mq-client-id", f"{socket.gethostname()}@{os.getpid()}@{next(_client_seq)}@chronoq"),
+            ("x-mq-language", "PYTHON"),
+            ("x-mq-protocol", "GRPC_V2"),
+            ("x-mq-client-version", f"chronoq-{__version__}"),
+        )
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def _open(self) -> grpc.aio.Channel:
+        if self._channel is None:
+            options = [("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
+                       ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES)]
+            if self._tls:
+                creds = grpc.ssl_channel_credentials(root_certificates=self._root_certificates)
+                self._channel = grpc.aio.secure_channel(self.server, creds, options=options)
+            else:
+                self._channel = grpc.aio.insecure_channel(self.server, options=options)
+        return self._channel
+
+    def _method(self, method: str) -> Any:
+        """The callable for one MessagingService RPC. Built from the request and response types
+        by name rather than through the generated `*_pb2_grpc` stub: `chronoq.protocol.v2` exposes
+        only the message modules, and this needs nothing else."""
+        call = self._calls.get(method)
+        if call is None:
+            response_type = getattr(svc, f"{method}Response")
+            factory = self._open().unary_stream if method == "ReceiveMessage" else self._open().unary_unary
+            call = factory(f"/{SERVICE_NAME}/{method}", request_serializer=_serialize,
+                           response_deserializer=response_type.FromString)
+            self._calls[method] = call
+        return call
+
+    async def close(self) -> None:
+        channel, self._channel = self._channel, None
+        self._calls.clear()
+        if channel is not None:
+            await channel.close()
+
+    async def __aenter__(self) -> AsyncAdmin:
+        self._open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- the one place gRPC failures become chronoq errors --------------------------------------
+
+    def _translate(self, method: str, e: grpc.aio.AioRpcError, timeout_ms: int) -> core.ChronoqError:
+        code = e.code()
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return RequestTimedOut(method, timeout_ms)
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return ServerUnavailable(self.server, e.details() or "unavailable")
+        if code == grpc.StatusCode.UNIMPLEMENTED:
+            return RemoteError(50100, f"the server does not implement {method}")
+        return RemoteError(50000, f"{method} failed with gRPC {code.name}: {e.details()}",
+                           retriable=code in _GRPC_RETRIABLE)
+
+    async def _rpc(self, method: str, request: Any, *, timeout_ms: int | None = None) -> Any:
+        deadline_ms = timeout_ms or self.timeout_ms
+        try:
+            return await self._method(method)(request, timeout=deadline_ms / 1000, metadata=self._metadata)
+        except grpc.aio.AioRpcError as e:
+            raise self._translate(method, e, deadline_ms) from None
+
+    async def _admin(self, method: str, body: Mapping[str, Any], *, timeout_ms: int | None = None) -> dict[str, Any]:
+        key = f"admin:{method}"
+        call = self._calls.get(key)
+        if call is None:
+            call = self._open().unary_unary(f"/{ADMIN_SERVICE}/{method}", request_serializer=_json_bytes,
+                                            response_deserializer=_json_reply)
+            self._calls[key] = call
+        deadline_ms = timeout_ms or self.timeout_ms
+        try:
+            reply = await call(body, timeout=deadline_ms / 1000, metadata=self._metadata)
+        except grpc.aio.AioRpcError as e:
+            raise self._translate(method, e, deadline_ms) from None
+        return wire.admin_result(method, reply)
+
+    async def ping(self) -> None:
+        """One cheap admin round trip; raises `ServerUnavailable` while the server is not up."""
+        await self._admin("ListTopics", {})
+
+    # -- topics --------------------------------------------------------------------------------
+
+    async def create_topic(self, name: str, queue_count: int | None = None,
+                           message_types: Iterable[str] | None = None) -> TopicInfo:
+        body: dict[str, Any] = {"name": name}
+        if queue_count is not None:
+            body["queue_count"] = queue_count
+        if message_types is not None:
+            body["message_types"] = wire.message_type_names(message_types)
+        reply = await self._admin("CreateTopic", body)
+        return wire._shape("CreateTopic", lambda r: wire.topic_from_json(r["topic"]), reply)
+
+    async def list_topics(self) -> list[TopicInfo]:
+        return wire.topics_from_json(await self._admin("ListTopics", {}))
+
+    async def describe_topic(self, name: str) -> TopicDescription:
+        return wire.description_from_json(await self._admin("DescribeTopic", {"name": name}))
+
+    # -- timers --------------------------------------------------------------------------------
+
+    async def query(self, message_id: str, topic: str | None = None) -> list[TimerInfo]:
+        """What the server knows about a timer message (empty: no timer by that id)."""
+        body = {"message_id": message_id} if topic is None else {"message_id": message_id, "topic": topic}
+        return wire.statuses_from_json(await self._admin("QueryMessage", body))
+
+    async def query_key(self, key: str) -> list[TimerInfo]:
+        return wire.statuses_from_json(await self._admin("QueryMessage", {"key": key}))
+
+    async def cancel(self, topic: str, message_id: str) -> str:
+        """Cancel a pending timer message by id; returns the id. Raises `TimerAlreadyFired`,
+        `TimerNotFound`... when it is too late or unknown."""
+        reply = await self._admin("CancelMessage", {"topic": topic, "message_id": message_id})
+        return wire._shape("CancelMessage", lambda r: str(r["message_id"]), reply)
+
+    async def cancel_handle(self, recall_handle: str) -> str:
+        """Cancel by recall handle through the admin service (no topic needed)."""
+        reply = await self._admin("CancelMessage", {"recall_handle": recall_handle})
+        return wire._shape("CancelMessage", lambda r: str(r["message_id"]), reply)
+
+    async def recall(self, topic: str, handle: str) -> str:
+        """RocketMQ's RecallMessage: cancel a timer message by the handle its send returned."""
+        req = svc.RecallMessageRequest(topic=pb.Resource(name=topic), recall_handle=handle)
+        resp = await self._rpc("RecallMessage", req)
+        wire.check_status("RecallMessage", resp.status)
+        return resp.message_id
+
+    # -- observation ---------------------------------------------------------------------------
+
+    async def stats(self) -> dict[str, Any]:
+        reply = await self._admin("Stats", {})
+        return {k: v for k, v in reply.items() if k not in ("code", "message")}
+
+    async def read(self, topic: str, queue_id: int, offset: int, max_messages: int = 32) -> ReadResult:
+        """Messages of one queue from a logical offset, without consuming them."""
+        body = {"topic": topic, "queue_id": queue_id, "offset": offset, "max_messages": max_messages}
+        return wire.read_from_json(await self._admin("ReadMessages", body))
+
+
+class AsyncProducer(AsyncAdmin):
+    """Sends normal and timer messages; recalls and cancels timer messages."""
+
+    def __init__(self, server: str | None = None, *, timeout_ms: int = DEFAULT_TIMEOUT_MS,
+                 send_attempts: int = DEFAULT_SEND_ATTEMPTS, max_batch: int = DEFAULT_MAX_BATCH,
+                 batch_via: str = "admin", tls: bool = False, root_certificates: bytes | None = None) -> None:
+        super().__init__(server, timeout_ms=timeout_ms, tls=tls, root_certificates=root_certificates)
+        if send_attempts < 1:
+            raise InvalidArgument("send_attempts", send_attempts, "at least 1")
+        if max_batch < 1:
+            raise InvalidArgument("max_batch", max_batch, "at least 1")
+        if batch_via not in ("grpc", "admin"):
+            raise InvalidArgument("batch_via", batch_via, "'grpc' (SendMessage) or 'admin' (SendBatch)")
+        self.send_attempts = send_attempts
+        self.max_batch = max_batch
+        self.batch_via = batch_via
+
+    async def __aenter__(self) -> AsyncProducer:
+        self._open()
+        return self
+
+    async def send(self, topic: str, body: bytes | str, *, deliver_at: datetime | int | None = None,
+                   delay: timedelta | int | None = None, delay_level: int | None = None, tag: str | None = None,
+                   keys: str | Iterable[str] = (), properties: Mapping[str, str] | None = None,
+                   message_id: str | None = None, message_group: str | None = None) -> SendReceipt:
+        """Store one message; returns once the server has made it durable.
+
+        At most one of `deliver_at` (timezone-aware datetime, or ms since the epoch), `delay`
+        (timedelta or ms, added by the server's clock) and `delay_level` (RocketMQ 4 level)."""
+        msg = wire.outgoing(topic, body, deliver_at=deliver_at, delay=delay, delay_level=delay_level, tag=tag,
+                            keys=keys, properties=properties, message_id=message_id, message_group=message_group)
+        result = (await self._with_retries(self._send_grpc, [msg]))[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    async def send_batch(self, messages: Sequence[OutgoingMessage]) -> list[SendReceipt]:
+        """Store many messages (build each with `chronoq.client.outgoing(...)`), `max_batch` per
+        request, in order.
+
+        `batch_via="admin"` (the default) uses the admin service's SendBatch: the server judges
+        each message alone, and if any is refused `BatchSendError` carries a receipt or an error
+        for every message while the others are stored. `batch_via="grpc"` sends RocketMQ's
+        SendMessage with many messages: one malformed message refuses its whole request (raised
+        as that message's error; earlier requests stay stored). SendBatch is the default because
+        it was as fast or faster in `bench/bench_sdk.py` (100-byte bodies, batches of 256: about
+        6,700 vs 5,500 timer messages/s, interleaved runs on a loaded 2-core machine) and costs
+        the client less CPU (JSON encoding beats building protobuf objects in Python); with large
+        bodies base64's third more bytes may tip it the other way."""
+        send = self._send_grpc if self.batch_via == "grpc" else self._send_admin
+        results: list[SendReceipt | Exception] = []
+        for start in range(0, len(messages), self.max_batch):
+            results.extend(await self._with_retries(send, list(messages[start:start + self.max_batch])))
+        outcome = BatchOutcome(tuple(results))
+        if outcome.errors:
+            raise BatchSendError(outcome)
+        return outcome.receipts
+
+    async def _with_retries(self, send: Any, msgs: list[OutgoingMessage]) -> list[SendReceipt | Exception]:
+        """Send, then resend only the messages whose failure was retriable (same ids)."""
+        results: list[SendReceipt | Exception | None] = [None] * len(msgs)
+        pending = list(range(len(msgs)))
+        for attempt in range(self.send_attempts):
+            if attempt:
+                await asyncio.sleep(RETRY_BACKOFF_MS * 2 ** (attempt - 1) / 1000)
+            try:
+                got = await send([msgs[i] for i in pending])
+            except core.ChronoqError as e:
+                if not e.retriable or attempt == self.send_attempts - 1:
+                    raise
+                continue
+            for i, r in zip(pending, got, strict=True):
+                results[i] = r
+            pending = [i for i in pending if isinstance(results[i], Exception) and results[i].retriable]  # type: ignore[union-attr]
+            if not pending:
+                break
+        return [r if r is not None else ProtocolViolation("send", "no result") for r in results]
+
+    async def _send_grpc(self, msgs: list[OutgoingMessage]) -> list[SendReceipt | core.ChronoqError]:
+        now_ms = self._clock.now_ms()
+        req = svc.SendMessageRequest(messages=[wire.encode_message(m, now_ms) for m in msgs])
+        resp = await self._rpc("SendMessage", req)
+        if len(resp.entries) != len(msgs):
+            # A request-level refusal comes without entries; it applies to every message.
+            wire.check_status("SendMessage", resp.status)
+            raise ProtocolViolation("SendMessage", f"{len(resp.entries)} result entries for {len(msgs)} messages")
+        return [wire.decode_send_entry(e, m) for e, m in zip(resp.entries, msgs, strict=True)]
+
+    async def _send_admin(self, msgs: list[OutgoingMessage]) -> list[SendReceipt | core.ChronoqError]:
+        reply = await self._admin("SendBatch", {"messages": [wire.outgoing_to_json(m) for m in msgs]})
+        entries = reply.get("results")
+        if not isinstance(entries, list) or len(entries) != len(msgs):
+            raise ProtocolViolation("SendBatch", f"expected {len(msgs)} results")
+        return [wire.send_result_from_json(e, m) if isinstance(e, dict)
+                else ProtocolViolation("SendBatch", "result entry is not an object")
+                for e, m in zip(entries, msgs, strict=True)]
+
+
+class AsyncConsumer(AsyncAdmin):
+    """A RocketMQ 5 simple consumer of one topic in one group: receive, ack, change_invisible."""
+
+    def __init__(self, group: str, topic: str, *, filter_expression: str = "*", server: str | None = None,
+                 timeout_ms: int = DEFAULT_TIMEOUT_MS, tls: bool = False,
+                 root_certificates: bytes | None = None) -> None:
+        super().__init__(server, timeout_ms=timeout_ms, tls=tls, root_certificates=root_certificates)
+        self.group = group
+        self.topic = topic
+        self.filter_expression = filter_expression
+        self._queues: list[pb.MessageQueue] = []
+        self._next_queue = 0
+
+    async def __aenter__(self) -> AsyncConsumer:
+        self._open()
+        return self
+
+    async def _queue(self) -> pb.MessageQueue:
+        """Queues round-robin, as the official clients do (the route is fetched once)."""
+        if not self._queues:
+            endpoints = pb.Endpoints(scheme=pb.IPv4, addresses=[pb.Address(host=self._host, port=self._port)])
+            resp = await self._rpc("QueryRoute", svc.QueryRouteRequest(topic=pb.Resource(name=self.topic),
+                                                                        endpoints=endpoints))
+            wire.check_status("QueryRoute", resp.status)
+            self._queues = [q for q in resp.message_queues if q.permission in (pb.READ, pb.READ_WRITE)]
+            if not self._queues:
+                raise ProtocolViolation("QueryRoute", f"no readable queue for topic {self.topic!r}")
+        q = self._queues[self._next_queue % len(self._queues)]
+        self._next_queue += 1
+        return q
+
+    async def receive(self, max_messages: int = 32, *, invisible: timedelta | int | None = None,
+                      wait: timedelta | int = 0) -> list[ReceivedMessage]:
+        """Up to `max_messages` visible messages, hidden from others for `invisible` (the server's
+        default if None) until acked. `wait` long-polls: the server holds the call that long when
+        nothing is visible. Returns [] when nothing arrived."""
+        if max_messages < 1:
+            raise InvalidArgument("max_messages", max_messages, "at least 1")
+        wait_ms = wire.duration_to_ms("wait", wait)
+        req = svc.ReceiveMessageRequest(
+            group=pb.Resource(name=self.group), message_queue=await self._queue(),
+            filter_expression=pb.FilterExpression(type=pb.TAG, expression=self.filter_expression),
+            batch_size=max_messages, auto_renew=False, long_polling_timeout=wire.ms_to_duration(wait_ms),
+        )
+        if invisible is not None:
+            req.invisible_duration.CopyFrom(wire.ms_to_duration(wire.duration_to_ms("invisible", invisible)))
+        deadline_ms = self.timeout_ms + wait_ms
+        out: list[ReceivedMessage] = []
+        try:
+            async for resp in self._method("ReceiveMessage")(req, timeout=deadline_ms / 1000, metadata=self._metadata):
+                which = resp.WhichOneof("content")
+                if which == "status":
+                    if resp.status.code == MESSAGE_NOT_FOUND:
+                        continue
+                    wire.check_status("ReceiveMessage", resp.status)
+                elif which == "message":
+                    out.append(wire.decode_received(resp.message, self._clock.now_ms()))
+        except grpc.aio.AioRpcError as e:
+            raise self._translate("ReceiveMessage", e, deadline_ms) from None
+        return out
+
+    async def ack(self, msg: ReceivedMessage, *more: ReceivedMessage) -> None:
+        """Acknowledge: the message(s) will not be delivered to this group again. Several messages
+        go in one request; the server judges each, so if one handle is refused (expired, say) the
+        others are still acked and the first refusal is raised."""
+        entries = [svc.AckMessageEntry(message_id=m.message_id, receipt_handle=m.receipt_handle) for m in (msg, *more)]
+        req = svc.AckMessageRequest(group=pb.Resource(name=self.group), topic=pb.Resource(name=msg.topic),
+                                    entries=entries)
+        resp = await self._rpc("AckMessage", req)
+        for entry in resp.entries:
+            wire.check_status("AckMessage", entry.status)
+        wire.check_status("AckMessage", resp.status)
+
+    async def change_invisible(self, msg: ReceivedMessage, invisible: timedelta | int) -> str:
+        """Hide the message for `invisible` from now (0 < invisible: extend; short: redeliver soon).
+        Returns the new receipt handle and stores it in `msg`, so `ack(msg)` keeps working."""
+        ms = wire.duration_to_ms("invisible", invisible)
+        req = svc.ChangeInvisibleDurationRequest(
+            group=pb.Resource(name=self.group), topic=pb.Resource(name=msg.topic),
+            receipt_handle=msg.receipt_handle, invisible_duration=wire.ms_to_duration(ms), message_id=msg.message_id,
+        )
+        resp = await self._rpc("ChangeInvisibleDuration", req)
+        wire.check_status("ChangeInvisibleDuration", resp.status)
+        if not resp.receipt_handle:
+            raise ProtocolViolation("ChangeInvisibleDuration", "no new receipt handle")
+        msg.receipt_handle = resp.receipt_handle
+        return resp.receipt_handle

@@ -1,0 +1,137 @@
+"""The values the SDK hands back: send receipts, received messages, timer status, topics.
+
+Theory of operation: plain dataclasses, built by `chronoq.client.wire` from what the server
+sent, with no I/O. They differ from `chronoq.model`'s nouns because a remote client sees less
+than the broker does (no commit-log position, no record size) and a little more (the digest
+check, the time the client received the message). Outgoing messages *are* shared: a batch is a
+sequence of `chronoq.model.OutgoingMessage`, built with `chronoq.client.wire.outgoing()`.
+
+`ReceivedMessage` is the one mutable value: `change_invisible` replaces its receipt handle in
+place (as the official clients do) so a later `ack(msg)` uses the handle that is still valid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class SendReceipt:
+    """The server's acknowledgement of one stored message."""
+
+    message_id: str
+    topic: str
+    offset: int
+    """Queue offset the message was stored at (for timer messages: its offset in the timer topic)."""
+    recall_handle: str | None = None
+    """Set for timer messages: pass to `recall(topic, handle)` to cancel before it fires."""
+    deliver_at_ms: int | None = None
+    """When a timer message is due (ms since the epoch), if the server said so."""
+    queue_id: int | None = None
+    duplicate: bool = False
+    """True when the server had already stored this message id (an idempotent retry)."""
+
+
+@dataclass(slots=True)
+class ReceivedMessage:
+    message_id: str
+    topic: str
+    body: bytes
+    tag: str
+    keys: tuple[str, ...]
+    properties: Mapping[str, str]
+    queue_id: int
+    queue_offset: int
+    born_ms: int | None
+    store_ms: int | None
+    deliver_at_ms: int | None
+    """The due time of a timer message; None for a normal message."""
+    receipt_handle: str
+    delivery_attempt: int
+    invisible_duration_ms: int | None
+    received_ms: int
+    """The client's clock when the message arrived: `received_ms - deliver_at_ms` is how late it was."""
+    body_digest_ok: bool | None = None
+    """True/False: the body matched/did not match the server's digest; None: no digest was sent."""
+
+    @property
+    def lateness_ms(self) -> int | None:
+        """How long after its due time a timer message reached this client (None if not a timer)."""
+        if self.deliver_at_ms is None:
+            return None
+        return self.received_ms - self.deliver_at_ms
+
+
+@dataclass(frozen=True, slots=True)
+class TimerInfo:
+    """What the server knows about one timer message (`query`)."""
+
+    message_id: str
+    topic: str
+    state: str
+    """pending, delivered or cancelled."""
+    deliver_at_ms: int
+    accepted_ms: int
+    fired_ms: int | None = None
+    cancelled_ms: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TopicInfo:
+    name: str
+    queue_count: int
+    message_types: tuple[str, ...]
+    created_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class QueueInfo:
+    queue_id: int
+    min_offset: int
+    max_offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class TopicDescription:
+    topic: TopicInfo
+    queues: tuple[QueueInfo, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StoredRecord:
+    """One message read by offset (`read`), as the commit log holds it."""
+
+    message_id: str
+    topic: str
+    queue_id: int
+    queue_offset: int
+    tag: str
+    keys: tuple[str, ...]
+    properties: Mapping[str, str]
+    system_properties: Mapping[str, str]
+    body: bytes
+    born_ms: int
+    store_ms: int
+    deliver_at_ms: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class ReadResult:
+    messages: tuple[StoredRecord, ...]
+    next_offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class BatchOutcome:
+    """Per-message results of `send_batch`, in request order: a receipt or the error for it."""
+
+    results: tuple[SendReceipt | Exception, ...] = field(default_factory=tuple)
+
+    @property
+    def receipts(self) -> list[SendReceipt]:
+        return [r for r in self.results if isinstance(r, SendReceipt)]
+
+    @property
+    def errors(self) -> list[tuple[int, Exception]]:
+        return [(i, r) for i, r in enumerate(self.results) if isinstance(r, Exception)]

@@ -1,0 +1,143 @@
+"""`chronoq send | consume | show | cancel | topics | stats` against a real `chronoq serve`.
+
+The commands run in this process (their output captured), the server in its own. The parser is
+built from the three client-side command modules directly, so the test does not depend on
+`COMMAND_MODULES` listing them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import re
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from chronoq.cli import messages, stats, topics
+from chronoq.client.testing import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+_names = itertools.count()
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="chronoq")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module in (messages, topics, stats):
+        module.register(sub)
+    return parser
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    data = Path(tmp_path_factory.mktemp("chronoq-cli")) / "data"
+    with ServerProcess(data, settings={"auto_create_topics": False}) as proc:
+        yield proc.address
+
+
+Run = Callable[..., tuple[int, str, str]]
+
+
+@pytest.fixture
+def run(server: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Run:
+    # The server address comes from the environment, as a user would set it.
+    monkeypatch.setenv("CHRONOQ_SERVER", server)
+
+    def call(*argv: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        args = _parser().parse_args(list(argv))
+        code = args.func(args)
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return call
+
+
+def fresh(prefix: str) -> str:
+    return f"{prefix}-{next(_names)}-{int(time.time() * 1000) % 100000}"
+
+
+def test_topics_create_list_describe(run: Run) -> None:
+    topic = fresh("cli-topic")
+    code, out, _ = run("topics", "create", topic, "--queues", "3", "--types", "normal,delay")
+    assert code == 0 and f"created topic {topic}: 3 queues" in out and "NORMAL, DELAY" in out
+    code, out, _ = run("topics", "list")
+    assert code == 0 and topic in out
+    run("send", topic, "one")
+    code, out, _ = run("topics", "describe", topic)
+    assert code == 0 and "3 queues" in out
+    rows = [line for line in out.splitlines() if re.match(r"^\W*\d+\s*\W+\s*\d+", line)]
+    assert len(rows) == 3
+    code, _, err = run("topics", "create", topic)
+    assert code == 1 and "TopicExists" in err
+
+
+def test_send_in_show_consume_reports_lateness(run: Run) -> None:
+    topic = fresh("cli-timer")
+    run("topics", "create", topic)
+    code, out, _ = run("send", topic, "ping", "--in", "3s", "--tag", "t1", "--key", "order-7", "--prop", "a=b")
+    assert code == 0
+    message_id = re.search(r"sent (\S+) to", out).group(1)
+    assert "due at" in out and "recall handle:" in out
+    code, out, _ = run("show", message_id)
+    assert code == 0 and "pending" in out and topic in out
+    code, out, err = run("consume", topic, "--group", "cli", "--count", "1", "--wait")
+    assert code == 0 and message_id in out and "tag=t1" in out and "keys=order-7" in out
+    late = re.search(r"late\s", out)
+    assert late and "ping" in out
+    lateness = re.search(r", (-?[\d.]+)(ms|s) late", out)
+    assert lateness and not lateness.group(1).startswith("-")  # never early
+    assert "1 message(s) consumed" in err
+    code, out, _ = run("show", message_id)
+    assert code == 0 and "delivered" in out
+    # Acked: nothing left for the group.
+    code, out, err = run("consume", topic, "--group", "cli")
+    assert code == 0 and "0 message(s)" in err
+
+
+def test_cancel_by_handle_and_by_id(run: Run) -> None:
+    topic = fresh("cli-cancel")
+    run("topics", "create", topic)
+    future_ms = int(time.time() * 1000) + 3_600_000
+    _, out, _ = run("send", topic, "a", "--at", str(future_ms))
+    handle = re.search(r"recall handle: (\S+)", out).group(1)
+    id_a = re.search(r"sent (\S+) to", out).group(1)
+    _, out, _ = run("send", topic, "b", "--at", "2099-01-01T00:00:00+00:00")
+    assert "error" not in out
+    code, out, err = run("send", topic, "c", "--in", "10m")
+    id_c = re.search(r"sent (\S+) to", out).group(1)
+    assert run("cancel", "--handle", handle)[1].strip() == f"cancelled {id_a}"
+    assert run("cancel", "--topic", topic, "--id", id_c)[1].strip() == f"cancelled {id_c}"
+    code, out, _ = run("show", id_a)
+    assert code == 0 and "cancelled" in out
+    code, _, err = run("cancel", "--topic", topic, "--id", id_c)
+    assert code == 1 and "already cancelled" in err
+    assert run("cancel", "--topic", topic)[0] == 2
+
+
+def test_errors_are_one_line_and_exit_1(run: Run) -> None:
+    code, _, err = run("send", fresh("missing"), "x")
+    assert code == 1 and "TopicNotFound" in err and "code 40402" in err
+    code, _, err = run("show", "0123456789ABCDEF")
+    assert code == 1 and "no timer message" in err
+    with pytest.raises(SystemExit):
+        run("send", "t", "x", "--in", "soon")
+
+
+def test_stats_tables_and_json(run: Run) -> None:
+    topic = fresh("cli-stats")
+    run("topics", "create", topic)
+    run("send", topic, "x", "--in", "1h")
+    code, out, _ = run("stats", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert isinstance(doc, dict) and doc
+    code, out, _ = run("stats")
+    assert code == 0
+    for key in doc:
+        assert str(key) in out

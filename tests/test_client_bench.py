@@ -1,0 +1,39 @@
+"""`bench/bench_sdk.py` in miniature, so the SDK benchmark cannot rot.
+
+Runs the script as a user would (its own process, which starts `chronoq serve` and, for the
+official client's runs, another process) with tiny counts, and checks the JSON it writes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = [pytest.mark.slow, pytest.mark.interop]
+
+
+def test_bench_sdk_small_run(tmp_path: Path) -> None:
+    out = tmp_path / "sdk.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_sdk.py"), "--messages", "300", "--single", "30",
+         "--official", "30", "--delivery", "60", "--batch", "64", "--window", "8", "--lead-ms", "2000",
+         "--spread-ms", "500", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    for key in ("sdk_batch_grpc", "sdk_batch_admin", "sdk_single_sequential", "sdk_single_window",
+                "official_sync", "official_async"):
+        assert "error" not in doc[key], doc[key].get("error", "")[-2000:]
+        assert doc[key]["per_second"] > 0
+    delivery = doc["delivery"]
+    assert delivery["received"] == delivery["messages"] == 60
+    assert delivery["early"] == 0 and delivery["error_ms"]["min"] >= 0
+    assert delivery["broker_fire_error_ms"]["count"] == 60
+    assert "timer msgs/s" in proc.stdout
