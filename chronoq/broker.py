@@ -281,12 +281,16 @@ class Broker:
     def list_topics(self) -> list[TopicConfig]:
         return sorted((t for t in self.store.topics.values() if not is_system_topic(t.name)), key=lambda t: t.name)
 
-    def _topic_for(self, name: str) -> TopicConfig:
+    def _topic_for(self, name: str, *, create: bool = True) -> TopicConfig:
         topic = self.store.topics.get(name)
         if topic is not None:
             return topic
         if not self.config.auto_create_topics:
             raise TopicNotFound(name)
+        if not create:
+            # The topic auto-create would make; send_batch creates it only once a message to it
+            # is accepted, so a refused message leaves no topic behind.
+            return TopicConfig(name, self.config.default_queue_count, ALL_MESSAGE_TYPES, self.clock.now_ms())
         return self.store.create_topic(name, self.config.default_queue_count, ALL_MESSAGE_TYPES,
                                        self.clock.now_ms(), exist_ok=True)
 
@@ -317,8 +321,8 @@ class Broker:
         for i, msg in enumerate(msgs):
             try:
                 prepared, timer = prepare(msg, self.config, now, self.timer.levels)
-                self._check_queue_id(prepared)
-                topic = self._topic_for(prepared.topic)
+                topic = self._topic_for(prepared.topic, create=False)
+                _check_queue_id(prepared, topic)
                 if prepared.message_type not in topic.message_types:
                     raise MessageTypeNotAccepted(topic.name, prepared.message_type.name,
                                                  sorted(t.name for t in topic.message_types))
@@ -343,6 +347,8 @@ class Broker:
             batch_keys[key] = len(to_write)
             to_write.append(prepared)
             slots.append((i, key, timer.deliver_at_ms if timer is not None else None))
+        for _, (topic_name, _), _ in slots:
+            self._topic_for(topic_name)
         futures = {key: asyncio.get_running_loop().create_future() for _, key, _ in slots}
         self._sending.update(futures)
         try:
@@ -368,18 +374,6 @@ class Broker:
             outcomes[i] = _as_duplicate(await fut)
         return outcomes
 
-    def _check_queue_id(self, msg: PreparedMessage) -> None:
-        """Refuse a queue id outside the topic (or outside the topic auto-create would make)
-        here, per message and before auto-create, so one bad message neither fails its batch
-        nor leaves a new topic behind."""
-        topic = self.store.topics.get(msg.topic)
-        if msg.queue_id is None or (topic is None and not self.config.auto_create_topics):
-            return  # no queue asked for, or TopicNotFound is the better answer
-        count = topic.queue_count if topic is not None else self.config.default_queue_count
-        if isinstance(msg.queue_id, bool) or not isinstance(msg.queue_id, int) or not 0 <= msg.queue_id < count:
-            from chronoq.errors import InvalidQueueId
-            raise InvalidQueueId(msg.topic, msg.queue_id, count)
-
     def _write_prepared(self, to_write: list[PreparedMessage], now: int) -> list[StoredMessage]:
         try:
             return self.store.append(to_write, now)
@@ -391,8 +385,10 @@ class Broker:
         topic, message_id = key
         if deliver_at_ms is None:
             return SendResult(message_id, topic, rec.queue_id, rec.queue_offset, rec.position)
-        return SendResult(message_id, topic, rec.queue_id, rec.queue_offset, rec.position, deliver_at_ms,
-                          encode_recall_handle(topic, deliver_at_ms, message_id))
+        # Only timers in the time index can be recalled and queried; a delay-level message waits
+        # in its level's queue (RocketMQ 4), which, as in RocketMQ 4, offers neither.
+        handle = encode_recall_handle(topic, deliver_at_ms, message_id) if rec.topic == TIMER_TOPIC else None
+        return SendResult(message_id, topic, rec.queue_id, rec.queue_offset, rec.position, deliver_at_ms, handle)
 
     def _expire_recent(self, now_ms: int) -> None:
         horizon = now_ms - self.config.dedupe_window_ms
@@ -542,6 +538,15 @@ class Broker:
                           "segments": len(log_.segments()), "fsyncs": log_.fsync_count},
             "timer": self.timer.stats(now),
         }
+
+
+def _check_queue_id(msg: PreparedMessage, topic: TopicConfig) -> None:
+    """A queue id outside the topic is refused per message, before anything is written (the
+    store would refuse it too, but for the whole batch)."""
+    qid = msg.queue_id
+    if qid is not None and (isinstance(qid, bool) or not isinstance(qid, int) or not 0 <= qid < topic.queue_count):
+        from chronoq.errors import InvalidQueueId
+        raise InvalidQueueId(topic.name, qid, topic.queue_count)
 
 
 def _as_duplicate(result: SendResult) -> SendResult:
