@@ -1,0 +1,137 @@
+"""The timer engine interface: what the broker asks of any time index.
+
+Theory of operation: a timer engine is *derived state of the commit log*. The broker appends
+every timer record, cancel tombstone, fired copy and rolled copy to the log first, and then
+applies them to the engine as an `IndexBatch` that also carries `indexed_position`, the
+exclusive end of the log range the batch covers. An engine applies a batch atomically (all of
+it with its `indexed_position`, or none of it), so after any crash the broker replays the log
+from `engine.indexed_position` and the engine converges to the same state. Nothing fires during
+that replay: the engine only answers `due(now_ms, limit)` when asked, and the broker asks only
+once recovery is done.
+
+The engine never reads the clock. `due` and `metrics` take `now_ms`; `next_deadline_ms()` tells
+the broker's loop how long to sleep.
+
+Three engines are planned behind this `Protocol`: the RocksDB time index (`timer/index.py`,
+the default), a RIP-43 file wheel and a Spark pipeline. They share the value types below and
+`timer/metrics.py`, and run the same tests.
+
+Within one batch the engine applies adds, then rolls, then fired marks, then cancels. That is
+the order the log imposes on records about the *same* timer (a timer record precedes anything
+that refers to it), and where a cancel and a fired copy for one timer meet in the same batch the
+fired copy wins: it is in the log, so consumers can see the message, and calling it cancelled
+would lie.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from chronoq.errors import ServerError
+
+if TYPE_CHECKING:
+    from chronoq.model import TimerStatus
+    from chronoq.timer.metrics import TimerMetricsSnapshot
+
+
+@dataclass(frozen=True, slots=True)
+class TimerEntry:
+    """One pending timer as the engine keeps it."""
+
+    deliver_at_ms: int
+    """Due time, already rounded UP to `timer_precision_ms` by the broker."""
+    position: int
+    """Commit-log position of the timer record: unique, and the acceptance order."""
+    size: int
+    """Record size in bytes."""
+    message_id: str
+    topic: str
+    """The real topic (not the system timer topic)."""
+    accepted_ms: int
+    """When the broker stored the timer record."""
+    keys: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class IndexBatch:
+    """Log records to apply atomically, with the log position they bring the index to."""
+
+    adds: Sequence[TimerEntry] = ()
+    cancels: Sequence[tuple[str, str, int]] = ()
+    """(topic, message_id, cancelled_ms). Cancels every pending timer with that id on that topic."""
+    fired: Sequence[tuple[int, int]] = ()
+    """(timer record position, fired_ms): the fired copy became visible at fired_ms."""
+    rolled: Sequence[tuple[int, TimerEntry]] = ()
+    """(old position, entry at its new position; same message id, topic and due time)."""
+    indexed_position: int = 0
+    """Exclusive end of the log range this batch covers. Must not be below the engine's."""
+    applied_ms: int | None = None
+    """When the broker applies a live batch (feeds the enqueue-lag histogram). None on replay:
+    a record replayed after a restart did not wait in any queue, and counting its age as lag
+    would drown the live numbers."""
+
+
+class IndexPositionWentBack(ServerError):
+    """A batch claimed to cover less of the log than the engine already does. Applying batches
+    out of log order could persist a position past a batch that was never applied, and a
+    restart would then skip its timers; so the engine refuses and changes nothing."""
+
+    def __init__(self, indexed_position: int, batch_position: int) -> None:
+        super().__init__(
+            f"index batch ends at log position {batch_position}, but the index already covers "
+            f"the log up to {indexed_position}; batches must be applied in log order",
+            indexed_position=indexed_position, batch_position=batch_position,
+        )
+
+
+class TimerEngine(Protocol):
+    @property
+    def indexed_position(self) -> int:
+        """Exclusive end of the commit-log range applied so far; never decreases."""
+        ...
+
+    def apply(self, batch: IndexBatch) -> None:
+        """Apply `batch` atomically. Replaying a batch already applied changes nothing."""
+        ...
+
+    def due(self, now_ms: int, limit: int) -> list[TimerEntry]:
+        """Up to `limit` pending entries with `deliver_at_ms <= now_ms`, ordered by
+        (deliver_at_ms, position). Does not change what is pending: the broker marks them
+        fired by applying their fired copies."""
+        ...
+
+    def next_deadline_ms(self) -> int | None:
+        """The earliest pending due time, or None. O(1): cached, kept true by `apply`."""
+        ...
+
+    def lookup(self, topic: str, message_id: str) -> TimerStatus | None:
+        """The newest timer with this id on this topic (by log position), or None."""
+        ...
+
+    def lookup_id(self, message_id: str) -> list[TimerStatus]:
+        """The newest timer with this id on each topic, ordered by topic."""
+        ...
+
+    def lookup_key(self, key: str) -> list[TimerStatus]:
+        """The newest timer of each (topic, message id) that carries `key`, in log order."""
+        ...
+
+    def slot_count(self, slot_s: int) -> int:
+        """Pending timers due within second `slot_s` (deliver_at_ms // 1000 == slot_s)."""
+        ...
+
+    def pending_in(self, start_position: int, end_position: int) -> list[TimerEntry]:
+        """Pending entries whose timer record lies in [start_position, end_position), in log
+        order: what must be rolled forward before that stretch of log is deleted."""
+        ...
+
+    def metrics(self, now_ms: int) -> TimerMetricsSnapshot: ...
+
+    def prune_history(self, before_ms: int) -> int:
+        """Forget delivered/cancelled statuses whose fired/cancelled time is before
+        `before_ms`; returns how many were forgotten. Pending timers are never pruned."""
+        ...
+
+    def close(self) -> None: ...

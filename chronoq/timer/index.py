@@ -1,0 +1,663 @@
+"""The default timer engine: a durable time index in RocksDB (rocksdict).
+
+Theory of operation
+-------------------
+The index is derived state of the commit log (see `timer/engine.py`): every change arrives as
+an `IndexBatch` the broker built from log records, and is written as ONE RocksDB WriteBatch
+together with the new `indexed_position` and every counter it moves. After any crash the index
+is exactly as of some applied batch, and the broker replays the log from `indexed_position`.
+Applying a record twice changes nothing (an add of a known position is a no-op, a fired mark
+for a position no longer pending is ignored), so replay may overlap what was applied.
+
+Pending timers live in the `time` column family, ordered by (due time, log position): the head
+is the next timer to fire, and timers due in the same millisecond come out in acceptance order.
+A timer's facts live in `id` under (message id, topic, position), so a query or cancel by id is
+a prefix scan; its state (pending, rolled, delivered or cancelled, and when) lives in `pos` under
+its position, the only thing a fired mark names. Firing a timer thus rewrites one `pos` row and
+touches no `id` row, and a delivered or cancelled timer is known until `prune_history` forgets
+it. The message id comes first in `id` keys (not the topic) so that `lookup_id` finds an id on
+every topic with one prefix scan; the position last lets one id recur on a topic (a reused id,
+or a retry) without two timers sharing a key. Every timer ever applied keeps its `pos` row until
+pruned, so "was this record applied before?" (replay) is one read.
+
+Counters (pending per second, grouped one key per minute; pending per hour; pending per topic)
+are kept in `counters` and mirrored in memory, so `slot_count`, per-topic counts and the
+pending-by-due buckets never scan the pending entries. Grouping the seconds of a minute in one
+value makes a batch of timers spread over hours rewrite one counter per minute it touches rather
+than one per second, and the whole mirror stays small: a 30-day horizon is at most 43,200
+minutes of 240 bytes, loaded at open.
+
+Durability: writes use the WAL without fsync (WriteOptions sync=False, WAL on). A process crash
+(SIGKILL) loses nothing, because each batch is in the OS page cache once `write` returns. A
+power loss may lose the last batches; RocksDB's point-in-time WAL recovery then opens the index
+as of an earlier batch, with the matching earlier `indexed_position`, and the broker replays the
+log from there. That costs replay time, never a timer. (The broker must still check that
+`indexed_position` is not past the end of its own log after a power loss, and rebuild if so.)
+
+A missing column family, a missing or foreign format version, or an undecodable value raises
+`TimerIndexCorrupt`; the broker then calls `RocksTimerIndex.destroy(path)` and rebuilds the index
+by replaying the log from position 0.
+
+This module owns the database, its lifecycle and the queries; `index_txn.py` turns one batch
+into one WriteBatch; `index_codec.py` holds the encoders for the layouts below. Only the
+broker's timer task calls in (single-threaded; nothing here takes a lock or reads the clock).
+
+Byte layouts (format version 1; all integers big-endian; str = u16 length + UTF-8 bytes)
+------------------------------------------------------------------------------------------
+column family `time` (pending timers only):
+    key   = deliver_at_ms u64 | position u64                                  (16 bytes)
+    value = version u8 (=1) | position u64 | size u32 | accepted_ms i64
+            | message_id str | topic str | key_count u16 | key str * key_count
+column family `id` (every timer's fixed facts, until pruned; its state is in `pos`):
+    key   = message_id str | topic str | position u64
+    value = version u8 (=1) | deliver_at_ms i64 | size u32 | accepted_ms i64
+            | key_count u16 | key str * key_count
+column family `key` (message key -> timers carrying it):
+    key   = message key str | position u64
+    value = the `id` key of that timer
+column family `pos` (log position -> what became of the timer recorded there, until pruned):
+    key   = position u64
+    value = kind u8 = 1 (pending)     | deliver_at_ms i64 | the `id` key (rest of the value)
+          | kind u8 = 2 (rolled away) | new position u64 | deliver_at_ms i64
+          | kind u8 = 3 (done)        | state u8 (2 delivered, 3 cancelled) | done_ms i64
+column family `history` (what `prune_history` may forget, in time order):
+    key   = done_ms u64 | position u64      (done_ms = fired/cancelled ms; due time for kind 2)
+    value = kind u8 = 1 (finished timer: its `id`, `key` and `pos` rows go) | the `id` key
+          | kind u8 = 2 (roll redirect: its `pos` row at that position goes)
+column family `counters`:
+    b"m" | minute u64  -> u32 * 60: pending due in each second of that minute
+                          (second s is in minute s // 60, at index s % 60)
+    b"h" | hour u64    -> i64 pending due in that hour
+    b"t" | topic UTF-8 -> i64 pending on that topic
+    (a counter, or a minute of zeros, that reaches 0 is deleted)
+column family `meta`:
+    b"format_version"   -> u32 (=1)
+    b"indexed_position" -> u64
+    b"head_floor"       -> a `time` key at or below every pending timer (empty: none pending);
+                           open seeks the head from there, not through fired timers' tombstones
+(RocksDB's own `default` column family exists and stays empty.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import struct
+from array import array
+from collections.abc import Iterator
+from pathlib import Path
+
+from rocksdict import (
+    BlockBasedOptions,
+    Cache,
+    DBRecoveryMode,
+    Options,
+    Rdict,
+    ReadOptions,
+    WriteBatch,
+    WriteOptions,
+)
+
+from chronoq.errors import DataDirLocked, ServerError
+from chronoq.model import TimerStatus
+from chronoq.timer.engine import IndexBatch, IndexPositionWentBack, TimerEntry
+from chronoq.timer.index_codec import (
+    CF_COUNTERS,
+    CF_HISTORY,
+    CF_ID,
+    CF_KEY,
+    CF_META,
+    CF_POS,
+    CF_TIME,
+    COLUMN_FAMILIES,
+    HIST_REDIRECT,
+    HIST_STATUS,
+    HISTORY_KEY,
+    I64,
+    MAX_STR_BYTES,
+    META_FORMAT_VERSION,
+    META_HEAD_FLOOR,
+    META_INDEXED_POSITION,
+    POS_DONE,
+    POS_PENDING,
+    POS_ROLLED,
+    TIME_KEY,
+    U32,
+    U64,
+    MalformedValue,
+    decode_entry,
+    decode_minute_slots,
+    decode_pos_pending,
+    decode_status,
+    facts_keys,
+    id_prefix,
+    key_cf_key,
+    pack_str,
+    prefix_end,
+    time_key,
+)
+from chronoq.timer.index_txn import IndexTxn
+from chronoq.timer.metrics import TimerLatencies, TimerMetricsSnapshot, pending_by_due
+
+FORMAT_VERSION = 1
+
+
+_PRUNE_CHUNK = 10_000
+_HANDED_LIMIT = 1_000_000
+"""`due()` remembers at most this many handed-out timers (see `_handed`)."""
+
+
+class TimerIndexCorrupt(ServerError):
+    """The timer index at `path` is missing, damaged or of another format version. It is
+    derived state: destroy it (`RocksTimerIndex.destroy`) and rebuild it from the commit log."""
+
+    def __init__(self, path: str | Path, reason: str) -> None:
+        super().__init__(f"timer index at {path} cannot be used: {reason}; rebuild it from the commit log",
+                         path=str(path), reason=reason)
+
+
+class TimerIndexClosed(ServerError):
+    def __init__(self, path: str | Path) -> None:
+        super().__init__(f"timer index at {path} is closed", path=str(path))
+
+
+_LIMIT_63 = 1 << 63
+_LIMIT_32 = 1 << 32
+_SHORT_STR = MAX_STR_BYTES // 4
+
+
+def _check_u63(what: str, value: int) -> None:
+    if type(value) is not int or not 0 <= value < _LIMIT_63:
+        raise ValueError(f"{what} must be an int in [0, 2**63), not {value!r}")
+
+
+def _check_entry(entry: TimerEntry, batch_end: int) -> None:
+    """Refuse an entry the layout cannot hold, before anything of its batch is written.
+    (`type(x) is int` keeps bools and floats out; it is also the cheapest test, and this runs
+    for every timer.)"""
+    d, p, s, a = entry.deliver_at_ms, entry.position, entry.size, entry.accepted_ms
+    if (type(d) is int and type(p) is int and type(s) is int and type(a) is int
+            and 0 <= d < _LIMIT_63 and 0 <= p < batch_end and 0 <= s < _LIMIT_32 and -_LIMIT_63 <= a < _LIMIT_63):
+        # A str of <= 16383 characters is <= 65535 UTF-8 bytes, so the usual case costs a len().
+        if len(entry.message_id) > _SHORT_STR or len(entry.topic) > _SHORT_STR or entry.keys:
+            for text in (entry.message_id, entry.topic, *entry.keys):
+                if len(text) > _SHORT_STR and len(text.encode()) > MAX_STR_BYTES:
+                    raise ValueError(f"a TimerEntry string of {len(text.encode())} UTF-8 bytes does not fit "
+                                     f"the index (limit {MAX_STR_BYTES})")
+            if len(entry.keys) > MAX_STR_BYTES:
+                raise ValueError(f"{len(entry.keys)} keys do not fit the index (limit {MAX_STR_BYTES})")
+        return
+    if type(p) is int and p >= batch_end:
+        raise ValueError(f"TimerEntry.position {p} is not inside the batch's log range (it ends at {batch_end})")
+    raise ValueError(f"TimerEntry fields out of range or not int: deliver_at_ms={d!r} position={p!r} "
+                     f"size={s!r} accepted_ms={a!r}")
+
+
+# --- RocksDB options ----------------------------------------------------------------------------
+
+
+def _db_options(create: bool) -> Options:
+    opts = Options(raw_mode=True)
+    opts.create_if_missing(create)
+    opts.create_missing_column_families(create)
+    # Point-in-time: after a power loss, recover to the last intact batch and stop there; an
+    # older consistent index plus a replay beats a hole in the middle.
+    opts.set_wal_recovery_mode(DBRecoveryMode.point_in_time())
+    opts.set_paranoid_checks(True)
+    opts.set_max_background_jobs(2)
+    opts.set_db_write_buffer_size(96 * 1024 * 1024)
+    opts.set_max_total_wal_size(128 * 1024 * 1024)
+    opts.set_keep_log_file_num(3)
+    return opts
+
+
+BLOCK_CACHE_BYTES = 32 * 1024 * 1024
+"""One block cache shared by all column families of an index (RocksDB would otherwise give each
+its own), so memory stays flat however many timers are pending."""
+
+
+def _cf_options(name: str, cache: Cache) -> Options:
+    opts = Options(raw_mode=True)
+    table = BlockBasedOptions()
+    table.set_block_cache(cache)
+    if name != CF_TIME:
+        # Point lookups (is this position known? this counter?) dominate; a bloom filter makes
+        # the usual miss cost no disk read.
+        table.set_bloom_filter(10, False)
+    opts.set_block_based_table_factory(table)
+    if name == CF_TIME:
+        # The time order is a queue: fired timers leave tombstones at its head. Compact files
+        # that are mostly tombstones so seeking the head stays cheap.
+        opts.add_compact_on_deletion_collector_factory(4096, 2048, 0.5)
+    if name in (CF_TIME, CF_ID, CF_POS):
+        opts.set_write_buffer_size(8 * 1024 * 1024)
+    else:
+        opts.set_write_buffer_size(4 * 1024 * 1024)
+    return opts
+
+
+def _read_bounded(upper: bytes | None) -> ReadOptions:
+    ro = ReadOptions()
+    if upper is not None:
+        ro.set_iterate_upper_bound(upper)
+    return ro
+
+
+# --- the index ----------------------------------------------------------------------------------
+
+
+class RocksTimerIndex:
+    """`TimerEngine` on RocksDB. Single-threaded: the broker's timer task owns it."""
+
+    def __init__(self, path: Path, db: Rdict) -> None:
+        # Use `open`; this only wires handles.
+        self._path = path
+        self._db = db
+        self._cf = {name: db.get_column_family(name) for name in COLUMN_FAMILIES}
+        self._handle = {name: db.get_column_family_handle(name) for name in COLUMN_FAMILIES}
+        self._write_opt = WriteOptions()  # WAL on, no fsync: see the module docstring
+        self._closed = False
+        self._indexed_position = 0
+        self._topic_counts: dict[str, int] = {}
+        self._minute_slots: dict[int, array[int]] = {}
+        """minute -> pending per second of it (60 counts); only minutes with a pending timer."""
+        self._hour_counts: dict[int, int] = {}
+        self._head: bytes | None = None
+        self._latencies = TimerLatencies()
+        self._handed: dict[int, tuple[bytes, bytes]] = {}
+        """position -> (`time` key, value) of what `due()` has handed out and not yet seen
+        fired, cancelled or rolled. The fire-lag histogram counts each timer once however often
+        the broker asks, and a fired mark for one of these settles it without reading `pos`."""
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, path: str | Path, *, create_if_missing: bool = True) -> RocksTimerIndex:
+        """Open the index at `path`, creating an empty one (indexed_position 0) if there is
+        none and `create_if_missing`. Raises `TimerIndexCorrupt` for a missing (when not
+        creating), damaged or foreign-version index, `DataDirLocked` if another holder has it."""
+        path = Path(path)
+        fresh = not (path / "CURRENT").exists()
+        if fresh:
+            if not create_if_missing:
+                raise TimerIndexCorrupt(path, "no index there (missing CURRENT file)")
+            if path.exists() and any(path.iterdir()):
+                raise TimerIndexCorrupt(path, "directory holds files but no RocksDB CURRENT file")
+            path.mkdir(parents=True, exist_ok=True)
+        else:
+            try:
+                families = set(Rdict.list_cf(str(path), Options(raw_mode=True)))
+            except Exception as exc:
+                raise TimerIndexCorrupt(path, f"cannot list column families: {exc}") from exc
+            expected = {*COLUMN_FAMILIES, "default"}
+            if families != expected:
+                raise TimerIndexCorrupt(path, f"column families {sorted(families)}, expected {sorted(expected)}")
+        try:
+            cache = Cache(BLOCK_CACHE_BYTES)
+            db = Rdict(str(path), _db_options(fresh),
+                       column_families={name: _cf_options(name, cache) for name in COLUMN_FAMILIES})
+        except Exception as exc:
+            # RocksDB says "lock hold by current process" or "While lock file: .../LOCK: ...";
+            # match those exactly ("block checksum mismatch" must stay a corruption).
+            if "LOCK:" in str(exc) or "lock hold" in str(exc):
+                raise DataDirLocked(str(path)) from exc
+            raise TimerIndexCorrupt(path, f"RocksDB refused to open it: {exc}") from exc
+        index = cls(path, db)
+        try:
+            if fresh:
+                index._initialise()
+            index._load()
+        except BaseException:
+            index.close()
+            raise
+        return index
+
+    @staticmethod
+    def destroy(path: str | Path) -> None:
+        """Remove the index at `path` (whatever state it is in) so it can be rebuilt."""
+        path = Path(path)
+        if path.exists():
+            shutil.rmtree(path)
+
+    def _initialise(self) -> None:
+        wb = WriteBatch(raw_mode=True)
+        wb.put(META_FORMAT_VERSION, U32.pack(FORMAT_VERSION), self._handle[CF_META])
+        wb.put(META_INDEXED_POSITION, U64.pack(0), self._handle[CF_META])
+        wb.put(META_HEAD_FLOOR, b"", self._handle[CF_META])
+        sync = WriteOptions()
+        sync.sync = True
+        self._db.write(wb, sync)
+
+    def _load(self) -> None:
+        meta = self._cf[CF_META]
+        raw_version = meta.get(META_FORMAT_VERSION)
+        if raw_version is None or len(raw_version) != 4:
+            raise TimerIndexCorrupt(self._path, "no format version (creation interrupted?)")
+        (version,) = U32.unpack(raw_version)
+        if version != FORMAT_VERSION:
+            raise TimerIndexCorrupt(self._path, f"format version {version}; this chronoq reads {FORMAT_VERSION}")
+        raw_position = meta.get(META_INDEXED_POSITION)
+        if raw_position is None or len(raw_position) != 8:
+            raise TimerIndexCorrupt(self._path, "no indexed position")
+        (self._indexed_position,) = U64.unpack(raw_position)
+        counters = self._cf[CF_COUNTERS]
+        with self._guard():
+            for key, value in counters.items(from_key=b"h", read_opt=_read_bounded(b"n")):
+                if len(key) != 9 or key[:1] not in (b"h", b"m"):
+                    raise MalformedValue(f"counter key {key!r}")
+                if key[:1] == b"h":
+                    self._hour_counts[U64.unpack_from(key, 1)[0]] = self._counter_value(value)
+                else:
+                    self._minute_slots[U64.unpack_from(key, 1)[0]] = decode_minute_slots(value)
+            for key, value in counters.items(from_key=b"t", read_opt=_read_bounded(b"u")):
+                self._topic_counts[key[1:].decode()] = self._counter_value(value)
+            floor = meta.get(META_HEAD_FLOOR)
+            if floor is None or len(floor) not in (0, TIME_KEY.size):
+                raise MalformedValue(f"head floor {floor!r}")
+            self._head = self._first_time_key(floor) if floor else None
+            if self._head is not None:
+                decode_entry(self._head, self._cf[CF_TIME][self._head])
+        pending = self.pending_total
+        by_minutes = sum(sum(slots) for slots in self._minute_slots.values())
+        if sum(self._hour_counts.values()) != pending or by_minutes != pending:
+            raise TimerIndexCorrupt(self._path, "pending counters per topic, minute and hour disagree")
+        if (self._head is None) != (pending == 0):
+            raise TimerIndexCorrupt(self._path, "pending counters disagree with the time order")
+
+    @staticmethod
+    def _counter_value(value: bytes) -> int:
+        if len(value) != 8:
+            raise MalformedValue(f"counter value of {len(value)} bytes")
+        (count,) = I64.unpack(value)
+        if count <= 0:
+            raise MalformedValue(f"counter value {count}")
+        return count
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for cf in self._cf.values():
+            cf.close()
+        # Column-family objects and handles keep RocksDB open: drop them all before the DB.
+        self._cf.clear()
+        self._handle.clear()
+        self._db.close()
+        del self._db
+
+    def __enter__(self) -> RocksTimerIndex:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        if self._closed:
+            raise TimerIndexClosed(self._path)
+        try:
+            yield
+        except (MalformedValue, struct.error, UnicodeDecodeError) as exc:
+            raise TimerIndexCorrupt(self._path, f"undecodable value: {exc}") from exc
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    # -- the engine interface ----------------------------------------------------------------
+
+    @property
+    def indexed_position(self) -> int:
+        return self._indexed_position
+
+    @property
+    def pending_total(self) -> int:
+        return sum(self._topic_counts.values())
+
+    def pending_by_topic(self) -> dict[str, int]:
+        return dict(self._topic_counts)
+
+    def apply(self, batch: IndexBatch) -> None:
+        if self._closed:
+            raise TimerIndexClosed(self._path)
+        _check_u63("indexed_position", batch.indexed_position)
+        if batch.indexed_position < self._indexed_position:
+            raise IndexPositionWentBack(self._indexed_position, batch.indexed_position)
+        end = batch.indexed_position
+        for entry in batch.adds:
+            _check_entry(entry, end)
+        for old_position, entry in batch.rolled:
+            _check_entry(entry, end)
+            _check_u63("rolled old position", old_position)
+        for position, fired_ms in batch.fired:
+            if type(position) is not int or type(fired_ms) is not int or not (
+                    0 <= position < _LIMIT_63 and 0 <= fired_ms < _LIMIT_63):
+                raise ValueError(f"fired mark ({position!r}, {fired_ms!r}) must be two ints in [0, 2**63)")
+        for topic, message_id, cancelled_ms in batch.cancels:
+            _check_u63("cancelled_ms", cancelled_ms)
+            id_prefix(message_id, topic)  # refuses ids and topics the layout cannot hold
+        with self._guard():
+            txn = IndexTxn(self)
+            txn.add_all(batch.adds)
+            for old_position, entry in batch.rolled:
+                txn.roll(old_position, entry)
+            txn.fire_all(batch.fired)
+            for topic, message_id, cancelled_ms in batch.cancels:
+                txn.cancel(topic, message_id, cancelled_ms)
+            txn.finish(batch.indexed_position)
+            self._db.write(txn.wb, self._write_opt)
+            self._commit(txn, batch)
+
+    def _commit(self, txn: IndexTxn, batch: IndexBatch) -> None:
+        """Bring the in-memory mirrors in line with what was just written."""
+        self._indexed_position = batch.indexed_position
+        for minute, slots in txn.new_minutes.items():
+            if any(slots):
+                self._minute_slots[minute] = slots
+            else:
+                self._minute_slots.pop(minute, None)
+        for hour, count in txn.new_hours.items():
+            if count:
+                self._hour_counts[hour] = count
+            else:
+                self._hour_counts.pop(hour, None)
+        for topic, count in txn.new_topics.items():
+            if count:
+                self._topic_counts[topic] = count
+            else:
+                self._topic_counts.pop(topic, None)
+        removed = txn.removed
+        lowest_added = min((tk for tk in txn.added_time_keys if tk not in removed), default=None)
+        old_head = self._head
+        # No live key lies below the old head, so if it went, the new head is the first key
+        # from there on, or one of this batch's adds that is lower still.
+        head = self._first_time_key(old_head) if old_head is not None and old_head in txn.removed else old_head
+        if lowest_added is not None and (head is None or lowest_added < head):
+            head = lowest_added
+        self._head = head
+        handed = self._handed
+        if handed:
+            for position in txn.finished_positions:
+                handed.pop(position, None)
+            if len(handed) > _HANDED_LIMIT:
+                handed.clear()  # a broker that asks and never fires: forget, rather than grow
+        if txn.fired_times:
+            self._latencies.delivery_error_ms.record_many(
+                [fired_ms - deliver_at_ms for deliver_at_ms, fired_ms in txn.fired_times])
+        if batch.applied_ms is not None and txn.added_entries:
+            applied_ms = batch.applied_ms
+            self._latencies.enqueue_lag_ms.record_many([applied_ms - e.accepted_ms for e in txn.added_entries])
+
+    def _first_time_key(self, from_key: bytes | None) -> bytes | None:
+        it = self._cf[CF_TIME].iter(ReadOptions())
+        if from_key is None:
+            it.seek_to_first()
+        else:
+            it.seek(from_key)
+        return it.key() if it.valid() else None
+
+    def due(self, now_ms: int, limit: int) -> list[TimerEntry]:
+        if self._closed:
+            raise TimerIndexClosed(self._path)
+        if limit <= 0 or self._head is None or TIME_KEY.unpack(self._head)[0] > now_ms:
+            return []
+        out: list[TimerEntry] = []
+        handed = self._handed
+        lags: list[int] = []
+        with self._guard():
+            upper = time_key(now_ms + 1, 0)
+            for tk, value in self._cf[CF_TIME].items(from_key=self._head, read_opt=_read_bounded(upper)):
+                entry = decode_entry(tk, value)
+                out.append(entry)
+                if entry.position not in handed:
+                    handed[entry.position] = (tk, value)
+                    lags.append(now_ms - entry.deliver_at_ms)
+                if len(out) >= limit:
+                    break
+        self._latencies.fire_lag_ms.record_many(lags)
+        return out
+
+    def next_deadline_ms(self) -> int | None:
+        return None if self._head is None else TIME_KEY.unpack(self._head)[0]
+
+    def lookup(self, topic: str, message_id: str) -> TimerStatus | None:
+        with self._guard():
+            rows = self._scan(CF_ID, id_prefix(message_id, topic))
+            # Keys end in the position: the last row is the newest timer.
+            return self._statuses(rows[-1:])[0] if rows else None
+
+    def lookup_id(self, message_id: str) -> list[TimerStatus]:
+        with self._guard():
+            newest = {status.topic: status  # ascending positions within a topic: the last wins
+                      for status in self._statuses(self._scan(CF_ID, id_prefix(message_id)))}
+            return [newest[topic] for topic in sorted(newest)]
+
+    def lookup_key(self, key: str) -> list[TimerStatus]:
+        with self._guard():
+            id_keys = [ik for _, ik in self._scan(CF_KEY, pack_str(key))]
+            facts = self._cf[CF_ID].get(id_keys) if id_keys else []
+            rows = [(ik, value) for ik, value in zip(id_keys, facts, strict=True) if value is not None]
+            newest: dict[tuple[str, str], TimerStatus] = {}
+            for status in self._statuses(rows):
+                current = newest.get((status.topic, status.message_id))
+                if current is None or current.position < status.position:
+                    newest[(status.topic, status.message_id)] = status
+            return sorted(newest.values(), key=lambda s: s.position)
+
+    def _statuses(self, rows: list[tuple[bytes, bytes]]) -> list[TimerStatus]:
+        """Statuses of `id` rows: the facts there, the state from `pos` (one multi-get)."""
+        if not rows:
+            return []
+        states = self._cf[CF_POS].get([ik[-8:] for ik, _ in rows])
+        return [decode_status(ik, facts, state) for (ik, facts), state in zip(rows, states, strict=True)]
+
+    def slot_count(self, slot_s: int) -> int:
+        if self._closed:
+            raise TimerIndexClosed(self._path)
+        slots = self._minute_slots.get(slot_s // 60)
+        return 0 if slots is None else slots[slot_s % 60]
+
+    def pending_in(self, start_position: int, end_position: int) -> list[TimerEntry]:
+        if end_position <= start_position:
+            return []
+        with self._guard():
+            time_keys = []
+            for pk, pv in self._scan_range(CF_POS, U64.pack(max(start_position, 0)),
+                                           U64.pack(min(end_position, (1 << 64) - 1))):
+                if pv[0] == POS_PENDING:
+                    deliver_at_ms, _ = decode_pos_pending(pv)
+                    time_keys.append(time_key(deliver_at_ms, U64.unpack(pk)[0]))
+            values = self._cf[CF_TIME].get(time_keys) if time_keys else []
+            out = []
+            for tk, value in zip(time_keys, values, strict=True):
+                if value is None:
+                    raise MalformedValue(f"pending position {TIME_KEY.unpack(tk)[1]} missing from the time order")
+                out.append(decode_entry(tk, value))
+            return out
+
+    def metrics(self, now_ms: int) -> TimerMetricsSnapshot:
+        with self._guard():
+            total = self.pending_total
+            buckets = pending_by_due(now_ms, total, self._count_before_s)
+        deadline = self.next_deadline_ms()
+        return TimerMetricsSnapshot(
+            now_ms=now_ms, pending_total=total, pending_by_topic=dict(self._topic_counts),
+            pending_by_due=buckets, next_deadline_ms=deadline,
+            oldest_overdue_ms=max(0, now_ms - deadline) if deadline is not None else 0,
+            indexed_position=self._indexed_position, latencies=self._latencies.summaries(),
+        )
+
+    @property
+    def latencies(self) -> TimerLatencies:
+        return self._latencies
+
+    def _count_before_s(self, slot_s: int) -> int:
+        """Pending due in seconds < slot_s: whole hours, then whole minutes, then seconds, so
+        at most (live hours) + 59 minutes + 59 seconds are added whatever the number pending."""
+        if slot_s <= 0:
+            return 0
+        hour, minute = slot_s // 3600, slot_s // 60
+        minutes = self._minute_slots
+        total = sum(count for h, count in self._hour_counts.items() if h < hour)
+        total += sum(sum(minutes[m]) for m in range(hour * 60, minute) if m in minutes)
+        if minute in minutes:
+            total += sum(minutes[minute][:slot_s % 60])
+        return total
+
+    def prune_history(self, before_ms: int) -> int:
+        if self._closed:
+            raise TimerIndexClosed(self._path)
+        if before_ms <= 0:
+            return 0
+        pruned = 0
+        with self._guard():
+            start, upper = b"", HISTORY_KEY.pack(min(before_ms, (1 << 64) - 1), 0)
+            while True:
+                rows = self._scan_range(CF_HISTORY, start, upper, limit=_PRUNE_CHUNK)
+                if not rows:
+                    return pruned
+                pruned += self._prune_rows(rows)
+                start = rows[-1][0] + b"\x00"  # past what was just deleted: no tombstone walk
+
+    def _prune_rows(self, rows: list[tuple[bytes, bytes]]) -> int:
+        """Delete one chunk of history and what it points at; returns the statuses forgotten."""
+        wb = WriteBatch(raw_mode=True)
+        h = self._handle
+        finished = [(HISTORY_KEY.unpack(hk)[1], hv[1:]) for hk, hv in rows if hv[0] == HIST_STATUS]
+        redirects = [HISTORY_KEY.unpack(hk)[1] for hk, hv in rows if hv[0] == HIST_REDIRECT]
+        if len(finished) + len(redirects) != len(rows):
+            raise MalformedValue("history row of unknown kind")
+        forgotten = 0
+        if finished:
+            facts = self._cf[CF_ID].get([ik for _, ik in finished])
+            states = self._cf[CF_POS].get([U64.pack(position) for position, _ in finished])
+            for (position, ik), value, state in zip(finished, facts, states, strict=True):
+                if value is None or state is None or state[0] != POS_DONE:
+                    continue  # already gone
+                for key in facts_keys(value):
+                    wb.delete(key_cf_key(key, position), h[CF_KEY])
+                wb.delete(ik, h[CF_ID])
+                wb.delete(U64.pack(position), h[CF_POS])
+                forgotten += 1
+        position_keys = [U64.pack(position) for position in redirects]
+        for pk, pv in zip(position_keys, self._cf[CF_POS].get(position_keys) if redirects else [], strict=True):
+            if pv is not None and pv[0] == POS_ROLLED:
+                wb.delete(pk, h[CF_POS])
+        for hk, _ in rows:
+            wb.delete(hk, h[CF_HISTORY])
+        self._db.write(wb, self._write_opt)
+        return forgotten
+
+    # -- scans -------------------------------------------------------------------------------
+
+    def _scan(self, cf: str, prefix: bytes) -> list[tuple[bytes, bytes]]:
+        return self._scan_range(cf, prefix, prefix_end(prefix))
+
+    def _scan_range(self, cf: str, start: bytes, end: bytes | None,
+                    limit: int | None = None) -> list[tuple[bytes, bytes]]:
+        rows: list[tuple[bytes, bytes]] = []
+        for row in self._cf[cf].items(from_key=start, read_opt=_read_bounded(end)):
+            rows.append(row)
+            if limit is not None and len(rows) >= limit:
+                break
+        return rows
