@@ -15,6 +15,7 @@ from chronoq.config import Config
 from chronoq.errors import (
     ConflictingDelivery,
     DeliveryTimeTooFar,
+    InvalidDelayLevel,
     InvalidDeliveryTime,
     InvalidGroupName,
     InvalidKeys,
@@ -28,6 +29,7 @@ from chronoq.errors import (
     PropertiesTooLarge,
     ReservedProperty,
     SystemTopicForbidden,
+    TimerDisabled,
 )
 from chronoq.model import (
     PROP_DELAY_LEVEL,
@@ -44,7 +46,7 @@ from chronoq.model import (
     topic_name_problem,
 )
 from chronoq.store.messagestore import PreparedMessage
-from chronoq.store.record import HEADER_SIZE
+from chronoq.store.record import HEADER_SIZE, MAX_U16, encode_keys, encode_properties
 from chronoq.timer.levels import DelayLevels
 
 
@@ -81,13 +83,22 @@ def _parse_int_property(key: str, raw: str) -> int:
         raise InvalidProperty(key, f"must be an integer, not {raw!r}") from None
 
 
+def _whole_ms(name: str, value: object) -> int:
+    # A float or a string would be stored as the due time's text and fail to parse when the
+    # record is indexed, long after the producer was told "accepted": refuse it here.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidDeliveryTime(f"{name} must be a whole number of milliseconds, not {value!r}",
+                                  **{name: repr(value)})
+    return value
+
+
 def resolve_timer(msg: OutgoingMessage, config: Config, now_ms: int, levels: DelayLevels) -> TimerRequest | None:
     props = msg.properties
     given: dict[str, int] = {}
     if msg.deliver_at_ms is not None:
-        given["deliver_at_ms"] = msg.deliver_at_ms
+        given["deliver_at_ms"] = _whole_ms("deliver_at_ms", msg.deliver_at_ms)
     if msg.delay_ms is not None:
-        given["delay_ms"] = msg.delay_ms
+        given["delay_ms"] = _whole_ms("delay_ms", msg.delay_ms)
     if msg.delay_level is not None:
         given["delay_level"] = msg.delay_level
     if PROP_TIMER_DELIVER_MS in props:
@@ -100,13 +111,23 @@ def resolve_timer(msg: OutgoingMessage, config: Config, now_ms: int, levels: Del
         given[PROP_DELAY_LEVEL] = _parse_int_property(PROP_DELAY_LEVEL, props[PROP_DELAY_LEVEL])
     if not given:
         return None
+    if not config.timer_wheel_enable:
+        # Refused here, at admission, so that nothing (not even an auto-created topic) is left behind.
+        raise TimerDisabled()
     if len(given) > 1:
         raise ConflictingDelivery(sorted(given))
     (kind, value), = given.items()
     level: int | None = None
     if kind in ("delay_level", PROP_DELAY_LEVEL):
-        level = min(value, levels.max_level) if value >= 1 else value
-        deliver_at_ms = now_ms + levels.delay_ms(value)
+        # Two doors, two rules. The RocketMQ 4 `DELAY` property clamps a level above the table's
+        # top to the top, exactly as RocketMQ's broker does, so a client written for a longer
+        # table keeps working. chronoq's own `delay_level` field (in-process API, admin
+        # SendBatch, Spark, CLI) names the level explicitly, so a level outside 1..max is a
+        # mistake worth reporting (InvalidDelayLevel) rather than a delay the caller did not ask for.
+        if kind == "delay_level" and type(value) is int and value > levels.max_level:
+            raise InvalidDelayLevel(value, levels.max_level)
+        level = levels.clamp(value)  # < 1 (or not an int) is refused through either door
+        deliver_at_ms = now_ms + levels.delay_ms(level)
     elif kind in ("deliver_at_ms", PROP_TIMER_DELIVER_MS):
         if value < 0:
             raise InvalidDeliveryTime(f"deliver-at {value} is before the epoch", deliver_at_ms=value)
@@ -150,6 +171,9 @@ def prepare(msg: OutgoingMessage, config: Config, now_ms: int, levels: DelayLeve
     for key in keys:
         if not isinstance(key, str) or not key or not _text_ok(key):
             raise InvalidKeys(f"key {key!r} is empty or has control characters")
+    keys_size = len(encode_keys(keys))
+    if keys_size > MAX_U16:
+        raise InvalidKeys(f"the keys take {keys_size} bytes; the record format allows {MAX_U16}")
     props: dict[str, str] = {}
     for k, v in msg.properties.items():
         if not isinstance(k, str) or not isinstance(v, str) or not k or not _text_ok(k) or "\x00" in v:
@@ -166,8 +190,17 @@ def prepare(msg: OutgoingMessage, config: Config, now_ms: int, levels: DelayLeve
     # Timer properties become system properties; they stay out of the user's property map.
     for k in (PROP_TIMER_DELIVER_MS, PROP_TIMER_DELAY_MS, PROP_TIMER_DELAY_SEC, PROP_DELAY_LEVEL):
         props.pop(k, None)
-    size = (HEADER_SIZE + len(body) + props_size + len(message_id) + len(msg.topic) + len(tag)
-            + sum(len(k) + 1 for k in keys) + 256)  # 256: room for the system properties we add
+    group = msg.message_group
+    if group is not None and not isinstance(group, str):
+        raise InvalidProperty("message_group", f"must be text, not {type(group).__name__}")
+    born_ms = msg.born_ms if msg.born_ms is not None else now_ms
+    if isinstance(born_ms, bool) or not isinstance(born_ms, int) or not 0 <= born_ms < 2**63:
+        raise InvalidProperty("born_ms", f"must be ms since the epoch in [0, 2^63), not {born_ms!r}")
+    # Encoded bytes, not characters: a multi-byte tag or id counts what it takes on disk. The
+    # message group is stored as a system property, so it counts too.
+    size = (HEADER_SIZE + len(body) + props_size + len(message_id.encode()) + len(msg.topic.encode())
+            + len(tag.encode()) + keys_size + len(encode_properties({SYS_MESSAGE_GROUP: group} if group else {}))
+            + 256)  # 256: room for the system properties we add
     if size > config.max_message_size_bytes:
         raise MessageTooLarge(size, config.max_message_size_bytes)
     if msg.message_type is not None:
@@ -181,7 +214,6 @@ def prepare(msg: OutgoingMessage, config: Config, now_ms: int, levels: DelayLeve
     sysprops: dict[str, str] = {}
     if msg.message_group:
         sysprops[SYS_MESSAGE_GROUP] = msg.message_group
-    born_ms = msg.born_ms if msg.born_ms is not None else now_ms
     prepared = PreparedMessage(
         topic=msg.topic, message_id=message_id, message_type=mtype, body=body, born_ms=born_ms,
         tag=tag, keys=keys, properties=props, system_properties=sysprops, queue_id=msg.queue_id,

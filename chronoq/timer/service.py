@@ -45,6 +45,7 @@ from chronoq.model import (
     SYS_DELAY_LEVEL,
     SYS_FIRED_FROM,
     SYS_FIRED_OFFSET,
+    SYS_MESSAGE_GROUP,
     SYS_REAL_QUEUE_ID,
     SYS_REAL_TOPIC,
     SYS_TIMER_DEL_UNIQKEY,
@@ -110,6 +111,8 @@ class TimerService:
         self._append = append
         self._holding: set[int] = set()
         """Positions with a cancel being made durable: the fire loop leaves them alone."""
+        self._firing: set[int] = set()
+        """Positions whose fired copies are being made durable: no second fire picks them."""
         self._reserved: Counter[int] = Counter()
         """Per-second count of timers accepted but not yet indexed (for slot congestion)."""
         self._level_head_cache: dict[int, int | None] = {}
@@ -159,12 +162,16 @@ class TimerService:
     def on_dispatch(self, msgs: list[StoredMessage], now_ms: int | None) -> None:
         batch, level_offsets = self._batch_for(msgs, now_ms)
         end = msgs[-1].position + msgs[-1].size if msgs else self.engine.indexed_position
-        if batch.adds or batch.cancels or batch.fired or batch.rolled or end > self.engine.indexed_position:
-            self.engine.apply(replace(batch, indexed_position=max(end, self.engine.indexed_position)))
         if level_offsets:
+            # Level progress first, the index's position second: a crash between the two then
+            # leaves the index behind, and replay commits the same offsets again (idempotent).
+            # The other order could persist a position past fired copies whose level progress
+            # was lost, and the restart would fire those delay-level messages a second time.
             self.groups.commit(offsets=[(SCHEDULE_GROUP, SCHEDULE_TOPIC, lvl - 1, off)
                                         for lvl, off in level_offsets.items()])
             self._level_head_cache.clear()
+        if batch.adds or batch.cancels or batch.fired or batch.rolled or end > self.engine.indexed_position:
+            self.engine.apply(replace(batch, indexed_position=max(end, self.engine.indexed_position)))
         if any(m.topic == SCHEDULE_TOPIC for m in msgs):
             self._level_head_cache.clear()
 
@@ -256,7 +263,7 @@ class TimerService:
         copies: list[PreparedMessage] = []
         if self.config.timer_engine != "spark":
             for entry in self.engine.due(now_ms, batch):
-                if entry.position in self._holding:
+                if entry.position in self._holding or entry.position in self._firing:
                     continue
                 rec = self.store.read_at(entry.position, entry.size)
                 if rec is not None:
@@ -265,13 +272,27 @@ class TimerService:
             if len(copies) >= batch:
                 break
             for off, rec in self._level_head(level, batch - len(copies)):
-                if int(rec.system_properties[SYS_TIMER_OUT_MS]) > now_ms:
+                # A level's head being fired by another call: leave the whole level to it, so
+                # the level's progress (committed as max offset + 1) never skips an entry.
+                if rec.position in self._firing or int(rec.system_properties[SYS_TIMER_OUT_MS]) > now_ms:
                     break
                 copies.append(self.delivered_copy(rec, {SYS_FIRED_OFFSET: str(off), SYS_DELAY_LEVEL: str(level)}))
                 self.fires_by_level[level] += 1
-        if copies:
-            await self._append(copies)
+        await self._append_fired(copies)
         return len(copies)
+
+    async def _append_fired(self, copies: list[PreparedMessage]) -> None:
+        """Append fired copies; until their dispatch has marked them fired, their timers count as
+        firing, so a concurrent fire (the timer loop and `run_due`, or two Spark `FireTimers`
+        calls, one a retry) cannot pick the same timers and deliver them twice."""
+        if not copies:
+            return
+        positions = {int(c.system_properties[SYS_FIRED_FROM]) for c in copies}
+        self._firing |= positions
+        try:
+            await self._append(copies)
+        finally:
+            self._firing -= positions
 
     async def fire_positions(self, positions: list[int], now_ms: int) -> tuple[int, int]:
         """Fire the pending timers at these positions (the Spark engine decides when).
@@ -280,13 +301,13 @@ class TimerService:
         copies = []
         for position in dict.fromkeys(positions):
             entry = self._pending_at(position)
-            if entry is None or position in self._holding or entry.deliver_at_ms > now_ms:
+            if entry is None or position in self._holding or position in self._firing \
+                    or entry.deliver_at_ms > now_ms:
                 continue
             rec = self.store.read_at(entry.position, entry.size)
             if rec is not None:
                 copies.append(self.delivered_copy(rec))
-        if copies:
-            await self._append(copies)
+        await self._append_fired(copies)
         return len(copies), len(positions) - len(copies)
 
     def _pending_at(self, position: int) -> TimerEntry | None:
@@ -306,10 +327,12 @@ class TimerService:
         sp.update(extra or {})
         topic = self.store.topics.get(real_topic)
         qid = int(real_qid) if real_qid is not None and topic and int(real_qid) < topic.queue_count else None
+        # A message group picks its queue by hash at send time; the timer topic dropped that key,
+        # so restore it here, or a group's delayed messages would scatter over queues when fired.
         return PreparedMessage(
             topic=real_topic, message_id=rec.message_id, message_type=rec.message_type, body=rec.body,
             born_ms=rec.born_ms, tag=rec.tag, keys=rec.keys, properties=rec.properties, system_properties=sp,
-            queue_id=qid)
+            queue_id=qid, queue_key=sp.get(SYS_MESSAGE_GROUP) or None)
 
     # -- cancel and query -------------------------------------------------------------------
 
