@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "chronoq.cli.messages",
     "chronoq.cli.topics",
     "chronoq.cli.stats",
+    "chronoq.cli.bench",
 ]
 
 

@@ -1,0 +1,218 @@
+"""Server processes of the benchmark: ports, start, readiness, stop by pid, and resource sampling.
+
+Theory of operation: every server the harness runs is a child it starts itself, bound to 127.0.0.1
+on a port found free just before, with stdout and stderr going to a log file, never a pipe (an
+orphaned server holding a pipe open hangs whoever reads it). A `Server` is the handful of such
+children one system needs (RabbitMQ needs epmd beside it). Stopping is by pid only: SIGTERM, wait,
+then SIGKILL; a crash is SIGKILL to every pid of the process tree at once. `TreeSampler` polls the
+tree with psutil (RSS summed over the tree, CPU seconds per pid so a child that exits keeps its
+share) because servers such as RabbitMQ spread their work over several processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+LOOPBACK = "127.0.0.1"
+SAMPLE_INTERVAL_S = 0.25
+STOP_TIMEOUT_S = 30.0
+
+
+class ServerFailed(RuntimeError):
+    """A server exited or did not become ready; the message carries the tail of its log."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def dir_size_bytes(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+    return total
+
+
+class ServerProcess:
+    """One child process: started with its output in `log_path`, stopped by its pid."""
+
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path, *, env: Mapping[str, str] | None = None,
+                 cwd: Path | None = None) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            # A new session keeps a Ctrl-C on the harness from reaching the server before we stop it.
+            self.popen = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                          env=dict(env) if env is not None else None, cwd=cwd,
+                                          start_new_session=True)
+        self.pid = self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def check_alive(self) -> None:
+        if not self.alive():
+            raise ServerFailed(f"{self.name} exited with {self.popen.returncode}; log {self.log_path}:\n"
+                               f"{log_tail(self.log_path)}")
+
+    def tree(self) -> list[psutil.Process]:
+        try:
+            root = psutil.Process(self.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def terminate(self, sig: int = signal.SIGTERM, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        if not self.alive():
+            return
+        self.popen.send_signal(sig)
+        try:
+            self.popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL this process and every descendant, each by its pid."""
+        for proc in reversed(self.tree()):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.send_signal(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(10)
+
+
+@dataclass
+class Server:
+    """The processes of one running system and the address its clients use."""
+
+    procs: list[ServerProcess]
+    addr: dict[str, Any]
+    data_dir: Path
+    ready_s: float = 0.0
+    """Seconds from the first process start until the server answered its readiness probe."""
+    stop_signal: int = signal.SIGTERM
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def tree(self) -> list[psutil.Process]:
+        return [p for sp in self.procs for p in sp.tree()]
+
+    def check_alive(self) -> None:
+        for sp in self.procs:
+            sp.check_alive()
+
+    def stop(self) -> None:
+        # Reverse start order: the broker goes before the helpers it registered with (epmd).
+        for sp in reversed(self.procs):
+            sp.terminate(self.stop_signal)
+
+    def kill(self) -> None:
+        victims = self.tree()
+        for proc in victims:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.send_signal(signal.SIGKILL)
+        for sp in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                sp.popen.wait(10)
+
+
+def wait_ready(server: Server, probe: Callable[[], bool], timeout_s: float, started_at: float) -> None:
+    """Poll `probe` until it returns True; fail early if a process exits. Sets `server.ready_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        server.check_alive()
+        try:
+            if probe():
+                server.ready_s = time.monotonic() - started_at
+                return
+        except Exception:  # the probe's client failing is exactly "not ready yet"
+            pass
+        if time.monotonic() > deadline:
+            server.kill()
+            logs = "\n".join(f"--- {sp.log_path}\n{log_tail(sp.log_path)}" for sp in server.procs)
+            raise ServerFailed(f"not ready within {timeout_s:.0f} s\n{logs}")
+        time.sleep(0.05)
+
+
+def tcp_open(port: int, host: str = LOOPBACK) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+class TreeSampler:
+    """Samples a server's process tree on a thread: peak RSS and CPU seconds since `start()`."""
+
+    def __init__(self, server: Server, interval_s: float = SAMPLE_INTERVAL_S) -> None:
+        self.server = server
+        self.interval_s = interval_s
+        self.rss_peak_bytes = 0
+        self._cpu_base: dict[int, float] = {}
+        self._cpu_last: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tree-sampler", daemon=True)
+
+    def start(self) -> TreeSampler:
+        self._sample(baseline=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        cpu_s = sum(last - self._cpu_base.get(pid, 0.0) for pid, last in self._cpu_last.items())
+        return {"rss_peak_mb": round(self.rss_peak_bytes / 2**20, 1), "cpu_s": round(cpu_s, 2)}
+
+    def current_rss_bytes(self) -> int:
+        total = 0
+        for proc in self.server.tree():
+            try:
+                total += proc.memory_info().rss
+            except psutil.Error:
+                continue
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def _sample(self, baseline: bool = False) -> None:
+        rss = 0
+        for proc in self.server.tree():
+            try:
+                with proc.oneshot():
+                    rss += proc.memory_info().rss
+                    t = proc.cpu_times()
+                    cpu = t.user + t.system
+            except psutil.Error:
+                continue
+            key = proc.pid
+            if baseline:
+                self._cpu_base[key] = cpu
+            self._cpu_last[key] = cpu
+        self.rss_peak_bytes = max(self.rss_peak_bytes, rss)

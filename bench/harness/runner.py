@@ -1,0 +1,349 @@
+"""The phases of one benchmark run, each against a fresh server of one system.
+
+Theory of operation: a phase starts the system's server in its own temporary data dir, creates
+what the workload needs, runs producer and consumer worker processes, reads their JSON results and
+stops the server by pid, whatever happens (try/finally). Each phase returns a plain dict that goes
+straight into the results JSON; the figures are computed by `workload.delivery_figures` for every
+system alike.
+- accept: deadlines an hour ahead, no consumer: messages/s accepted one at a time, then batched.
+- precision: one fixed rate for every system, delays in [a, b]: the delivery error.
+- crash: messages pending, SIGKILL of the whole server tree mid-run, restart, drain: lost, early,
+  duplicates, and how long the restart took until the server answered.
+- backlog: N pending far in the future: accept rate over time, RSS and disk at the end, pending
+  count and time until ready after a graceful restart.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import multiprocessing
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.harness import profiling, workers
+from bench.harness.procs import Server, ServerFailed, TreeSampler, dir_size_bytes
+from bench.harness.workload import delay_spec, delivery_figures, message_id
+from bench.peers.base import Peer
+
+SPAWN = multiprocessing.get_context("spawn")
+WORKER_START_ALLOWANCE_S = 3.0
+"""Time a spawned worker needs to import and connect (used for the consumer's deadline)."""
+PRODUCER_START_TIMEOUT_S = 120.0
+JOIN_SLACK_S = 60.0
+
+
+@dataclass
+class RunConfig:
+    systems: list[str]
+    phases: list[str]
+    producers: int = 1
+    chunk: int = 256
+    """Messages per send_many call in batched mode."""
+    accept_n: int = 50_000
+    accept_seconds: float = 30.0
+    """Each accept mode stops after this long even if not all accept_n were sent (slow peers)."""
+    far_delay_s: float = 3600.0
+    n: int = 50_000
+    rate: float = 2000.0
+    """Every system here sustains 2,000/s with one producer; at 5,000/s RabbitMQ (tx batches, ~3,800/s)
+    and chronoq (send_batch, ~4,000/s) fall behind on this 2-core machine (medium run, 2026-11-22)."""
+    delay_min_s: float = 5.0
+    delay_max_s: float = 30.0
+    grace_s: float = 15.0
+    """How long the consumer keeps waiting after the last message was due."""
+    crash_n: int = 2000
+    crash_delay_min_s: float = 3.0
+    crash_delay_max_s: float = 15.0
+    crash_kill_after_s: float = 7.0
+    backlog_n: int = 10_000_000
+    backlog_seconds: float = 1800.0
+    seed: int = 20261122
+    keep_data: bool = False
+    profile: bool = False
+    """Record the chronoq server with py-spy during the accept and precision phases."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Phase:
+    """One phase's scratch space: a data dir for the server, a log dir, a dir for worker results."""
+
+    def __init__(self, cfg: RunConfig, peer: Peer, name: str, out_dir: Path) -> None:
+        self.cfg, self.peer, self.name = cfg, peer, name
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"bench-{peer.name}-{name}-"))
+        self.data_dir = self.tmp / "data"
+        self.work_dir = self.tmp / "work"
+        self.work_dir.mkdir()
+        self.log_dir = out_dir / "logs" / f"{peer.name}-{name}"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._seq = 0
+
+    def cleanup(self) -> None:
+        if not self.cfg.keep_data:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def out_path(self, role: str) -> Path:
+        self._seq += 1
+        return self.work_dir / f"{role}-{self._seq}.json"
+
+    def spawn(self, target: Callable[..., None], addr: dict[str, Any], spec: dict[str, Any],
+              role: str, *extra: Any) -> tuple[multiprocessing.process.BaseProcess, Path]:
+        out = self.out_path(role)
+        proc = SPAWN.Process(target=target, args=(self.peer.name, addr, spec, str(out), *extra), name=f"{role}")
+        proc.start()
+        return proc, out
+
+
+def _join(proc: multiprocessing.process.BaseProcess, out: Path, timeout_s: float) -> dict[str, Any]:
+    proc.join(timeout_s)
+    if proc.is_alive():
+        proc.kill()  # our own child, by its pid
+        proc.join(5)
+        raise RuntimeError(f"worker {proc.name} (pid {proc.pid}) did not finish within {timeout_s:.0f} s")
+    if not out.exists():
+        raise RuntimeError(f"worker {proc.name} exited {proc.exitcode} without writing {out}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def run_producers(ph: Phase, addr: dict[str, Any], tag: str, delays: dict[str, int], mode: str, *,
+                  rate: float = 0.0, max_seconds: float = 0.0, chunk: int | None = None,
+                  max_chunk: int | None = None) -> dict[str, Any]:
+    """Run P producers over the `delays` spec (split round-robin); return rate, counts and progress."""
+    p = ph.cfg.producers
+    chunk = chunk or ph.cfg.chunk
+    # Producers start together once every one has connected, so start-up is never timed.
+    start = SPAWN.Barrier(p + 1)
+    procs = []
+    for k in range(p):
+        spec = {"tag": tag, "producer": k, "producers": p, "mode": mode, "delays": delays, "chunk": chunk,
+                "max_chunk": max_chunk or chunk, "rate": rate / p if rate else 0.0, "max_seconds": max_seconds}
+        procs.append(ph.spawn(workers.producer_main, addr, spec, f"producer-{tag}-{k}", start))
+    try:
+        start.wait(PRODUCER_START_TIMEOUT_S)
+    except threading.BrokenBarrierError:
+        for proc, _out in procs:
+            proc.kill()  # our own children, by pid
+            proc.join(5)
+        raise RuntimeError(f"producers did not connect within {PRODUCER_START_TIMEOUT_S:.0f} s") from None
+    budget = (max_seconds or delays["n"] / max(rate, 1.0) + 600) + JOIN_SLACK_S
+    results = [_join(proc, out, budget) for proc, out in procs]
+    sent = sum(r["sent"] for r in results)
+    elapsed_s = max(r["t_end_s"] for r in results) - min(r["t_start_s"] for r in results)
+    errors = [r["error"] for r in results if r["error"]]
+    return {"mode": mode, "sent": sent, "elapsed_s": round(elapsed_s, 3),
+            "t_start_s": min(r["t_start_s"] for r in results),
+            "per_s": round(sent / elapsed_s, 1) if elapsed_s > 0 else None, "errors": errors,
+            "sent_by_producer": {r["producer"]: r["sent"] for r in results}, "tag": tag,
+            "progress": [r["progress"] for r in results]}
+
+
+def accepted_ids(prod: dict[str, Any]) -> list[str]:
+    """Ids of every acknowledged message: a producer's first `sent` messages, in order."""
+    return [message_id(prod["tag"], k, i) for k, sent in prod["sent_by_producer"].items() for i in range(sent)]
+
+
+def start_consumer(ph: Phase, addr: dict[str, Any], expected: int,
+                   deadline_s: float) -> tuple[multiprocessing.process.BaseProcess, Path]:
+    return ph.spawn(workers.consumer_main, addr, {"expected": expected, "deadline_s": deadline_s}, "consumer")
+
+
+def _public(prod: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in prod.items() if k not in ("sent_by_producer", "progress")}
+
+
+def _with_server(ph: Phase, body: Callable[[Server], dict[str, Any]]) -> dict[str, Any]:
+    server = ph.peer.start(ph.data_dir, ph.log_dir)
+    profiler = None
+    try:
+        ph.peer.setup(server.addr)
+        profiler = profiling.start(ph, server)
+        out = body(server)
+        out["ready_s"] = round(server.ready_s, 2)
+        if profiler is not None:
+            out["profile"] = profiling.finish(ph, profiler)
+        return out
+    finally:
+        if profiler is not None:
+            profiler.terminate(signal.SIGINT)
+        server.stop()
+
+
+def phase_accept(ph: Phase) -> dict[str, Any]:
+    cfg = ph.cfg
+    far_ms = int(cfg.far_delay_s * 1000)
+    spread_ms = int((cfg.delay_max_s - cfg.delay_min_s) * 1000)
+
+    def body(server: Server) -> dict[str, Any]:
+        sampler = TreeSampler(server).start()
+        out: dict[str, Any] = {}
+        for mode in ("sync", "batch"):
+            delays = delay_spec(cfg.accept_n, far_ms, far_ms + spread_ms, cfg.seed)
+            prod = run_producers(ph, server.addr, f"acc{mode}", delays, mode, max_seconds=cfg.accept_seconds)
+            out[mode] = _public(prod)
+            server.check_alive()
+        out["resources"] = sampler.stop()
+        out["pending_after"] = ph.peer.pending(server.addr)
+        return out
+
+    return _with_server(ph, body)
+
+
+def phase_precision(ph: Phase) -> dict[str, Any]:
+    cfg = ph.cfg
+    delays = delay_spec(cfg.n, int(cfg.delay_min_s * 1000), int(cfg.delay_max_s * 1000), cfg.seed + 1)
+    chunk = max(1, int(cfg.rate / cfg.producers / 100))  # 10 ms worth of messages per call
+
+    def body(server: Server) -> dict[str, Any]:
+        sampler = TreeSampler(server).start()
+        produce_s = cfg.n / cfg.rate
+        deadline = time.time() + WORKER_START_ALLOWANCE_S + 2 * produce_s + cfg.delay_max_s + cfg.grace_s
+        consumer, cout = start_consumer(ph, server.addr, cfg.n, deadline)
+        consumer_profiler = profiling.start_pid(ph, consumer.pid, "consumer") if consumer.pid else None
+        try:
+            prod = run_producers(ph, server.addr, "prec", delays, "batch", rate=cfg.rate, chunk=chunk,
+                                 max_chunk=cfg.chunk)
+            cons = _join(consumer, cout, deadline - time.time() + JOIN_SLACK_S)
+        finally:
+            consumer_profile = profiling.finish(ph, consumer_profiler) if consumer_profiler else None
+        out = {"produce": _public(prod), "consumer_error": cons["error"],
+               **delivery_figures(accepted_ids(prod), cons["received"])}
+        if consumer_profile is not None:
+            out["consumer_profile"] = consumer_profile
+        server_view = ph.peer.server_stats(server.addr)
+        if server_view is not None:
+            out["server_stats"] = server_view
+        out["resources"] = sampler.stop()
+        return out
+
+    return _with_server(ph, body)
+
+
+def phase_crash(ph: Phase) -> dict[str, Any]:
+    cfg = ph.cfg
+    delays = delay_spec(cfg.crash_n, int(cfg.crash_delay_min_s * 1000), int(cfg.crash_delay_max_s * 1000),
+                        cfg.seed + 2)
+    server = ph.peer.start(ph.data_dir, ph.log_dir)
+    restarted: Server | None = None
+    try:
+        ph.peer.setup(server.addr)
+        consumer, cout = start_consumer(ph, server.addr, cfg.crash_n, time.time() + 3600)
+        prod = run_producers(ph, server.addr, "crash", delays, "batch")
+        time.sleep(max(0.0, prod["t_start_s"] + cfg.crash_kill_after_s - time.time()))
+        consumer.terminate()  # SIGTERM: it writes what it received so far, then exits
+        first = _join(consumer, cout, 30)
+        pending_at_kill = ph.peer.pending(server.addr)
+        server.kill()
+        restarted = ph.peer.start(ph.data_dir, ph.log_dir, server.addr)
+        ph.peer.setup(restarted.addr)
+        last_due_s = prod["t_start_s"] + prod["elapsed_s"] + cfg.crash_delay_max_s
+        deadline = max(last_due_s, time.time()) + cfg.grace_s
+        consumer2, cout2 = start_consumer(ph, restarted.addr, prod["sent"], deadline)
+        second = _join(consumer2, cout2, deadline - time.time() + JOIN_SLACK_S)
+        # The second consumer stops once it has every accepted id; ids seen only before the crash
+        # count too, so a fast finish there cannot hide a loss.
+        received = first["received"] + second["received"]
+        figures = delivery_figures(accepted_ids(prod), received)
+        return {"produce": _public(prod), "delivered_before_kill": len(first["received"]),
+                "pending_at_kill": pending_at_kill, "restart_ready_s": round(restarted.ready_s, 2),
+                "consumer_errors": [c["error"] for c in (first, second) if c["error"]], **figures}
+    finally:
+        (restarted or server).stop()
+        if restarted is not None:
+            server.stop()
+
+
+def phase_backlog(ph: Phase) -> dict[str, Any]:
+    cfg = ph.cfg
+    far_ms = int(cfg.far_delay_s * 1000)
+    spread_ms = int((cfg.delay_max_s - cfg.delay_min_s) * 1000)
+    delays = delay_spec(cfg.backlog_n, far_ms, far_ms + spread_ms, cfg.seed + 3)
+    server = ph.peer.start(ph.data_dir, ph.log_dir)
+    restarted: Server | None = None
+    try:
+        ph.peer.setup(server.addr)
+        sampler = TreeSampler(server).start()
+        rss_idle_mb = sampler.rss_peak_bytes / 2**20
+        prod = run_producers(ph, server.addr, "backlog", delays, "batch", max_seconds=cfg.backlog_seconds)
+        rss_end_mb = sampler.current_rss_bytes() / 2**20
+        res = sampler.stop()
+        pending = ph.peer.pending(server.addr)
+        disk_mb = dir_size_bytes(ph.data_dir) / 2**20
+        server.stop()
+        restarted = ph.peer.start(ph.data_dir, ph.log_dir, server.addr)
+        pending_after = ph.peer.pending(restarted.addr)
+        per_msg = (res["rss_peak_mb"] - rss_idle_mb) * 2**20 / pending if pending else None
+        return {"produce": _public(prod), "rate_over_time": _rate_series(prod["progress"]),
+                "pending": pending, "rss_idle_mb": round(rss_idle_mb, 1), "rss_end_mb": round(rss_end_mb, 1), **res,
+                "rss_per_pending_B": round(per_msg, 1) if per_msg is not None else None,
+                "disk_mb": round(disk_mb, 1), "restart_ready_s": round(restarted.ready_s, 2),
+                "pending_after_restart": pending_after}
+    finally:
+        (restarted or server).stop()
+        if restarted is not None:
+            server.stop()
+
+
+def _rate_series(progress: list[list[tuple[float, int]]], points: int = 100) -> list[tuple[float, float]]:
+    """Accepted per second over time, summed over producers, in about `points` windows (>= 0.2 s)."""
+    if not progress or not any(progress):
+        return []
+    end = max(p[-1][0] for p in progress if p)
+    step_s = max(0.2, end / points)
+    series = []
+    t = step_s
+    while t < end + step_s:
+        total = 0.0
+        for prod in progress:
+            total += _count_at(prod, t) - _count_at(prod, t - step_s)
+        width_s = min(t, end) - (t - step_s)  # the last window may be cut short by the end of the run
+        if width_s > 0:
+            series.append((round(t, 2), round(total / width_s, 1)))
+        t += step_s
+    return series
+
+
+def _count_at(progress: list[tuple[float, int]], t: float) -> int:
+    i = bisect.bisect_right(progress, t, key=lambda p: p[0])
+    return progress[i - 1][1] if i else 0
+
+
+PHASES: dict[str, Callable[[Phase], dict[str, Any]]] = {
+    "accept": phase_accept,
+    "precision": phase_precision,
+    "crash": phase_crash,
+    "backlog": phase_backlog,
+}
+
+
+def run_system(cfg: RunConfig, peer: Peer, out_dir: Path, log: Callable[[str], None]) -> dict[str, Any]:
+    reason = peer.check()
+    if reason is not None:
+        log(f"{peer.name}: not installable: {reason}")
+        return {"installable": False, "reason": f"not installable: {reason}"}
+    result: dict[str, Any] = {"installable": True, "version": peer.version(), "design": peer.design,
+                              "durability": peer.durability, "batch_label": peer.batch_label}
+    for name in cfg.phases:
+        log(f"{peer.name}: {name} ...")
+        ph = Phase(cfg, peer, name, out_dir)
+        t = time.monotonic()
+        try:
+            result[name] = PHASES[name](ph)
+        except Exception as e:  # one system's failure must not lose the other systems' results
+            detail = "" if isinstance(e, ServerFailed | RuntimeError) else "\n" + traceback.format_exc(limit=3)
+            result[name] = {"failed": f"{type(e).__name__}: {e}{detail}"}
+        finally:
+            ph.cleanup()
+        log(f"{peer.name}: {name} done in {time.monotonic() - t:.1f} s")
+    return result

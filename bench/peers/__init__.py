@@ -1,0 +1,1 @@
+"""One module per benchmarked system; the contract is bench.peers.base.Peer."""

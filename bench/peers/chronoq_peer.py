@@ -1,0 +1,178 @@
+"""chronoq itself, measured as a user runs it: `chronoq serve` in its own process plus the SDK.
+
+Theory of operation: the server is `python -m chronoq serve --data-dir D --port P` with the
+project's default configuration (commit log fsynced before a send is acknowledged), started and
+stopped by pid like every peer; it is ready when it prints "chronoq serving on". Producers use
+`chronoq.client.AsyncProducer`: `send(topic, body, deliver_at=ms, message_id=id)` one at a time,
+and `send_batch` for the batched mode (the RocketMQ SendMessage call with many messages). The
+consumer is an `AsyncConsumer` long-polling the topic; each received batch is acked in one
+AckMessage request, sent as a background task so a slow ack never delays the next receive (the
+receive time is stamped before any ack either way).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.harness.procs import LOOPBACK, Server, ServerProcess, free_port, tcp_open, wait_ready
+from bench.peers.base import ConsumerClient, Msg, Peer, ProducerClient
+
+TOPIC = "bench"
+GROUP = "bench"
+RECEIVE_BATCH = 64
+"""The server's default `max_receive_batch`."""
+READY_LINE = "chronoq serving on"
+ACKS_IN_FLIGHT = 8
+
+
+def _server(addr: dict[str, Any]) -> str:
+    return f"{addr['host']}:{addr['port']}"
+
+
+def _serve_command() -> list[str]:
+    """`python -m chronoq serve`, or the serve module run directly while the CLI does not list it yet."""
+    from chronoq import cli
+
+    if "chronoq.cli.serve" in cli.COMMAND_MODULES:
+        return [sys.executable, "-m", "chronoq", "serve"]
+    return [sys.executable, "-m", "chronoq.cli.serve", "serve"]
+
+
+class ChronoqProducer(ProducerClient):
+    def __init__(self, addr: dict[str, Any]) -> None:
+        self.addr = addr
+
+    async def open(self) -> None:
+        from chronoq.client import AsyncProducer
+
+        self.p = AsyncProducer(_server(self.addr), timeout_ms=30_000)
+
+    async def send_one(self, msg: Msg) -> None:
+        await self.p.send(TOPIC, msg.body, deliver_at=msg.due_ms, message_id=msg.id)
+
+    async def send_many(self, msgs: Sequence[Msg]) -> None:
+        from chronoq.client import outgoing
+
+        await self.p.send_batch([outgoing(TOPIC, m.body, deliver_at=m.due_ms, message_id=m.id) for m in msgs])
+
+    async def close(self) -> None:
+        await self.p.close()
+
+
+class ChronoqConsumer(ConsumerClient):
+    def __init__(self, addr: dict[str, Any]) -> None:
+        self.addr = addr
+        self.acks: set[asyncio.Task[None]] = set()
+        self.slots = asyncio.Semaphore(ACKS_IN_FLIGHT)
+
+    async def open(self) -> None:
+        from chronoq.client import AsyncConsumer
+
+        self.c = AsyncConsumer(GROUP, TOPIC, server=_server(self.addr), timeout_ms=30_000)
+
+    async def receive(self, max_wait_s: float) -> list[tuple[bytes, Any]]:
+        got = await self.c.receive(RECEIVE_BATCH, wait=int(max_wait_s * 1000))
+        return [(m.body, m) for m in got]
+
+    async def ack(self, tokens: Sequence[Any]) -> None:
+        if not tokens:
+            return
+        await self.slots.acquire()
+        task = asyncio.create_task(self._ack(tokens))
+        self.acks.add(task)
+        task.add_done_callback(self.acks.discard)
+
+    async def _ack(self, msgs: Sequence[Any]) -> None:
+        try:
+            await self.c.ack(*msgs)  # one AckMessage request for the whole received batch
+        finally:
+            self.slots.release()
+
+    async def close(self) -> None:
+        if self.acks:
+            await asyncio.gather(*self.acks, return_exceptions=True)
+        await self.c.close()
+
+
+class Chronoq(Peer):
+    name = "chronoq"
+    design = "SendMessage with delivery_timestamp (ms); RocksDB time index + timing wheel"
+    durability = "commit log fsynced before the send is acknowledged (flush=sync, group commit)"
+    batch_label = "send_batch"
+
+    def check(self) -> str | None:
+        try:
+            import chronoq.client
+            import chronoq.server.serve  # noqa: F401
+        except ImportError as e:
+            return f"chronoq's server or SDK cannot be imported: {e}"
+        return None
+
+    def version(self) -> str:
+        import chronoq
+
+        return str(getattr(chronoq, "__version__", "unknown"))
+
+    def start(self, data_dir: Path, log_dir: Path, addr: dict[str, Any] | None = None) -> Server:
+        addr = addr or {"host": LOOPBACK, "port": free_port()}
+        argv = [*_serve_command(), "--data-dir", str(data_dir), "--port", str(addr["port"]),
+                "--host", LOOPBACK, "--log-level", "WARNING"]
+        log_path = log_dir / "chronoq.log"
+        # The ready line of this start, not of an earlier run logged to the same file.
+        offset = log_path.stat().st_size if log_path.exists() else 0
+        started = time.monotonic()
+        server = Server([ServerProcess("chronoq", argv, log_path)], addr, data_dir)
+
+        def probe() -> bool:
+            with open(log_path, "rb") as f:
+                f.seek(offset)
+                return READY_LINE.encode() in f.read() and tcp_open(addr["port"])
+
+        wait_ready(server, probe, 180, started)
+        return server
+
+    def setup(self, addr: dict[str, Any]) -> None:
+        from chronoq.client import AsyncAdmin
+
+        async def go() -> None:
+            async with AsyncAdmin(_server(addr)) as admin:
+                if TOPIC not in {t.name for t in await admin.list_topics()}:
+                    await admin.create_topic(TOPIC)
+
+        asyncio.run(go())
+
+    def pending(self, addr: dict[str, Any]) -> int:
+        from chronoq.client import AsyncAdmin
+
+        async def go() -> int:
+            async with AsyncAdmin(_server(addr)) as admin:
+                stats = await admin.stats()
+            return int(stats["timer"]["pending_total"])
+
+        return asyncio.run(go())
+
+    def server_stats(self, addr: dict[str, Any]) -> dict[str, Any] | None:
+        """chronoq's timer stats: the broker's own fire-time error, to tell server lag from client lag."""
+        from chronoq.client import AsyncAdmin
+
+        async def go() -> dict[str, Any]:
+            async with AsyncAdmin(_server(addr)) as admin:
+                stats = await admin.stats()
+            timer = stats.get("timer", {})
+            return {"pending_total": timer.get("pending_total"), "latencies": timer.get("latencies")}
+
+        return asyncio.run(go())
+
+    def producer(self, addr: dict[str, Any]) -> ProducerClient:
+        return ChronoqProducer(addr)
+
+    def consumer(self, addr: dict[str, Any]) -> ConsumerClient:
+        return ChronoqConsumer(addr)
+
+
+PEER = Chronoq()
