@@ -32,7 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not getattr(args, "passthrough", False):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.args = [*extra, *args.args]  # a pass-through command hands its arguments on whole
     return int(args.func(args) or 0)
 
 

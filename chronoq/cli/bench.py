@@ -10,7 +10,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="run the side-by-side benchmark against the peers (see bench/)",
                        add_help=False)
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for `python -m bench` (try --help)")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, passthrough=True)
 
 
 def run(args: argparse.Namespace) -> int:
