@@ -137,6 +137,7 @@ class Broker:
             # A background task must not die silently: the broker stops accepting work.
             self.fatal = exc
             log.error("background task %s failed", task.get_name(), exc_info=exc)
+            self.store.log.fail(f"background task {task.get_name()} failed: {exc!r}")
 
     async def close(self) -> None:
         if self._closed:

@@ -192,14 +192,15 @@ class ReceivedMessage:
 
 _id_lock = threading.Lock()
 _id_seq = 0
-_id_prefix = f"{os.getpid() & 0xFFFF:04X}{int.from_bytes(os.urandom(4), 'big'):08X}"
+_id_prefix = f"{os.getpid() & 0xFFFF:04X}{int.from_bytes(os.urandom(6), 'big'):012X}"
 
 
 def new_message_id() -> str:
-    """A 34-character upper-case hex id shaped like the RocketMQ 5 clients' (version 01)."""
+    """A 34-character upper-case hex id shaped like the RocketMQ 5 clients' (version 01):
+    a per-process random prefix, seconds since 2021-01-01, and a sequence number."""
     global _id_seq
     with _id_lock:
         _id_seq = (_id_seq + 1) & 0xFFFFFFFF
         seq = _id_seq
     seconds = (int(time.time()) - 1_609_459_200) & 0xFFFFFFFF
-    return f"01{_id_prefix}{int.from_bytes(os.urandom(2), 'big'):04X}{seconds:08X}{seq:08X}"
+    return f"01{_id_prefix}{seconds:08X}{seq:08X}"

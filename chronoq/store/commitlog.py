@@ -207,9 +207,15 @@ class CommitLog:
 
     def _new_segment(self, base: int) -> Segment:
         path = self.directory / files.segment_name(base)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        if path.exists():
+            raise FileExistsError(f"segment {path} already exists")
+        # Header written under a temporary name, then renamed: a kill mid-roll leaves either no
+        # new segment or a whole header, never a header-less file that `check` calls damage.
+        tmp = path.with_name(path.name + ".tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         os.write(fd, encode_segment_header(base))
         os.fsync(fd)
+        os.rename(tmp, path)
         _fsync_dir(self.directory)
         seg = Segment(base, path, fd, 0)
         self._add_segment(seg)
@@ -245,7 +251,9 @@ class CommitLog:
         if self._closed:
             raise BrokerClosed()
         seg = self._segments[-1]
-        n = os.write(seg.fd, blob)
+        # pwrite at the segment's end, never the fd's file offset: a segment reopened at start has
+        # its offset at 0, and a plain write() there overwrote the header and first records.
+        n = os.pwrite(seg.fd, blob, seg.data_size + SEGMENT_HEADER_SIZE)
         if n != len(blob):  # a short write on a regular file means the disk is full
             os.ftruncate(seg.fd, seg.data_size + SEGMENT_HEADER_SIZE)
             raise FlushFailed(f"short write ({n} of {len(blob)} bytes): disk full?")
@@ -316,6 +324,15 @@ class CommitLog:
             self.on_durable(self._flushed)
         self._release(self._flushed)
 
+    def fail(self, reason: str) -> None:
+        """Stop accepting writes and fail every sender still waiting for durability (the
+        flusher died): a waiter must never hang on an fsync that will not come."""
+        self._failed = reason
+        for _, fut in self._waiters:
+            if not fut.done():
+                fut.set_exception(FlushFailed(reason))
+        self._waiters.clear()
+
     def _release(self, upto: int) -> None:
         keep: list[tuple[int, asyncio.Future[None]]] = []
         for end, fut in self._waiters:
@@ -350,7 +367,10 @@ class CommitLog:
         return os.pread(seg.fd, size, position - seg.base + SEGMENT_HEADER_SIZE)
 
     def read(self, position: int, size: int) -> StoredMessage:
-        return decode_record(self.read_bytes(position, size), expected_position=position)
+        msg = decode_record(self.read_bytes(position, size), expected_position=position)
+        if msg.size != size:  # the index that gave `size` disagrees with the log
+            raise CorruptRecord(f"record is {msg.size} bytes, the caller's index says {size}", position)
+        return msg
 
     def contains(self, position: int) -> bool:
         return self.start_position <= position < self.end_position
