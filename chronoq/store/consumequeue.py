@@ -133,16 +133,19 @@ class ConsumeQueue:
                 try:
                     position, size, _ = decode_entry(body, j * ENTRY_SIZE)
                 except CorruptRecord as e:
-                    if not is_last:
-                        report.damaged = f"{name} entry {j}: {e.reason}"
-                        return report
-                    break
+                    # Even in the last file: the entries after it (or it) may lie below the
+                    # checkpoint, where replay would not restore them. A rebuild always does.
+                    report.damaged = f"{name} entry {j}: {e.reason}"
+                    return report
                 if position + size > log_end:
-                    break  # points past the (possibly truncated) log: re-dispatch from there
+                    break  # points past the (truncated) log: its record is gone with the tail
                 count += 1
             whole = len(body) // ENTRY_SIZE
-            if count < whole or len(body) % ENTRY_SIZE:
-                if not is_last and count < whole:
+            if len(body) % ENTRY_SIZE:
+                report.damaged = f"{name}: {len(body) % ENTRY_SIZE} bytes of a partial entry at the end"
+                return report
+            if count < whole:
+                if not is_last:
                     report.damaged = f"{name}: entry {count} is beyond the log's end"
                     return report
                 report.truncated_entries += whole - count
@@ -170,6 +173,12 @@ class ConsumeQueue:
     def is_empty(self) -> bool:
         return not self._files
 
+    def ensure_file(self) -> None:
+        """Give an empty queue its first (header-only) file. Every queue of a topic has a file
+        from the topic's creation on, so recovery can tell a deleted queue from an unused one."""
+        if not self._files:
+            self._new_file(self.next_offset)
+
     def set_start(self, offset: int) -> None:
         """For an empty queue rebuilt from a log whose first records for it were expired."""
         if self._files:
@@ -191,8 +200,11 @@ class ConsumeQueue:
     def _new_file(self, first_offset: int) -> CQFile:
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / files.cq_file_name(first_offset)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        # Renamed into place with its header: a kill never leaves a header-less queue file.
+        tmp = path.with_name(path.name + ".tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         os.write(fd, encode_cq_header(first_offset))
+        os.rename(tmp, path)
         self._dirty.add(fd)
         f = CQFile(first_offset, path, fd, 0)
         self._files.append(f)

@@ -30,7 +30,7 @@ from pathlib import Path
 import crc32c
 from rocksdict import Options, Rdict, WriteBatch, WriteOptions
 
-from chronoq.errors import InvalidReceiptHandle
+from chronoq.errors import CorruptRecord, InvalidReceiptHandle
 
 GROUPS_FORMAT_VERSION = 1
 _INFLIGHT = struct.Struct(">BHQIQIQ")
@@ -80,6 +80,9 @@ def decode_handle(handle: str) -> tuple[int, int, int]:
     version, qid, offset, nonce = _HANDLE.unpack(raw[:-4])
     if version != HANDLE_VERSION:
         raise InvalidReceiptHandle(f"unknown handle version {version}")
+    # The lenient base64 decoder skips stray characters and padding; one entry, one spelling.
+    if encode_handle(qid, offset, nonce) != handle:
+        raise InvalidReceiptHandle("not in canonical form (extra or substituted characters)")
     return qid, offset, nonce
 
 
@@ -215,5 +218,12 @@ def _encode_inflight(e: InFlight) -> bytes:
 
 
 def _decode_inflight(group: str, topic: str, qid: int, offset: int, raw: bytes) -> InFlight:
-    _v, attempt, visible_ms, nonce, position, size, first_ms = _INFLIGHT.unpack(raw)
+    # Checked here, not trusted: a value of another length or version must fail as CorruptRecord
+    # (naming the entry), not as struct.error from deep inside a receive.
+    if len(raw) != _INFLIGHT.size:
+        raise CorruptRecord(f"in-flight value for {group}/{topic}/{qid}@{offset} is {len(raw)} bytes, "
+                            f"expected {_INFLIGHT.size}")
+    version, attempt, visible_ms, nonce, position, size, first_ms = _INFLIGHT.unpack(raw)
+    if version != 1:
+        raise CorruptRecord(f"unknown in-flight value version {version} for {group}/{topic}/{qid}@{offset}")
     return InFlight(group, topic, qid, offset, attempt, visible_ms, nonce, position, size, first_ms)

@@ -133,6 +133,13 @@ class MessageStore:
                         cq = ConsumeQueue(cq.directory, self.config.consume_queue_entries_per_file)
                         damaged.add(key)
                     self._cqs[key] = cq
+        for topic in self.topics.values():
+            for qid in range(topic.queue_count):
+                key = (topic.name, qid)
+                if key not in damaged and self._cq(key).is_empty:
+                    # No file at all: the queue was deleted (every queue gets a file when its
+                    # topic is created), or it predates that rule. Either way, rebuild it.
+                    damaged.add(key)
         start = min(checkpoint if checkpoint is not None else 0, self.log.end_position)
         for msg in self.log.scan(start):
             report.replayed_records += 1
@@ -153,6 +160,8 @@ class MessageStore:
             cq.append(msg.position, msg.size, tag_hash(msg.tag))
         if damaged:
             self._rebuild(damaged)
+            for key in damaged:
+                self._cqs[key].ensure_file()
             report.rebuilt_queues = sorted(f"{t}/{q}" for t, q in damaged)
         for key, cq in self._cqs.items():
             self._next_qoff[key] = cq.next_offset
@@ -191,6 +200,8 @@ class MessageStore:
                 return existing
             raise TopicExists(name)
         topic = TopicConfig(name, queue_count, message_types, now_ms)
+        for qid in range(queue_count):
+            self._cq((name, qid)).ensure_file()
         self.topics[name] = topic
         self._save_topics()
         return topic
@@ -225,36 +236,50 @@ class MessageStore:
 
     def append(self, msgs: list[PreparedMessage], store_ms: int) -> list[StoredMessage]:
         """Write `msgs` (validated, topics existing) to the log; return them as stored.
-        Durable only after `wait_durable(result[-1].position + result[-1].size)`."""
+        Durable only after `wait_durable(result[-1].position + result[-1].size)`.
+
+        Two phases, so that a refusal (a bad queue id, a field too long to encode) changes nothing:
+        a queue offset handed to a record that is never written would leave a hole in its queue,
+        and recovery rebuilds a queue only up to its first hole."""
         out: list[StoredMessage] = []
         blobs: list[bytes] = []
-        pending_len = 0
+        next_qoff: dict[tuple[str, int], int] = {}
+        # Rolling never moves the end position (a new segment starts at the old end), so a record
+        # encoded for `position` stays valid whichever segment receives it.
+        position = self.log.end_position
         for msg in msgs:
-            topic = self.get_topic(msg.topic)
-            qid = self._pick_queue(topic, msg)
+            qid = self._pick_queue(self.get_topic(msg.topic), msg)
             key = (msg.topic, qid)
-            qoff = self._next_qoff.get(key, 0)
-            # Rolling never moves the end position (a new segment starts at the old end), so
-            # a record encoded for `position` stays valid whichever segment receives it.
-            position = self.log.end_position + pending_len
+            qoff = next_qoff.get(key, self._next_qoff.get(key, 0))
             blob = self._encode(msg, qid, qoff, position, store_ms)
-            if not self.log.fits_in_active(pending_len + len(blob)):
-                if blobs:
-                    self.log.write(b"".join(blobs), store_ms)
-                    blobs.clear()
-                    pending_len = 0
-                self.log.roll_if_needed(len(blob))
+            next_qoff[key] = qoff + 1
             blobs.append(blob)
-            pending_len += len(blob)
-            self._next_qoff[key] = qoff + 1
             out.append(StoredMessage(
                 message_id=msg.message_id, topic=msg.topic, queue_id=qid, queue_offset=qoff,
                 message_type=msg.message_type, tag=msg.tag, keys=msg.keys, properties=msg.properties,
                 system_properties=msg.system_properties, body=msg.body, born_ms=msg.born_ms,
                 store_ms=store_ms, position=position, size=len(blob)))
-        if blobs:
-            self.log.write(b"".join(blobs), store_ms)
-        self._undispatched.extend(out)
+            position += len(blob)
+        written = 0
+        try:
+            chunk_start = 0
+            chunk_len = 0
+            for i, blob in enumerate(blobs):
+                if not self.log.fits_in_active(chunk_len + len(blob)):
+                    if chunk_len:
+                        self.log.write(b"".join(blobs[chunk_start:i]), store_ms)
+                        written = i
+                    self.log.roll_if_needed(len(blob))
+                    chunk_start, chunk_len = i, 0
+                chunk_len += len(blob)
+            if chunk_len:
+                self.log.write(b"".join(blobs[chunk_start:]), store_ms)
+            written = len(blobs)
+        finally:
+            # On a failed write only what reached the log takes its queue offsets.
+            for msg in out[:written]:
+                self._next_qoff[(msg.topic, msg.queue_id)] = msg.queue_offset + 1
+            self._undispatched.extend(out[:written])
         if self.config.flush == "async":
             self._on_durable(self.log.end_position)  # async mode: visible once written
         return out

@@ -1,0 +1,98 @@
+"""Shared test helpers: a temp data directory, a small-limits config factory, `arun`.
+
+Kept small and general on purpose; add a helper here only when two test files need it.
+Helpers are fixtures (not imports) because `tests/` has several conftest modules and pytest
+imports each as `conftest`; a test module importing `conftest` could get the wrong one.
+
+Store invariants checked by `assert_queues_match_log` are computed here from the raw commit log
+and consume-queue readers, independently of `chronoq check`, so the two can disagree loudly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from chronoq.clock import FakeClock
+from chronoq.config import Config
+
+T = TypeVar("T")
+
+SMALL_LIMITS: dict[str, Any] = {
+    "segment_size_bytes": 4096,
+    "max_message_size_bytes": 2048,
+    "consume_queue_entries_per_file": 8,
+    "default_queue_count": 2,
+}
+"""Small enough that a handful of messages roll segments and consume-queue files."""
+
+
+def arun(coro: Coroutine[Any, Any, T]) -> T:
+    """Run one coroutine to completion on a fresh event loop (no pytest-asyncio)."""
+    return asyncio.run(coro)
+
+
+def small_config(data_dir: Path, **overrides: Any) -> Config:
+    return Config(data_dir=data_dir, **{**SMALL_LIMITS, **overrides})
+
+
+def assert_queues_match_log(store: Any) -> int:
+    """Every record of the retained log sits at its (topic, queue, offset) in a consume queue,
+    and every consume-queue entry from the log's start points at exactly that record.
+    `store` is an open `MessageStore`. Returns the number of records checked."""
+    by_queue: dict[tuple[str, int], dict[int, tuple[int, int]]] = {}
+    count = 0
+    for msg in store.log.scan(store.log.start_position):
+        slot = by_queue.setdefault((msg.topic, msg.queue_id), {})
+        assert msg.queue_offset not in slot, f"queue offset {msg.queue_offset} of {msg.topic}/{msg.queue_id} twice"
+        slot[msg.queue_offset] = (msg.position, msg.size)
+        count += 1
+    for key, records in by_queue.items():
+        cq = store.queue(*key)
+        first = min(records)
+        assert cq.next_offset == max(records) + 1, f"{key}: queue ends at {cq.next_offset}, log at {max(records) + 1}"
+        for offset in range(first, cq.next_offset):
+            entry = cq.get(offset)
+            assert entry is not None and entry[:2] == records.get(offset), f"{key} offset {offset}: {entry}"
+    for key in store.queue_keys():
+        cq = store.queue(*key)
+        for offset in range(cq.min_offset, cq.next_offset):
+            entry = cq.get(offset)
+            assert entry is not None, f"{key} offset {offset} missing"
+            if entry[0] >= store.log.start_position:
+                assert by_queue.get(key, {}).get(offset) == entry[:2], f"{key} offset {offset} -> {entry} not in log"
+    return count
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    return tmp_path / "data"
+
+
+@pytest.fixture
+def make_config(data_dir: Path) -> Callable[..., Config]:
+    """`make_config(**overrides)`: a Config on the test's data dir with `SMALL_LIMITS`."""
+
+    def make(**overrides: Any) -> Config:
+        return small_config(data_dir, **overrides)
+
+    return make
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture(name="arun")
+def arun_fixture() -> Callable[[Coroutine[Any, Any, Any]], Any]:
+    return arun
+
+
+@pytest.fixture(name="assert_queues_match_log")
+def assert_queues_match_log_fixture() -> Callable[[Any], int]:
+    return assert_queues_match_log

@@ -1,0 +1,317 @@
+"""Every on-disk format other than the commit-log record (see test_record.py), and the sizes the
+layouts state.
+
+For each codec: round trip whole; every prefix raises the codec's one error; trailing bytes are
+ignored where a reader reads a fixed-size unit out of a longer file (headers, entries) and
+rejected where the value is the whole file or key (checkpoint, topics, in-flight value, handle);
+flipping any single byte is detected wherever the format carries a checksum; hypothesis round
+trips. Sizes are asserted against the constants in code, which `docs/disk-format.md` repeats.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from chronoq.errors import CorruptRecord, InvalidReceiptHandle
+from chronoq.model import MessageType, TopicConfig
+from chronoq.store import commitlog, consumequeue, files, groups, meta, record
+
+# -- shared checks --------------------------------------------------------------------------
+
+
+def assert_prefixes_raise(decode: Callable[[Any], Any], blob: Any, error: type[Exception]) -> None:
+    for n in range(len(blob)):
+        with pytest.raises(error):
+            decode(blob[:n])
+
+
+def assert_flips_detected(decode: Callable[[bytes], Any], blob: bytes, error: type[Exception]) -> None:
+    for i in range(len(blob)):
+        for mask in (0x01, 0x10, 0x80, 0xFF):
+            bad = bytearray(blob)
+            bad[i] ^= mask
+            with pytest.raises(error):
+                decode(bytes(bad))
+
+
+# -- sizes ----------------------------------------------------------------------------------
+
+
+def test_sizes_the_layouts_state() -> None:
+    """The list reported to the lead for docs/disk-format.md."""
+    assert record.HEADER_SIZE == 72
+    assert len(record.encode_record(
+        position=0, message_id="", topic="", queue_id=0, queue_offset=0, message_type=MessageType.NORMAL,
+        tag="", keys=(), properties={}, system_properties={}, body=b"", born_ms=0, store_ms=0)) == 72
+    assert commitlog.SEGMENT_HEADER_SIZE == 24 == len(commitlog.encode_segment_header(0))
+    assert consumequeue.CQ_HEADER_SIZE == 24 == len(consumequeue.encode_cq_header(0))
+    assert consumequeue.ENTRY_SIZE == 20 == len(consumequeue.encode_entry(0, 0, 0))
+    assert meta.CHECKPOINT_SIZE == 32 == len(meta.encode_checkpoint(0, 0))
+    assert meta.TOPICS_HEADER_SIZE == 14 == len(meta.encode_topics([])) - len(b'{"topics":[]}')
+    assert groups._INFLIGHT.size == 35 == len(groups._encode_inflight(inflight()))
+    assert groups._HANDLE.size + 4 == 21
+    assert len(groups.encode_handle(0, 0, 0)) == 28  # 21 bytes in unpadded URL-safe base64
+    assert (record.RECORD_MAGIC, record.RECORD_VERSION) == (0xC4A0, 1)
+    assert (commitlog.SEGMENT_MAGIC, commitlog.SEGMENT_VERSION) == (b"CHRONOQL", 1)
+    assert (consumequeue.CQ_MAGIC, consumequeue.CQ_VERSION) == (b"CHRONOQQ", 1)
+    assert (meta.CHECKPOINT_MAGIC, meta.CHECKPOINT_VERSION) == (b"CQCKPT01", 1)
+    assert (meta.TOPICS_MAGIC, meta.TOPICS_VERSION) == (b"CQTP", 1)
+    assert groups.GROUPS_FORMAT_VERSION == groups.HANDLE_VERSION == 1
+    assert files.segment_name(4096) == "00000000000000004096.log"
+    assert files.cq_file_name(7) == "00000000000000000007.cq"
+
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "disk-format.md"
+DOC_STATES = [  # (what docs/disk-format.md says, with the size as group 1; the size in code)
+    (r"Header, version 1, (\d+) bytes:\s+\|", commitlog.SEGMENT_HEADER_SIZE),
+    (r"Version 1, (\d+)-byte fixed header", record.HEADER_SIZE),
+    (r"Header, version 1, (\d+) bytes: magic `b\"CHRONOQQ\"`", consumequeue.CQ_HEADER_SIZE),
+    (r"Entry, (\d+) bytes:", consumequeue.ENTRY_SIZE),
+    (r"(\d+) bytes, version 1, rewritten atomically", meta.CHECKPOINT_SIZE),
+    (r"Header (\d+) bytes: magic `b\"CQTP\"`", meta.TOPICS_HEADER_SIZE),
+    (r"In-flight value, (\d+) bytes:", groups._INFLIGHT.size),
+    (r"crc32c u32 of the first 17 bytes \((\d+) bytes\)", groups._HANDLE.size + 4),
+]
+
+
+def test_docs_state_the_same_sizes() -> None:
+    text = DOC.read_text()
+    for pattern, size in DOC_STATES:
+        found = re.search(pattern, text)
+        assert found, f"docs/disk-format.md no longer says {pattern!r}"
+        assert int(found.group(1)) == size, (pattern, size)
+
+
+# -- segment header ---------------------------------------------------------------------------
+
+
+def test_segment_header() -> None:
+    blob = commitlog.encode_segment_header(1 << 40)
+    assert blob[:8] == b"CHRONOQL"
+    assert struct.unpack(">IQ", blob[8:20]) == (1, 1 << 40)
+    assert commitlog.decode_segment_header(blob) == 1 << 40
+    assert commitlog.decode_segment_header(blob + b"records follow") == 1 << 40
+    assert_prefixes_raise(commitlog.decode_segment_header, blob, CorruptRecord)
+    assert_flips_detected(commitlog.decode_segment_header, blob, CorruptRecord)
+
+
+# -- consume queue ----------------------------------------------------------------------------
+
+
+def test_cq_header() -> None:
+    blob = consumequeue.encode_cq_header(300_000)
+    assert blob[:8] == b"CHRONOQQ"
+    assert struct.unpack(">IQ", blob[8:20]) == (1, 300_000)
+    assert consumequeue.decode_cq_header(blob) == 300_000
+    assert consumequeue.decode_cq_header(blob + consumequeue.encode_entry(1, 2, 3)) == 300_000
+    assert_prefixes_raise(consumequeue.decode_cq_header, blob, CorruptRecord)
+    assert_flips_detected(consumequeue.decode_cq_header, blob, CorruptRecord)
+
+
+def test_cq_entry() -> None:
+    th = consumequeue.tag_hash("paid")
+    blob = consumequeue.encode_entry(2**40 + 5, 1234, th)
+    assert struct.unpack(">QII", blob[:16]) == (2**40 + 5, 1234, th)
+    assert consumequeue.decode_entry(blob) == (2**40 + 5, 1234, th)
+    assert consumequeue.decode_entry(blob + b"\x00" * 7) == (2**40 + 5, 1234, th)
+    assert consumequeue.decode_entry(b"xx" + blob, 2) == (2**40 + 5, 1234, th)
+    assert_prefixes_raise(consumequeue.decode_entry, blob, CorruptRecord)
+    assert_flips_detected(consumequeue.decode_entry, blob, CorruptRecord)
+    assert consumequeue.tag_hash("") == 0  # CRC32C of nothing; untagged messages share it
+
+
+@settings(deadline=None)
+@given(st.integers(0, 2**64 - 1), st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1), st.data())
+def test_cq_entry_property(position: int, size: int, th: int, data: st.DataObject) -> None:
+    blob = consumequeue.encode_entry(position, size, th)
+    assert consumequeue.decode_entry(blob) == (position, size, th)
+    i = data.draw(st.integers(0, len(blob) - 1))
+    value = data.draw(st.integers(0, 255).filter(lambda v: v != blob[i]))
+    with pytest.raises(CorruptRecord):
+        consumequeue.decode_entry(blob[:i] + bytes([value]) + blob[i + 1:])
+
+
+@settings(deadline=None)
+@given(st.integers(0, 2**64 - 1))
+def test_headers_property(first: int) -> None:
+    assert consumequeue.decode_cq_header(consumequeue.encode_cq_header(first)) == first
+    assert commitlog.decode_segment_header(commitlog.encode_segment_header(first)) == first
+
+
+# -- checkpoint -------------------------------------------------------------------------------
+
+
+def test_checkpoint() -> None:
+    blob = meta.encode_checkpoint(987_654_321, 1_700_000_123_456)
+    assert blob[:8] == b"CQCKPT01"
+    assert struct.unpack(">IIQI", blob[8:28]) == (1, 0, 987_654_321, 1_700_000_123)
+    assert meta.decode_checkpoint(blob) == 987_654_321
+    with pytest.raises(CorruptRecord, match="32"):
+        meta.decode_checkpoint(blob + b"\x00")  # the file is exactly one checkpoint
+    assert_prefixes_raise(meta.decode_checkpoint, blob, CorruptRecord)
+    assert_flips_detected(meta.decode_checkpoint, blob, CorruptRecord)
+
+
+def test_read_checkpoint_treats_missing_or_bad_as_none(tmp_path) -> None:
+    path = tmp_path / files.CHECKPOINT
+    assert meta.read_checkpoint(path) is None
+    meta.write_atomic(path, meta.encode_checkpoint(42, 0))
+    assert meta.read_checkpoint(path) == 42
+    path.write_bytes(path.read_bytes()[:-1])
+    assert meta.read_checkpoint(path) is None
+
+
+@settings(deadline=None)
+@given(st.integers(0, 2**64 - 1), st.integers(0, 2**62), st.data())
+def test_checkpoint_property(position: int, written_ms: int, data: st.DataObject) -> None:
+    blob = meta.encode_checkpoint(position, written_ms)
+    assert meta.decode_checkpoint(blob) == position
+    i = data.draw(st.integers(0, len(blob) - 1))
+    value = data.draw(st.integers(0, 255).filter(lambda v: v != blob[i]))
+    with pytest.raises(CorruptRecord):
+        meta.decode_checkpoint(blob[:i] + bytes([value]) + blob[i + 1:])
+
+
+# -- topics -----------------------------------------------------------------------------------
+
+TOPICS = [
+    TopicConfig("orders", 4, frozenset({MessageType.NORMAL, MessageType.DELAY}), 1_700_000_000_000),
+    TopicConfig("%DLQ%g1", 1, frozenset(MessageType), 5),
+]
+
+
+def test_topics_file() -> None:
+    blob = meta.encode_topics(TOPICS)
+    magic, version, _crc, length = struct.unpack_from(">4sHII", blob)
+    assert (magic, version, length) == (b"CQTP", 1, len(blob) - 14)
+    assert sorted(meta.decode_topics(blob), key=lambda t: t.name) == sorted(TOPICS, key=lambda t: t.name)
+    assert meta.decode_topics(meta.encode_topics([])) == []
+    with pytest.raises(CorruptRecord):
+        meta.decode_topics(blob + b"\n")  # the length field covers the whole rest of the file
+    assert_prefixes_raise(meta.decode_topics, blob, CorruptRecord)
+    assert_flips_detected(meta.decode_topics, blob, CorruptRecord)
+
+
+def test_topics_file_with_valid_crc_but_bad_json_is_corrupt() -> None:
+    import crc32c
+
+    for body in (b"{", b"[]", b'{"topics": [{"name": "x"}]}', b'{"topics": [{"name": "x", "queue_count": 1, '
+                                                              b'"message_types": [9], "created_ms": 0}]}', b"\xff"):
+        blob = struct.pack(">4sHII", b"CQTP", 1, crc32c.crc32c(body), len(body)) + body
+        with pytest.raises(CorruptRecord):
+            meta.decode_topics(blob)
+
+
+topic_configs = st.builds(
+    TopicConfig,
+    name=st.from_regex(r"[A-Za-z0-9_%|-]{1,20}", fullmatch=True),
+    queue_count=st.integers(1, 256),
+    message_types=st.frozensets(st.sampled_from(list(MessageType)), min_size=1),
+    created_ms=st.integers(0, 2**62),
+)
+
+
+@settings(deadline=None, max_examples=50)
+@given(st.lists(topic_configs, max_size=5, unique_by=lambda t: t.name), st.data())
+def test_topics_property(topics: list[TopicConfig], data: st.DataObject) -> None:
+    blob = meta.encode_topics(topics)
+    assert sorted(meta.decode_topics(blob), key=lambda t: t.name) == sorted(topics, key=lambda t: t.name)
+    i = data.draw(st.integers(0, len(blob) - 1))
+    value = data.draw(st.integers(0, 255).filter(lambda v: v != blob[i]))
+    with pytest.raises(CorruptRecord):
+        meta.decode_topics(blob[:i] + bytes([value]) + blob[i + 1:])
+
+
+# -- consumer-group in-flight value -------------------------------------------------------------
+
+
+def inflight(**changes: Any) -> groups.InFlight:
+    fields = dict(group="g", topic="t", queue_id=2, offset=9, attempt=3, visible_ms=1_700_000_030_000,
+                  nonce=0xDEADBEEF, position=4096, size=200, first_delivery_ms=1_700_000_000_000)
+    return groups.InFlight(**{**fields, **changes})  # type: ignore[arg-type]
+
+
+def decode_inflight(raw: bytes) -> groups.InFlight:
+    return groups._decode_inflight("g", "t", 2, 9, raw)
+
+
+def test_inflight_value() -> None:
+    entry = inflight()
+    blob = groups._encode_inflight(entry)
+    assert struct.unpack(">BHQIQIQ", blob) == (1, 3, 1_700_000_030_000, 0xDEADBEEF, 4096, 200, 1_700_000_000_000)
+    assert decode_inflight(blob) == entry
+    assert_prefixes_raise(decode_inflight, blob, CorruptRecord)
+    with pytest.raises(CorruptRecord):
+        decode_inflight(blob + b"\x00")  # a value is exactly one entry
+    for version in (0, 2, 255):
+        with pytest.raises(CorruptRecord, match="version"):
+            decode_inflight(bytes([version]) + blob[1:])
+    # No checksum of its own: RocksDB checksums the blocks and WAL records holding it.
+
+
+@settings(deadline=None)
+@given(st.integers(0, 0xFFFF), st.integers(0, 2**64 - 1), st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1),
+       st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1))
+def test_inflight_property(attempt: int, visible_ms: int, nonce: int, position: int, size: int, first: int) -> None:
+    entry = inflight(attempt=attempt, visible_ms=visible_ms, nonce=nonce, position=position, size=size,
+                     first_delivery_ms=first)
+    assert decode_inflight(groups._encode_inflight(entry)) == entry
+
+
+# -- receipt handle ---------------------------------------------------------------------------
+
+
+def raw_handle(handle: str) -> bytes:
+    return base64.urlsafe_b64decode(handle + "=" * (-len(handle) % 4))
+
+
+def test_receipt_handle() -> None:
+    handle = groups.encode_handle(7, 2**40, 0xCAFEBABE)
+    raw = raw_handle(handle)
+    assert struct.unpack(">BIQI", raw[:17]) == (1, 7, 2**40, 0xCAFEBABE)
+    assert groups.decode_handle(handle) == (7, 2**40, 0xCAFEBABE)
+    assert_prefixes_raise(groups.decode_handle, handle, InvalidReceiptHandle)
+    for trailer in ("A", "AAAA", "=", " "):
+        with pytest.raises(InvalidReceiptHandle):
+            groups.decode_handle(handle + trailer)
+
+    def decode_raw(blob: bytes) -> tuple[int, int, int]:
+        return groups.decode_handle(base64.urlsafe_b64encode(blob).decode().rstrip("="))
+
+    assert_flips_detected(decode_raw, raw, InvalidReceiptHandle)
+    for bad in (None, 5, "", "x" * 65, "!!!!", "A" * 28):
+        with pytest.raises(InvalidReceiptHandle):
+            groups.decode_handle(bad)  # type: ignore[arg-type]
+    wrong_version = bytes([2]) + raw[1:17]
+    with pytest.raises(InvalidReceiptHandle, match="version"):
+        groups.decode_handle(base64.urlsafe_b64encode(wrong_version + struct.pack(">I", _crc(wrong_version)))
+                             .decode().rstrip("="))
+
+
+def _crc(blob: bytes) -> int:
+    import crc32c
+
+    return crc32c.crc32c(blob)
+
+
+@settings(deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**32 - 1), st.data())
+def test_receipt_handle_property(qid: int, offset: int, nonce: int, data: st.DataObject) -> None:
+    handle = groups.encode_handle(qid, offset, nonce)
+    assert groups.decode_handle(handle) == (qid, offset, nonce)
+    # Any one changed, added or removed character is refused: a handle has one spelling and can
+    # never silently point at another in-flight entry.
+    i = data.draw(st.integers(0, len(handle) - 1))
+    c = data.draw(st.characters(codec="ascii").filter(lambda c: c != handle[i]))
+    for bad in (handle[:i] + c + handle[i + 1:], handle[:i] + c + handle[i:], handle[:i] + handle[i + 1:]):
+        with pytest.raises(InvalidReceiptHandle):
+            groups.decode_handle(bad)
