@@ -69,7 +69,7 @@ class Broker:
         self.store = store
         self.groups = groups
         self.timer = timer
-        self.consumers = ConsumerGroups(config, store, groups)
+        self.consumers = ConsumerGroups(config, store, groups, timer.levels)
         self.open_report = open_report
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
@@ -411,8 +411,7 @@ class Broker:
         check_topic_name(topic, self.config)
         tcfg = self._topic_for(topic)
         tag_filter = TagFilter.parse(filter_expression)
-        invisible = (self.config.default_invisible_duration_ms if invisible_duration_ms is None
-                     else invisible_duration_ms)
+        invisible = invisible_duration_ms  # None: the broker's retry backoff (consumers.invisible_for)
         wait_ms = max(0, min(wait_ms, self.config.max_long_poll_ms))
         deadline = self.clock.now_ms() + wait_ms
         while True:

@@ -20,6 +20,7 @@ from chronoq.model import ReceivedMessage, StoredMessage, TopicConfig
 from chronoq.store.consumequeue import tag_hash
 from chronoq.store.groups import GroupStore, InFlight, new_nonce
 from chronoq.store.messagestore import MessageStore
+from chronoq.timer.levels import DelayLevels
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +54,9 @@ class ReceiveOutcome:
 
 
 class ConsumerGroups:
-    def __init__(self, config: Config, store: MessageStore, groups: GroupStore) -> None:
+    def __init__(self, config: Config, store: MessageStore, groups: GroupStore, levels: DelayLevels) -> None:
         self.config = config
+        self.levels = levels
         self.store = store
         self.groups = groups
         self._rotation: dict[tuple[str, str], int] = {}
@@ -64,18 +66,27 @@ class ConsumerGroups:
         if not c.min_invisible_duration_ms <= invisible_ms <= c.max_invisible_duration_ms:
             raise InvalidInvisibleDuration(invisible_ms, c.min_invisible_duration_ms, c.max_invisible_duration_ms)
 
+    def invisible_for(self, attempt: int) -> int:
+        """The invisible duration the broker chooses when the consumer names none: the retry
+        backoff of RocketMQ's delay levels, level 3 + reconsume times (10 s, 30 s, 1 min, ... with
+        the default table), within the configured bounds. So an unacked message comes back later
+        and later, as RocketMQ's retries do."""
+        c = self.config
+        return min(max(self.levels.retry_delay_ms(attempt), c.min_invisible_duration_ms), c.max_invisible_duration_ms)
+
     def receive(self, group: str, topic: TopicConfig, tag_filter: TagFilter, batch_size: int,
-                invisible_ms: int, now_ms: int, queue_id: int | None = None) -> ReceiveOutcome:
+                invisible_ms: int | None, now_ms: int, queue_id: int | None = None) -> ReceiveOutcome:
+        """`invisible_ms=None`: the broker chooses per message (`invisible_for` its attempt)."""
         if not 1 <= batch_size <= self.config.max_receive_batch:
             raise InvalidBatchSize(batch_size, self.config.max_receive_batch)
-        self.check_invisible(invisible_ms)
+        if invisible_ms is not None:
+            self.check_invisible(invisible_ms)
         if queue_id is not None and not 0 <= queue_id < topic.queue_count:
             raise InvalidQueueId(topic.name, queue_id, topic.queue_count)
         delivered: list[ReceivedMessage] = []
         exhausted: list[tuple[InFlight, StoredMessage]] = []
         puts: list[InFlight] = []
         removes: list[InFlight] = []
-        visible_ms = now_ms + invisible_ms
         for old in self.groups.due(group, topic.name, now_ms, batch_size * 4):
             if len(delivered) >= batch_size:
                 break
@@ -88,13 +99,16 @@ class ConsumerGroups:
             if old.attempt >= self.config.max_delivery_attempts:
                 exhausted.append((old, msg))
                 continue
-            new = replace(old, attempt=old.attempt + 1, visible_ms=visible_ms, nonce=new_nonce())
+            attempt = old.attempt + 1
+            visible_ms = now_ms + (invisible_ms if invisible_ms is not None else self.invisible_for(attempt))
+            new = replace(old, attempt=attempt, visible_ms=visible_ms, nonce=new_nonce())
             removes.append(old)
             puts.append(new)
             delivered.append(ReceivedMessage(msg, new.receipt_handle, new.attempt, visible_ms))
         offsets: list[tuple[str, str, int, int]] = []
         if len(delivered) < batch_size:
-            self._take_new(group, topic, tag_filter, batch_size - len(delivered), visible_ms, now_ms,
+            first_visible_ms = now_ms + (invisible_ms if invisible_ms is not None else self.invisible_for(1))
+            self._take_new(group, topic, tag_filter, batch_size - len(delivered), first_visible_ms, now_ms,
                            queue_id, delivered, puts, offsets)
         if puts or removes or offsets:
             self.groups.commit(offsets=offsets, put=puts, remove=removes)
