@@ -11,8 +11,13 @@ the in-flight entry that covers it are in the same batch.
 Keys (one column family, big-endian integers, `G` = group, `T` = topic, names contain no 0x00):
     b"o" G 0x00 T 0x00 qid:u32                 -> next offset u64
     b"i" G 0x00 T 0x00 qid:u32 offset:u64      -> in-flight value (below)
-    b"v" G 0x00 T 0x00 visible_ms:u64 qid:u32 offset:u64 -> b"" (in-flight ordered by due time)
     b"meta:version"                            -> u32 = 1
+
+In memory, a mirror of the in-flight entries and offsets, loaded at open (one scan of the `i`
+keys: in-flight messages are bounded by what consumers hold), plus one heap per (group, topic)
+ordered by visible time. Why not an index by visible time in RocksDB: every ack deletes its key,
+and finding the next due entry then means skipping those tombstones on every receive; the heap
+costs nothing per ack (stale heap items are dropped when they surface, or by a rebuild).
 In-flight value, version 1: version u8 | attempt u16 | visible_ms u64 | nonce u32 | position u64 |
 size u32 | first_delivery_ms u64.
 """
@@ -20,6 +25,7 @@ size u32 | first_delivery_ms u64.
 from __future__ import annotations
 
 import base64
+import heapq
 import os
 import shutil
 import struct
@@ -37,7 +43,6 @@ _INFLIGHT = struct.Struct(">BHQIQIQ")
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
 _QO = struct.Struct(">IQ")
-_VQO = struct.Struct(">QIQ")
 _HANDLE = struct.Struct(">BIQI")  # version, queue id, offset, nonce
 HANDLE_VERSION = 1
 
@@ -105,6 +110,19 @@ class GroupStore:
         elif _U32.unpack(version)[0] != GROUPS_FORMAT_VERSION:
             from chronoq.errors import UnsupportedVersion
             raise UnsupportedVersion("groups store", _U32.unpack(version)[0], GROUPS_FORMAT_VERSION)
+        self._offsets: dict[tuple[str, str, int], int | None] = {}
+        self._inflight: dict[tuple[str, str], dict[tuple[int, int], InFlight]] = {}
+        self._heaps: dict[tuple[str, str], list[tuple[int, int, int, int]]] = {}
+        self._load()
+
+    def _load(self) -> None:
+        for key, raw in self._db.items(from_key=b"i"):
+            if not key.startswith(b"i"):
+                break
+            group_b, topic_b, rest = key[1:].split(b"\x00", 2)
+            qid, offset = _QO.unpack(rest)
+            e = _decode_inflight(group_b.decode(), topic_b.decode(), qid, offset, raw)
+            self._remember(e)
 
     def close(self) -> None:
         self._db.close()
@@ -117,8 +135,11 @@ class GroupStore:
     # -- offsets ----------------------------------------------------------------------------
 
     def offset(self, group: str, topic: str, queue_id: int) -> int | None:
-        raw = self._db.get(b"o" + _gt(group, topic) + _U32.pack(queue_id))
-        return None if raw is None else _U64.unpack(raw)[0]
+        key = (group, topic, queue_id)
+        if key not in self._offsets:
+            raw = self._db.get(b"o" + _gt(group, topic) + _U32.pack(queue_id))
+            self._offsets[key] = None if raw is None else _U64.unpack(raw)[0]
+        return self._offsets[key]
 
     def groups(self) -> Iterator[tuple[str, str]]:
         """(group, topic) pairs with stored offsets."""
@@ -135,69 +156,82 @@ class GroupStore:
     # -- in flight --------------------------------------------------------------------------
 
     def get(self, group: str, topic: str, queue_id: int, offset: int) -> InFlight | None:
-        raw = self._db.get(b"i" + _gt(group, topic) + _QO.pack(queue_id, offset))
-        return None if raw is None else _decode_inflight(group, topic, queue_id, offset, raw)
+        entries = self._inflight.get((group, topic))
+        return None if entries is None else entries.get((queue_id, offset))
 
     def due(self, group: str, topic: str, now_ms: int, limit: int) -> list[InFlight]:
         """In-flight entries whose invisible duration has ended, earliest first."""
-        prefix = b"v" + _gt(group, topic)
+        gt = (group, topic)
+        heap = self._heaps.get(gt)
+        entries = self._inflight.get(gt, {})
         out: list[InFlight] = []
-        for key in self._db.keys(from_key=prefix):
-            if not key.startswith(prefix) or len(out) >= limit:
-                break
-            visible_ms, qid, offset = _VQO.unpack(key[len(prefix):])
-            if visible_ms > now_ms:
-                break
-            entry = self.get(group, topic, qid, offset)
-            if entry is not None:
-                out.append(entry)
+        keep: list[tuple[int, int, int, int]] = []
+        while heap and heap[0][0] <= now_ms and len(out) < limit:
+            item = heapq.heappop(heap)
+            e = entries.get((item[1], item[2]))
+            if e is None or e.nonce != item[3] or e.visible_ms != item[0]:
+                continue  # acked or renewed since: a stale heap item
+            out.append(e)
+            keep.append(item)
+        for item in keep:
+            heapq.heappush(heap, item)  # type: ignore[arg-type]
         return out
 
     def next_visible_ms(self, group: str, topic: str) -> int | None:
-        prefix = b"v" + _gt(group, topic)
-        for key in self._db.keys(from_key=prefix):
-            if key.startswith(prefix):
-                return _VQO.unpack(key[len(prefix):])[0]
-            break
+        gt = (group, topic)
+        heap = self._heaps.get(gt)
+        entries = self._inflight.get(gt, {})
+        while heap:
+            vis, qid, offset, nonce = heap[0]
+            e = entries.get((qid, offset))
+            if e is not None and e.nonce == nonce and e.visible_ms == vis:
+                return vis
+            heapq.heappop(heap)
         return None
 
     def inflight_count(self, group: str, topic: str) -> int:
-        prefix = b"i" + _gt(group, topic)
-        n = 0
-        for key in self._db.keys(from_key=prefix):
-            if not key.startswith(prefix):
-                break
-            n += 1
-        return n
+        return len(self._inflight.get((group, topic), {}))
 
     def min_inflight_position(self) -> int | None:
         """The lowest commit-log position any group still holds in flight (retention keeps it)."""
-        low: int | None = None
-        for key, raw in self._db.items(from_key=b"i"):
-            if not key.startswith(b"i"):
-                break
-            position = _INFLIGHT.unpack(raw)[4]
-            low = position if low is None else min(low, position)
-        return low
+        return min((e.position for entries in self._inflight.values() for e in entries.values()), default=None)
 
     # -- the one write path -----------------------------------------------------------------
 
     def commit(self, *, offsets: Iterable[tuple[str, str, int, int]] = (),
                put: Iterable[InFlight] = (), remove: Iterable[InFlight] = ()) -> None:
-        """Atomically: set next offsets, add/replace in-flight entries, remove in-flight entries.
-        `remove` entries must be the stored ones (their visible_ms locates the index key)."""
+        """Atomically: set next offsets, add/replace in-flight entries, remove in-flight entries."""
+        offsets, put, remove = list(offsets), list(put), list(remove)
         wb = WriteBatch(raw_mode=True)
         for group, topic, qid, offset in offsets:
             wb.put(b"o" + _gt(group, topic) + _U32.pack(qid), _U64.pack(offset))
+        put_keys = {(e.group, e.topic, e.queue_id, e.offset) for e in put}
         for e in remove:
-            gt = _gt(e.group, e.topic)
-            wb.delete(b"i" + gt + _QO.pack(e.queue_id, e.offset))
-            wb.delete(b"v" + gt + _VQO.pack(e.visible_ms, e.queue_id, e.offset))
+            if (e.group, e.topic, e.queue_id, e.offset) not in put_keys:
+                wb.delete(b"i" + _gt(e.group, e.topic) + _QO.pack(e.queue_id, e.offset))
         for e in put:
-            gt = _gt(e.group, e.topic)
-            wb.put(b"i" + gt + _QO.pack(e.queue_id, e.offset), _encode_inflight(e))
-            wb.put(b"v" + gt + _VQO.pack(e.visible_ms, e.queue_id, e.offset), b"")
+            wb.put(b"i" + _gt(e.group, e.topic) + _QO.pack(e.queue_id, e.offset), _encode_inflight(e))
         self._db.write(wb, self._wo)
+        # The mirror follows only once the batch is written: a failed write changes nothing.
+        for group, topic, qid, offset in offsets:
+            self._offsets[(group, topic, qid)] = offset
+        for e in remove:
+            entries = self._inflight.get((e.group, e.topic))
+            if entries is not None:
+                entries.pop((e.queue_id, e.offset), None)
+        for e in put:
+            self._remember(e)
+
+    def _remember(self, e: InFlight) -> None:
+        gt = (e.group, e.topic)
+        entries = self._inflight.setdefault(gt, {})
+        entries[(e.queue_id, e.offset)] = e
+        heap = self._heaps.setdefault(gt, [])
+        heapq.heappush(heap, (e.visible_ms, e.queue_id, e.offset, e.nonce))
+        if len(heap) > 2 * len(entries) + 1024:  # mostly stale items: rebuild from the live entries
+            fresh = [(x.visible_ms, x.queue_id, x.offset, x.nonce) for x in entries.values()]
+            heapq.heapify(fresh)
+            self._heaps[gt] = fresh
 
     def lookup_handle(self, group: str, topic: str, handle: str) -> InFlight:
         qid, offset, nonce = decode_handle(handle)
