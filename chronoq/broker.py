@@ -35,6 +35,7 @@ from chronoq.model import (
     SYS_DLQ_ORIGIN_TOPIC,
     SYS_FIRED_FROM,
     SYS_REAL_TOPIC,
+    SYS_TIMER_DEL_UNIQKEY,
     SYS_TIMER_ROLLED_FROM,
     TIMER_TOPIC,
     MessageType,
@@ -246,8 +247,9 @@ class Broker:
             due = m.deliver_at_ms
             if due is None:
                 continue
-            if m.topic == TIMER_TOPIC:  # (tombstones carry no due time, so they never get here)
-                if SYS_TIMER_ROLLED_FROM not in m.system_properties:
+            if m.topic == TIMER_TOPIC:
+                sp = m.system_properties
+                if SYS_TIMER_ROLLED_FROM not in sp and SYS_TIMER_DEL_UNIQKEY not in sp:
                     self.trace.record(ACCEPTED, m.system_properties[SYS_REAL_TOPIC], m.message_id, m.store_ms, due)
             elif SYS_FIRED_FROM in m.system_properties:
                 self.trace.record(FIRED, m.topic, m.message_id, m.store_ms, due)

@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "chronoq.cli.topics",
     "chronoq.cli.stats",
     "chronoq.cli.bench",
+    "chronoq.cli.spark",
 ]
 
 

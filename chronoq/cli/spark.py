@@ -47,7 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     engine = sub.add_parser("engine", help="run the Spark timer engine (a Structured Streaming job)")
     engine.add_argument("--server", required=True, help="chronoq server host:port")
     engine.add_argument("--checkpoint", required=True, help="checkpoint directory (shared storage on a cluster)")
-    engine.add_argument("--bucket-ms", type=int, default=60_000, help="state key time bucket")
+    engine.add_argument("--bucket-ms", type=int, default=5_000,
+                        help="state key time bucket (smaller: cheaper firing, slower ingest)")
     engine.add_argument("--shards", type=int, default=2, help="state keys per bucket (spread over executors)")
     engine.add_argument("--trigger-ms", type=int, default=200)
     engine.add_argument("--max-records-per-batch", type=int, default=200_000)
@@ -60,7 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     measure.add_argument("--messages", type=int, default=10_000)
     measure.add_argument("--spread-ms", type=int, default=60_000, help="due times spread over this span")
     measure.add_argument("--lead-ms", type=int, default=20_000, help="first due time after sending starts")
-    measure.add_argument("--bucket-ms", type=int, default=60_000)
+    measure.add_argument("--bucket-ms", type=int, default=5_000)
     measure.add_argument("--shards", type=int, default=2)
     measure.add_argument("--out", default=None, help="also write report.md/.json/.png here")
     measure.add_argument("--master", default=None)

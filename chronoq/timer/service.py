@@ -348,7 +348,11 @@ class TimerService:
             raise TimerAlreadyFired(message_id, status.deliver_at_ms)
         tombstone = PreparedMessage(
             topic=TIMER_TOPIC, message_id=message_id, message_type=MessageType.DELAY, body=b"",
-            born_ms=now_ms, system_properties={SYS_REAL_TOPIC: topic, SYS_TIMER_DEL_UNIQKEY: message_id},
+            born_ms=now_ms,
+            # The due time rides along so a timer engine fed by the timer topic (the Spark job)
+            # can find the pending entry the tombstone cancels.
+            system_properties={SYS_REAL_TOPIC: topic, SYS_TIMER_DEL_UNIQKEY: message_id,
+                               SYS_TIMER_OUT_MS: str(status.deliver_at_ms)},
             queue_id=0)
         self._holding.add(status.position)
         try:

@@ -1,0 +1,454 @@
+"""The `chronoq` data source for Spark: read a topic (batch or stream) and write messages.
+
+Theory of operation. Built on Spark's Python Data Source API (`pyspark.sql.datasource`); reads
+use chronoq's JSON admin service (`ReadMessages`, which reports commit-log positions), writes use
+the SDK's `Producer`. What crosses from the driver to executors is small and picklable: the options
+dict and `QueueRange(queue_id, start, end)` partitions. Every `read`/`write` runs in an executor
+task and opens its own SDK client to the server named by the `server` option (host:port).
+
+Reading. A topic is a set of queues, each an append-only log addressed by logical offset. A batch
+read covers `[startingOffsets, endingOffsets)` per queue (default earliest..latest). A streaming
+read's offset is a dict of primitives `{"<queue_id>": next_offset}`; Spark checkpoints it, and a
+micro-batch `[start, end)` always reads exactly the same records, because the log is immutable:
+restart from a checkpoint replays the last uncommitted batch and nothing else. The broker keeps
+records for its retention time; a range that retention has removed reads as fewer rows.
+
+Writing. Each row becomes one message (`body` required; `topic`, `message_id`, `tag`, `keys`,
+`properties`, and at most one of `deliver_at` (timestamp or epoch ms), `delay_ms`, `delay_level`
+optional). Idempotence under task retry comes from message ids: a row without `message_id` gets
+one derived from (write id, partition, row index); Spark retries a task over the same partition
+with the same rows, so the retry sends the same ids and the broker's dedupe stores each once.
+The write id is fixed per DataFrame write (a uuid chosen on the driver), or, for a stream, per
+(query id, batch id), which a restart from the checkpoint keeps.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import hashlib
+import json
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    DataSourceStreamWriter,
+    DataSourceWriter,
+    InputPartition,
+    WriterCommitMessage,
+)
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
+
+SOURCE_NAME = "chronoq"
+READ_SCHEMA = (
+    "message_id STRING, topic STRING, queue_id INT, queue_offset BIGINT, tag STRING, keys ARRAY<STRING>, "
+    "properties MAP<STRING, STRING>, system_properties MAP<STRING, STRING>, body BINARY, "
+    "born_ts TIMESTAMP, store_ts TIMESTAMP, deliver_at_ts TIMESTAMP, position BIGINT"
+)
+"""`position` is the record's commit-log position when the server reports it (else null)."""
+WRITE_COLUMNS = frozenset({"topic", "body", "message_id", "tag", "keys", "properties", "deliver_at", "delay_ms",
+                           "delay_level"})
+DEFAULT_FETCH_SIZE = 256
+"""Messages per ReadMessages call."""
+DEFAULT_RECORDS_PER_PARTITION = 50_000
+DEFAULT_SEND_BATCH = 256
+"""Messages per SendBatch call from a writer task."""
+UTC = dt.UTC
+
+
+class ChronoqSourceError(ValueError):
+    """A `chronoq` data source option or row is invalid; the message names the option or column."""
+
+
+# -- options ---------------------------------------------------------------------------------
+
+
+def _require(options: Mapping[str, str], name: str) -> str:
+    value = options.get(name)
+    if not value:
+        raise ChronoqSourceError(f"the chronoq data source needs option {name!r}")
+    return value
+
+
+def _int_option(options: Mapping[str, str], name: str, default: int) -> int:
+    raw = options.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ChronoqSourceError(f"option {name!r} must be an integer, not {raw!r}") from None
+    if value < 1:
+        raise ChronoqSourceError(f"option {name!r} must be at least 1, not {value}")
+    return value
+
+
+def _offsets_option(options: Mapping[str, str], name: str, default: str) -> str | dict[int, int]:
+    raw = options.get(name, default)
+    if raw in ("earliest", "latest"):
+        return raw
+    try:
+        parsed = json.loads(raw)
+        return {int(k): int(v) for k, v in parsed.items()}
+    except (ValueError, AttributeError, TypeError):
+        raise ChronoqSourceError(
+            f"option {name!r} must be 'earliest', 'latest' or JSON like {{\"0\": 42}}, not {raw!r}") from None
+
+
+# -- the server seam: reads through the JSON admin service (it reports `position`), writes
+# -- through the SDK's Producer (batching, retries, per-message outcomes) --------------------
+
+
+def _producer(server: str) -> Any:
+    from chronoq.client import Producer
+
+    return Producer(server, batch_via="admin")
+
+
+def queue_bounds(server: str, topic: str, *, missing_ok: bool = False) -> dict[int, tuple[int, int]]:
+    """{queue_id: (min_offset, next_offset)} of `topic`, from the server. With `missing_ok`, a topic
+    that does not exist yet has no queues (a stream waits for it; the broker creates its timer
+    topic with the first timer message)."""
+    from chronoq.errors import TopicNotFound
+    from chronoq.spark.admin_json import JsonAdmin
+
+    with JsonAdmin(server) as admin:
+        try:
+            reply = admin.call("DescribeTopic", {"name": topic})
+        except TopicNotFound:
+            if missing_ok:
+                return {}
+            raise
+    return {int(q["queue_id"]): (int(q["min_offset"]), int(q["max_offset"])) for q in reply["queues"]}
+
+
+# -- reading ---------------------------------------------------------------------------------
+
+
+class QueueRange(InputPartition):
+    """Offsets [start, end) of one queue: what one read task covers (small and picklable)."""
+
+    def __init__(self, queue_id: int, start: int, end: int) -> None:
+        super().__init__((queue_id, start, end))
+        self.queue_id = queue_id
+        self.start = start
+        self.end = end
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, QueueRange) and self.value == other.value
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+    def __repr__(self) -> str:
+        return f"QueueRange(queue_id={self.queue_id}, start={self.start}, end={self.end})"
+
+
+def split_ranges(starts: Mapping[int, int], ends: Mapping[int, int], per_partition: int) -> list[QueueRange]:
+    """Cut each queue's [start, end) into partitions of at most `per_partition` offsets."""
+    out = []
+    for queue_id in sorted(ends):
+        start, end = starts.get(queue_id, 0), ends[queue_id]
+        while start < end:
+            stop = min(end, start + per_partition)
+            out.append(QueueRange(queue_id, start, stop))
+            start = stop
+    return out
+
+
+def _ts(ms: int | None) -> dt.datetime | None:
+    return dt.datetime.fromtimestamp(ms / 1000, tz=UTC) if ms is not None else None
+
+
+def _row(m: Mapping[str, Any]) -> tuple:
+    return (m["message_id"], m["topic"], int(m["queue_id"]), int(m["queue_offset"]), m.get("tag") or "",
+            list(m.get("keys") or ()), dict(m.get("properties") or {}), dict(m.get("system_properties") or {}),
+            base64.b64decode(m["body_b64"]), _ts(m.get("born_ms")), _ts(m.get("store_ms")),
+            _ts(m.get("deliver_at_ms")), m.get("position"))
+
+
+def read_range(server: str, topic: str, part: QueueRange, fetch_size: int) -> Iterator[tuple]:
+    """The rows of one partition, in offset order (runs on an executor)."""
+    from chronoq.spark.admin_json import JsonAdmin
+
+    offset = part.start
+    with JsonAdmin(server) as admin:
+        while offset < part.end:
+            reply = admin.call("ReadMessages", {"topic": topic, "queue_id": part.queue_id, "offset": offset,
+                                                "max_messages": min(fetch_size, part.end - offset)})
+            for m in reply["messages"]:
+                if part.start <= int(m["queue_offset"]) < part.end:
+                    yield _row(m)
+            next_offset = int(reply["next_offset"])
+            if next_offset <= offset:
+                return  # nothing more stored (removed by retention, or not yet written)
+            offset = next_offset
+
+
+class ChronoqBatchReader(DataSourceReader):
+    def __init__(self, options: Mapping[str, str]) -> None:
+        self.server = _require(options, "server")
+        self.topic = _require(options, "topic")
+        self.fetch_size = _int_option(options, "fetchSize", DEFAULT_FETCH_SIZE)
+        self.per_partition = _int_option(options, "recordsPerPartition", DEFAULT_RECORDS_PER_PARTITION)
+        self.starting = _offsets_option(options, "startingOffsets", "earliest")
+        self.ending = _offsets_option(options, "endingOffsets", "latest")
+
+    def partitions(self) -> Sequence[InputPartition]:
+        bounds = queue_bounds(self.server, self.topic)
+        starts = _resolve(self.starting, bounds)
+        ends = _resolve(self.ending, bounds)
+        return split_ranges(starts, ends, self.per_partition)
+
+    def read(self, partition: InputPartition) -> Iterator[tuple]:
+        assert isinstance(partition, QueueRange)
+        yield from read_range(self.server, self.topic, partition, self.fetch_size)
+
+
+def _resolve(spec: str | dict[int, int], bounds: Mapping[int, tuple[int, int]]) -> dict[int, int]:
+    if spec == "earliest":
+        return {q: lo for q, (lo, _) in bounds.items()}
+    if spec == "latest":
+        return {q: hi for q, (_, hi) in bounds.items()}
+    assert isinstance(spec, dict)
+    return {q: min(max(spec.get(q, lo), lo), hi) for q, (lo, hi) in bounds.items()}
+
+
+def _encode_offset(offsets: Mapping[int, int]) -> dict[str, int]:
+    return {str(q): int(o) for q, o in sorted(offsets.items())}
+
+
+def _decode_offset(offset: Mapping[str, Any]) -> dict[int, int]:
+    return {int(q): int(o) for q, o in offset.items()}
+
+
+def limit_offsets(start: Mapping[int, int], latest: Mapping[int, int], max_rows: int | None) -> dict[int, int]:
+    """The end offsets of the next batch: everything up to `latest`, or at most `max_rows` records,
+    shared out evenly over the queues that have data (leftover share goes to the busier ones)."""
+    end = {q: max(start.get(q, 0), hi) for q, hi in latest.items()}
+    if max_rows is None:
+        return end
+    backlog = {q: end[q] - start.get(q, 0) for q in end if end[q] > start.get(q, 0)}
+    budget = max_rows
+    take = dict.fromkeys(backlog, 0)
+    while budget > 0 and backlog:
+        share = max(1, budget // len(backlog))
+        for q in list(backlog):
+            n = min(share, backlog[q], budget)
+            take[q] += n
+            backlog[q] -= n
+            budget -= n
+            if backlog[q] == 0:
+                del backlog[q]
+            if budget == 0:
+                break
+    return {q: start.get(q, 0) + take.get(q, 0) for q in end}
+
+
+class ChronoqStreamReader(DataSourceStreamReader):
+    def __init__(self, options: Mapping[str, str]) -> None:
+        self.server = _require(options, "server")
+        self.topic = _require(options, "topic")
+        self.fetch_size = _int_option(options, "fetchSize", DEFAULT_FETCH_SIZE)
+        self.per_partition = _int_option(options, "recordsPerPartition", DEFAULT_RECORDS_PER_PARTITION)
+        self.starting = _offsets_option(options, "startingOffsets", "latest")
+        raw_max = options.get("maxRecordsPerBatch")
+        self.max_rows = _int_option(options, "maxRecordsPerBatch", 1) if raw_max is not None else None
+
+    def initialOffset(self) -> dict:
+        return _encode_offset(_resolve(self.starting, queue_bounds(self.server, self.topic, missing_ok=True)))
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        return ReadMaxRows(self.max_rows) if self.max_rows is not None else ReadAllAvailable()
+
+    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        begin = _decode_offset(start)
+        latest = {q: hi for q, (_, hi) in queue_bounds(self.server, self.topic, missing_ok=True).items()}
+        max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
+        return _encode_offset(limit_offsets(begin, latest, max_rows))
+
+    def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
+        return split_ranges(_decode_offset(start), _decode_offset(end), self.per_partition)
+
+    def read(self, partition: InputPartition) -> Iterator[tuple]:
+        assert isinstance(partition, QueueRange)
+        yield from read_range(self.server, self.topic, partition, self.fetch_size)
+
+    def commit(self, end: dict) -> None:
+        # The broker keeps records for its retention time whatever readers do; nothing to release.
+        return None
+
+
+# -- writing ---------------------------------------------------------------------------------
+
+
+@dataclass
+class ChronoqCommitMessage(WriterCommitMessage):
+    sent: int
+    duplicates: int
+    timers: int
+
+
+def derived_message_id(write_id: str, partition_id: int, index: int) -> str:
+    """A stable id for row `index` of `partition_id` in one write (same on a task retry)."""
+    digest = hashlib.blake2b(f"{write_id}:{partition_id}:{index}".encode(), digest_size=16).hexdigest().upper()
+    return f"SP{digest}"
+
+
+def _epoch_ms(value: Any, column: str) -> int:
+    if isinstance(value, dt.datetime):
+        return int(value.timestamp() * 1000)  # naive values are local time, as PySpark made them
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ChronoqSourceError(f"column {column!r} must be a timestamp or epoch milliseconds, not {value!r}")
+
+
+def row_to_message(row: Mapping[str, Any], default_topic: str | None, fallback_id: str) -> Any:
+    """One DataFrame row as an `OutgoingMessage` (raises ChronoqSourceError naming the column)."""
+    from chronoq.model import OutgoingMessage
+
+    topic = row.get("topic") or default_topic
+    if not topic:
+        raise ChronoqSourceError("a row has no 'topic' column value and the write has no 'topic' option")
+    body = row.get("body")
+    if body is None:
+        raise ChronoqSourceError("a row has a null 'body'")
+    body = body.encode("utf-8") if isinstance(body, str) else bytes(body)
+    keys = row.get("keys") or ()
+    keys = (keys,) if isinstance(keys, str) else tuple(keys)
+    timer = {name: row.get(name) for name in ("deliver_at", "delay_ms", "delay_level") if row.get(name) is not None}
+    if len(timer) > 1:
+        raise ChronoqSourceError(f"a row sets more than one of deliver_at, delay_ms, delay_level: {sorted(timer)}")
+    return OutgoingMessage(
+        topic=topic, body=body, message_id=row.get("message_id") or fallback_id, tag=row.get("tag") or None,
+        keys=keys, properties=dict(row.get("properties") or {}),
+        deliver_at_ms=_epoch_ms(timer["deliver_at"], "deliver_at") if "deliver_at" in timer else None,
+        delay_ms=int(timer["delay_ms"]) if "delay_ms" in timer else None,
+        delay_level=int(timer["delay_level"]) if "delay_level" in timer else None,
+    )
+
+
+def send_rows(server: str, default_topic: str | None, rows: Iterator[Any], write_id: str,
+              batch_size: int) -> ChronoqCommitMessage:
+    """Send rows in SendBatch calls; any refused message fails the task, naming why."""
+    from pyspark import TaskContext
+
+    from chronoq.client import BatchSendError
+
+    ctx = TaskContext.get()
+    partition_id = ctx.partitionId() if ctx is not None else 0
+    sent = duplicates = timers = 0
+    batch: list[Any] = []
+
+    def flush() -> None:
+        nonlocal sent, duplicates, timers
+        if not batch:
+            return
+        try:
+            receipts = producer.send_batch(batch)
+        except BatchSendError as e:
+            index, first = e.outcome.errors[0]
+            raise ChronoqSourceError(f"{len(e.outcome.errors)} of {len(batch)} messages refused; the first, id "
+                                     f"{batch[index].message_id}: {first}") from None
+        sent += len(receipts)
+        duplicates += sum(1 for r in receipts if r.duplicate)
+        timers += sum(1 for m in batch if m.deliver_at_ms is not None or m.delay_ms is not None
+                      or m.delay_level is not None)
+        batch.clear()
+
+    with _producer(server) as producer:
+        for index, row in enumerate(rows):
+            fields = row.asDict() if hasattr(row, "asDict") else dict(row)
+            batch.append(row_to_message(fields, default_topic, derived_message_id(write_id, partition_id, index)))
+            if len(batch) >= batch_size:
+                flush()
+        flush()
+    return ChronoqCommitMessage(sent, duplicates, timers)
+
+
+def _check_write_schema(schema: Any) -> None:
+    names = set(schema.fieldNames())
+    if "body" not in names:
+        raise ChronoqSourceError(f"writing to chronoq needs a 'body' column; the DataFrame has {sorted(names)}")
+    unknown = names - WRITE_COLUMNS
+    if unknown:
+        raise ChronoqSourceError(f"columns {sorted(unknown)} are not message fields; chronoq takes "
+                                 f"{sorted(WRITE_COLUMNS)}")
+
+
+class ChronoqBatchWriter(DataSourceWriter):
+    def __init__(self, options: Mapping[str, str], schema: Any) -> None:
+        _check_write_schema(schema)
+        self.server = _require(options, "server")
+        self.topic = options.get("topic")
+        self.batch_size = _int_option(options, "sendBatchSize", DEFAULT_SEND_BATCH)
+        # Chosen once on the driver and pickled to every task, so a retried task derives the same ids.
+        self.write_id = options.get("writeId") or uuid.uuid4().hex
+
+    def write(self, iterator: Iterator[Any]) -> WriterCommitMessage:
+        return send_rows(self.server, self.topic, iterator, self.write_id, self.batch_size)
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        return None
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        # Sent messages cannot be unsent; rerunning the write with the same writeId resends the same ids.
+        return None
+
+
+class ChronoqStreamWriter(DataSourceStreamWriter):
+    def __init__(self, options: Mapping[str, str], schema: Any) -> None:
+        _check_write_schema(schema)
+        self.server = _require(options, "server")
+        self.topic = options.get("topic")
+        self.batch_size = _int_option(options, "sendBatchSize", DEFAULT_SEND_BATCH)
+
+    def write(self, iterator: Iterator[Any]) -> WriterCommitMessage:
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        query_id = ctx.getLocalProperty("sql.streaming.queryId") if ctx else None
+        batch_id = ctx.getLocalProperty("streaming.sql.batchId") if ctx else None
+        if query_id is None or batch_id is None:
+            raise ChronoqSourceError("the streaming writer found no query id / batch id in its task context")
+        return send_rows(self.server, self.topic, iterator, f"{query_id}:{batch_id}", self.batch_size)
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        return None
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        # Sent messages cannot be unsent; a retried batch resends the same ids and the broker dedupes.
+        return None
+
+
+class ChronoqDataSource(DataSource):
+    """`spark.read.format("chronoq").option("server", "host:port").option("topic", T).load()`."""
+
+    @classmethod
+    def name(cls) -> str:
+        return SOURCE_NAME
+
+    def schema(self) -> str:
+        return READ_SCHEMA
+
+    def reader(self, schema: Any) -> DataSourceReader:
+        return ChronoqBatchReader(self.options)
+
+    def streamReader(self, schema: Any) -> DataSourceStreamReader:
+        return ChronoqStreamReader(self.options)
+
+    def writer(self, schema: Any, overwrite: bool) -> DataSourceWriter:
+        return ChronoqBatchWriter(self.options, schema)
+
+    def streamWriter(self, schema: Any, overwrite: bool) -> DataSourceStreamWriter:
+        return ChronoqStreamWriter(self.options, schema)
+
+
+def register(spark: Any) -> None:
+    """Make `format("chronoq")` available in this session."""
+    spark.dataSource.register(ChronoqDataSource)

@@ -1,0 +1,194 @@
+"""The delivery-accuracy report: a trace (see `trace.py`) in, a table, JSON and a chart out.
+
+Theory of operation: the report follows the table Tencent's TDMQ article publishes for its
+timer engine (accepted per second; delay error P50/P90/P99/P999; plus max and the count of early
+deliveries, which must be zero). Two errors are measured per message: `received - due` (what a
+consumer saw) and `fired - due` (what the timer engine did; the difference is the delivery path).
+Spark does the aggregation (`compute_report`), overall and per minute; errors are grouped by the
+minute the message was due, accepted-per-second by the minute it was accepted. Percentiles are
+exact by default (Spark's `percentile`, linear interpolation like numpy's default); `approx=True`
+switches to `percentile_approx` for traces too large to sort per group. Rendering (markdown, JSON,
+PNG) is plain Python over the small result, so it is testable without Spark.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+PERCENTILES: tuple[tuple[str, float], ...] = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p999", 0.999))
+ERRORS: tuple[tuple[str, str, str], ...] = (
+    # (prefix, minuend column, label)
+    ("recv", "first_received_ms", "received - due"),
+    ("fire", "fired_ms", "fired - due"),
+)
+MINUTE_MS = 60_000
+APPROX_ACCURACY = 100_000
+"""percentile_approx accuracy: relative error about 1/accuracy of the rank."""
+
+
+def _error_aggs(approx: bool) -> list[Any]:
+    from pyspark.sql import functions as F
+
+    aggs = []
+    fractions = ", ".join(str(frac) for _, frac in PERCENTILES)
+    for prefix, column, _ in ERRORS:
+        err = f"({column} - due_ms)"
+        if approx:
+            pct = F.expr(f"percentile_approx({err}, array({fractions}), {APPROX_ACCURACY})")
+        else:
+            pct = F.expr(f"percentile({err}, array({fractions}))")
+        aggs += [
+            F.count(F.col(column)).alias(f"{prefix}_count"),
+            pct.alias(f"{prefix}_pcts"),
+            F.expr(f"max({err})").alias(f"{prefix}_max"),
+            F.expr(f"min({err})").alias(f"{prefix}_min"),
+            F.expr(f"avg({err})").alias(f"{prefix}_mean"),
+            F.expr(f"count_if({err} < 0)").alias(f"{prefix}_early"),
+        ]
+    return aggs
+
+
+def _flatten(row: Mapping[str, Any]) -> dict[str, Any]:
+    """Spread the percentile arrays into named fields, nulls for empty groups."""
+    out: dict[str, Any] = {}
+    for key, value in row.items():
+        if key.endswith("_pcts"):
+            prefix = key[: -len("_pcts")]
+            for i, (name, _) in enumerate(PERCENTILES):
+                out[f"{prefix}_{name}"] = float(value[i]) if value is not None else None
+        elif isinstance(value, float) and math.isnan(value):
+            out[key] = None
+        else:
+            out[key] = value
+    return out
+
+
+def compute_report(spark: Any, trace_path: str, *, approx: bool = False) -> dict[str, Any]:
+    """Aggregate the trace at `trace_path` (Parquet file or directory) on Spark."""
+    from pyspark.sql import functions as F
+
+    from chronoq.spark.trace import trace_spark_ddl
+
+    df = spark.read.schema(trace_spark_ddl()).parquet(str(trace_path)).cache()
+    overall_row = df.agg(
+        F.count(F.lit(1)).alias("messages"),
+        F.count("fired_ms").alias("fired"),
+        F.min("accepted_ms").alias("first_accepted_ms"),
+        F.max("accepted_ms").alias("last_accepted_ms"),
+        *_error_aggs(approx),
+    ).first()
+    overall = _flatten(overall_row.asDict())
+    overall["pending"] = overall["messages"] - overall["fired"]
+    per_second = df.groupBy(F.floor(F.col("accepted_ms") / 1000).alias("s")).count()
+    overall["accepted_per_s_peak"] = per_second.agg(F.max("count")).first()[0] or 0
+    if overall["messages"]:
+        # Over the whole seconds the accept window touches, so the mean never exceeds the peak.
+        seconds = overall["last_accepted_ms"] // 1000 - overall["first_accepted_ms"] // 1000 + 1
+        overall["accepted_per_s_mean"] = overall["messages"] / seconds
+    else:
+        overall["accepted_per_s_mean"] = 0.0
+
+    accepted = df.groupBy((F.floor(F.col("accepted_ms") / MINUTE_MS) * MINUTE_MS).alias("minute_ms")).agg(
+        F.count(F.lit(1)).alias("accepted"))
+    errors = df.groupBy((F.floor(F.col("due_ms") / MINUTE_MS) * MINUTE_MS).alias("minute_ms")).agg(
+        F.count(F.lit(1)).alias("due"), *_error_aggs(approx))
+    minutes = accepted.join(errors, "minute_ms", "full_outer").orderBy("minute_ms").collect()
+    per_minute = []
+    for row in minutes:
+        item = _flatten(row.asDict())
+        item["accepted"] = item["accepted"] or 0
+        item["due"] = item["due"] or 0
+        item["accepted_per_s"] = item["accepted"] / 60
+        per_minute.append(item)
+    df.unpersist()
+    return {"trace": str(trace_path), "percentile_method": "approx" if approx else "exact",
+            "overall": overall, "per_minute": per_minute}
+
+
+def _ms(value: float | int | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def _minute_label(minute_ms: int) -> str:
+    return dt.datetime.fromtimestamp(minute_ms / 1000, tz=dt.UTC).strftime("%Y-%m-%d %H:%M")
+
+
+def render_markdown(report: Mapping[str, Any]) -> str:
+    o = report["overall"]
+    lines = [
+        "# chronoq delivery report",
+        "",
+        f"Trace: `{report['trace']}` ({report['percentile_method']} percentiles). "
+        f"Messages {o['messages']}, fired {o['fired']}, received {o['recv_count']}, pending {o['pending']}.",
+        f"Accepted per second: mean {o['accepted_per_s_mean']:.1f}, peak {o['accepted_per_s_peak']}.",
+        "",
+        "| delay error (ms) | count | P50 | P90 | P99 | P999 | max | min | early (< 0) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for prefix, _, label in ERRORS:
+        lines.append(
+            f"| {label} | {o[f'{prefix}_count']} | "
+            + " | ".join(_ms(o[f"{prefix}_{name}"]) for name, _ in PERCENTILES)
+            + f" | {_ms(o[f'{prefix}_max'])} | {_ms(o[f'{prefix}_min'])} | {o[f'{prefix}_early']} |"
+        )
+    lines += [
+        "",
+        "## Per minute (errors by due minute, received - due; fired - due P99 last)",
+        "",
+        "| minute (UTC) | accepted/s | due | received | P50 | P90 | P99 | P999 | max | early | fired P99 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m in report["per_minute"]:
+        lines.append(
+            f"| {_minute_label(m['minute_ms'])} | {m['accepted_per_s']:.1f} | {m['due']} | {m['recv_count'] or 0} | "
+            + " | ".join(_ms(m[f"recv_{name}"]) for name, _ in PERCENTILES)
+            + f" | {_ms(m['recv_max'])} | {m['recv_early'] or 0} | {_ms(m['fire_p99'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def render_chart(report: Mapping[str, Any], path: str | Path) -> None:
+    """A PNG of the delay-error percentiles per due minute: received - due when the trace has
+    receipts, else fired - due; the other error's P99 dashed when it exists."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    main, other = ("recv", "fire") if report["overall"]["recv_count"] else ("fire", "recv")
+    labels = {"recv": "received", "fire": "fired"}
+    rows = [m for m in report["per_minute"] if m["recv_count"] or m["fire_count"]]
+    xs = [dt.datetime.fromtimestamp(m["minute_ms"] / 1000, tz=dt.UTC) for m in rows]
+    fig, ax = plt.subplots(figsize=(10, 5), dpi=100)
+    for name, _ in PERCENTILES:
+        ax.plot(xs, [m[f"{main}_{name}"] for m in rows], marker="o", markersize=3,
+                label=f"{labels[main]} {name.upper()}")
+    ax.plot(xs, [m[f"{main}_max"] for m in rows], color="grey", linewidth=0.8, label=f"{labels[main]} max")
+    if report["overall"][f"{other}_count"]:
+        ax.plot(xs, [m[f"{other}_p99"] for m in rows], linestyle="--", label=f"{labels[other]} P99")
+    ax.axhline(0, color="black", linewidth=0.6)
+    ax.set_xlabel("due minute (UTC)")
+    ax.set_ylabel("delay error (ms, actual - due)")
+    ax.set_title(f"chronoq delivery error per minute ({report['overall']['messages']} messages)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper left", fontsize="small")
+    fig.autofmt_xdate()
+    fig.tight_layout()
+    fig.savefig(str(path), format="png")
+    plt.close(fig)
+
+
+def write_report(report: Mapping[str, Any], out_dir: str | Path) -> dict[str, Path]:
+    """Write report.md, report.json and report.png into `out_dir`; return their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"markdown": out / "report.md", "json": out / "report.json", "png": out / "report.png"}
+    paths["markdown"].write_text(render_markdown(report), encoding="utf-8")
+    paths["json"].write_text(json.dumps(report, indent=2, sort_keys=True), encoding="utf-8")
+    render_chart(report, paths["png"])
+    return paths

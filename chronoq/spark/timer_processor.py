@@ -1,0 +1,165 @@
+"""The Spark timer engine's stateful processor: pending timers by time bucket, fired never early.
+
+Theory of operation. The stream of timer-topic records is grouped by `(shard, bucket)` where
+`bucket = due_ms // bucket_ms` and `shard = (due_ms // 1000) % shards`. One state key per bucket
+(not per message) matters: every state call is an RPC from the Python worker to the JVM, and the
+measured ingest rate was ~1.4k msg/s with a key per message against ~29k msg/s with 60 s buckets.
+A cancel (tombstone) carries the id and due time of the timer it cancels, so it lands in the
+same key as that timer; timers due in the same millisecond share a key, so one task fires them.
+
+Per key the processor keeps one ListState of entries `(message_id, due_ms, position, tombstone)`
+and exactly one processing-time timer, at the earliest due time among its live timers:
+- new timers only: `appendList` plus, if needed, moving the key's timer earlier; the list is not
+  read, which keeps ingestion at one append and at most two timer calls per key per batch;
+- new entries already due (`due_ms <= batch time`) are emitted at once, never stored;
+- a tombstone forces a rewrite: the list is read, the cancelled timers dropped;
+- on expiry the list is read, entries with `due_ms <= batch time` emitted in (due, position)
+  order, the rest put back and the timer re-armed at their minimum.
+
+Never early: an entry is emitted only when `due_ms <= timerValues.getCurrentProcessingTimeInMs()`,
+the batch timestamp, which Spark takes before the batch runs. A tombstone whose timer has not been
+seen (it may sit in another queue, read in a later batch) is kept until `tombstone_grace_ms` after
+its due time, then dropped. The output row says which commit-log position to fire; the broker's
+FireTimers is idempotent by position, so re-running the last uncommitted batch after a restart
+fires nothing twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pandas as pd
+from pyspark.sql.streaming.stateful_processor import (
+    ExpiredTimerInfo,
+    StatefulProcessor,
+    StatefulProcessorHandle,
+    TimerValues,
+)
+
+ENTRY_SCHEMA = "message_id STRING, due_ms LONG, position LONG, tombstone BOOLEAN"
+"""A row of the processor's input and of its ListState."""
+OUTPUT_SCHEMA = "message_id STRING, position LONG, due_ms LONG, fired_ms LONG"
+"""A fired timer: `fired_ms` is the batch timestamp that released it (>= due_ms)."""
+ENTRY_COLUMNS = ("message_id", "due_ms", "position", "tombstone")
+OUTPUT_COLUMNS = ("message_id", "position", "due_ms", "fired_ms")
+DEFAULT_TOMBSTONE_GRACE_MS = 10 * 60_000
+
+
+def _empty_output() -> pd.DataFrame:
+    return pd.DataFrame({"message_id": pd.Series([], dtype=object), "position": pd.Series([], dtype="int64"),
+                         "due_ms": pd.Series([], dtype="int64"), "fired_ms": pd.Series([], dtype="int64")})
+
+
+def _to_output(entries: list[tuple], fired_ms: int) -> pd.DataFrame:
+    entries.sort(key=lambda e: (e[1], e[2]))  # due, then commit-log position: same-ms order is send order
+    return pd.DataFrame({
+        "message_id": [e[0] for e in entries],
+        "position": pd.Series([e[2] for e in entries], dtype="int64"),
+        "due_ms": pd.Series([e[1] for e in entries], dtype="int64"),
+        "fired_ms": pd.Series([fired_ms] * len(entries), dtype="int64"),
+    })
+
+
+def _entries(frame: pd.DataFrame) -> list[tuple]:
+    return [(str(m), int(d), int(p), bool(t)) for m, d, p, t in
+            zip(frame["message_id"], frame["due_ms"], frame["position"], frame["tombstone"], strict=True)]
+
+
+def split_due(entries: list[tuple], now_ms: int, grace_ms: int) -> tuple[list[tuple], list[tuple]]:
+    """Apply tombstones, then split into (due now, still pending). Pure; the processor's core.
+
+    A tombstone cancels every timer with its message id. Tombstones that matched are dropped;
+    unmatched ones are kept (their timer may arrive later) until `due + grace_ms` has passed.
+    """
+    cancelled = {e[0] for e in entries if e[3]}
+    matched: set[str] = set()
+    due: list[tuple] = []
+    pending: list[tuple] = []
+    for entry in entries:
+        message_id, due_ms, _, tombstone = entry
+        if tombstone:
+            continue
+        if message_id in cancelled:
+            matched.add(message_id)
+        elif due_ms <= now_ms:
+            due.append(entry)
+        else:
+            pending.append(entry)
+    for entry in entries:
+        if entry[3] and entry[0] not in matched and entry[1] + grace_ms > now_ms:
+            pending.append(entry)
+    return due, pending
+
+
+def next_wakeup_ms(pending: list[tuple], grace_ms: int) -> int | None:
+    """When the key must run next: the earliest live due time, or a tombstone's expiry."""
+    times = [e[1] + grace_ms if e[3] else e[1] for e in pending]
+    return min(times) if times else None
+
+
+class BucketTimerProcessor(StatefulProcessor):
+    """transformWithStateInPandas processor; see the module docstring."""
+
+    def __init__(self, tombstone_grace_ms: int = DEFAULT_TOMBSTONE_GRACE_MS) -> None:
+        self.tombstone_grace_ms = tombstone_grace_ms
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.handle = handle
+        self.entries = handle.getListState("entries", ENTRY_SCHEMA)
+
+    def _arm(self, wakeup_ms: int | None, *, only_earlier: bool) -> None:
+        """Keep exactly one timer per key, at `wakeup_ms` (or none)."""
+        current = list(self.handle.listTimers())
+        if only_earlier and wakeup_ms is not None and current and min(current) <= wakeup_ms:
+            return
+        for t in current:
+            if t != wakeup_ms:
+                self.handle.deleteTimer(t)
+        if wakeup_ms is not None and wakeup_ms not in current:
+            self.handle.registerTimer(wakeup_ms)
+
+    def handleInputRows(self, key: Any, rows: Iterator[pd.DataFrame],
+                        timerValues: TimerValues) -> Iterator[pd.DataFrame]:
+        now_ms = timerValues.getCurrentProcessingTimeInMs()
+        # Heartbeat rows (position < 0, see engine.with_heartbeat) only make Spark run the batch.
+        incoming = [e for e in _entries(pd.concat(list(rows), ignore_index=True)) if e[2] >= 0]
+        if not incoming:
+            yield _empty_output()
+            return
+        if not any(e[3] for e in incoming):
+            due = [e for e in incoming if e[1] <= now_ms]
+            later = [e for e in incoming if e[1] > now_ms]
+            if later:
+                self.entries.appendList(later)
+                self._arm(min(e[1] for e in later), only_earlier=True)
+            yield _to_output(due, now_ms) if due else _empty_output()
+            return
+        stored = list(self.entries.get())
+        due, pending = split_due([tuple(e) for e in stored] + incoming, now_ms, self.tombstone_grace_ms)
+        self._store(pending)
+        yield _to_output(due, now_ms) if due else _empty_output()
+
+    def handleExpiredTimer(self, key: Any, timerValues: TimerValues,
+                           expiredTimerInfo: ExpiredTimerInfo) -> Iterator[pd.DataFrame]:
+        now_ms = timerValues.getCurrentProcessingTimeInMs()
+        stored = [tuple(e) for e in self.entries.get()]
+        due, pending = split_due(stored, now_ms, self.tombstone_grace_ms)
+        self._store(pending, expired_ms=expiredTimerInfo.getExpiryTimeInMs())
+        yield _to_output(due, now_ms) if due else _empty_output()
+
+    def _store(self, pending: list[tuple], expired_ms: int | None = None) -> None:
+        if pending:
+            self.entries.put(pending)
+        else:
+            self.entries.clear()
+        wakeup = next_wakeup_ms(pending, self.tombstone_grace_ms)
+        current = [t for t in self.handle.listTimers() if t != expired_ms]
+        for t in current:
+            if t != wakeup:
+                self.handle.deleteTimer(t)
+        if wakeup is not None and wakeup not in current:
+            self.handle.registerTimer(wakeup)
+
+    def close(self) -> None:
+        pass

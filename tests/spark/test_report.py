@@ -1,0 +1,135 @@
+"""`chronoq spark report`: percentiles, early counts and per-minute rows against numpy's answer."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from chronoq.spark.trace import TraceRowInvalid, trace_schema, write_trace
+
+pytestmark = pytest.mark.spark
+
+T0_MS = 1_700_000_040_000  # a minute boundary
+assert T0_MS % 60_000 == 0
+
+
+def _row(i: int, accepted_ms: int, due_ms: int, fired_ms: int | None, received_ms: int | None) -> dict:
+    return {"message_id": f"m{i:07d}", "topic": "t", "accepted_ms": accepted_ms, "due_ms": due_ms,
+            "fired_ms": fired_ms, "first_received_ms": received_ms}
+
+
+def _synthetic_rows() -> list[dict]:
+    """Minute 0: errors 0..999 ms (shuffled). Minute 1: errors 1000..1199 plus 3 early (-5 ms).
+    Minute 2: 10 pending (never fired) and 5 fired but never received."""
+    rng = random.Random(7)
+    rows = []
+    errors0 = list(range(1000))
+    rng.shuffle(errors0)
+    for i, err in enumerate(errors0):
+        due = T0_MS + i * 50
+        rows.append(_row(i, T0_MS - 60_000 + i * 10, due, due + err // 2, due + err))
+    for j in range(200):
+        due = T0_MS + 60_000 + j * 100
+        rows.append(_row(1000 + j, T0_MS - 60_000 + j, due, due + 1000, due + 1000 + j))
+    for k in range(3):
+        due = T0_MS + 61_000 + k
+        rows.append(_row(1200 + k, T0_MS - 50_000, due, due, due - 5))
+    for k in range(10):
+        rows.append(_row(1300 + k, T0_MS - 50_000, T0_MS + 120_000 + k, None, None))
+    for k in range(5):
+        due = T0_MS + 121_000 + k
+        rows.append(_row(1400 + k, T0_MS - 50_000, due, due + 7, None))
+    return rows
+
+
+def test_write_trace_refuses_bad_rows(tmp_path):
+    with pytest.raises(TraceRowInvalid, match="due_ms"):
+        write_trace([{"message_id": "a", "topic": "t", "accepted_ms": 1, "due_ms": None}], tmp_path / "x.parquet")
+    with pytest.raises(TraceRowInvalid, match="fired_ms"):
+        write_trace([{"message_id": "a", "topic": "t", "accepted_ms": 1, "due_ms": 2, "fired_ms": "3"}],
+                    tmp_path / "x.parquet")
+    assert not (tmp_path / "x.parquet").exists()
+
+
+def test_report_synthetic_known_percentiles(spark, tmp_path):
+    from chronoq.spark.report import compute_report, write_report
+
+    rows = _synthetic_rows()
+    path = tmp_path / "trace.parquet"
+    assert write_trace(rows, path) == len(rows)
+    import pyarrow.parquet as pq
+
+    assert pq.read_schema(path).equals(trace_schema())
+
+    report = compute_report(spark, str(path))
+    o = report["overall"]
+    assert o["messages"] == 1218
+    assert o["fired"] == 1208 and o["pending"] == 10
+    assert o["recv_count"] == 1203
+    assert o["recv_early"] == 3 and o["recv_min"] == -5
+    assert o["fire_early"] == 0
+    recv = np.array([r["first_received_ms"] - r["due_ms"] for r in rows if r["first_received_ms"] is not None])
+    for name, frac in (("p50", 50), ("p90", 90), ("p99", 99), ("p999", 99.9)):
+        assert o[f"recv_{name}"] == pytest.approx(np.percentile(recv, frac))
+    assert o["recv_max"] == 1199
+
+    by_minute = {m["minute_ms"]: m for m in report["per_minute"]}
+    m0 = by_minute[T0_MS]
+    assert m0["due"] == 1000 and m0["recv_early"] == 0
+    assert m0["recv_p50"] == pytest.approx(499.5)
+    assert m0["recv_p90"] == pytest.approx(899.1)
+    assert m0["recv_p99"] == pytest.approx(989.01)
+    assert m0["recv_p999"] == pytest.approx(998.001)
+    assert m0["recv_max"] == 999 and m0["fire_max"] == 499
+    m1 = by_minute[T0_MS + 60_000]
+    assert m1["due"] == 203 and m1["recv_early"] == 3 and m1["recv_max"] == 1199
+    m2 = by_minute[T0_MS + 120_000]
+    assert m2["due"] == 15 and m2["recv_count"] == 0 and m2["recv_p50"] is None and m2["fire_count"] == 5
+    # Accepted per minute: everything was accepted in the minute before T0.
+    assert by_minute[T0_MS - 60_000]["accepted"] == 1218 and by_minute[T0_MS - 60_000]["due"] == 0
+    assert by_minute[T0_MS - 60_000]["accepted_per_s"] == pytest.approx(1218 / 60)
+    # Second 0 of the accept window holds 100 minute-0 rows (one per 10 ms) and all 200 minute-1 rows.
+    assert o["accepted_per_s_peak"] == 300
+    assert o["accepted_per_s_mean"] == pytest.approx(1218 / 11)  # seconds 0..10 of the accept window
+
+    paths = write_report(report, tmp_path / "out")
+    md = paths["markdown"].read_text()
+    assert f"| received - due | 1203 | {np.percentile(recv, 50):.0f} | {np.percentile(recv, 90):.0f} |" in md
+    assert json.loads(paths["json"].read_text())["overall"]["recv_early"] == 3
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_cli_100k_rows(spark, tmp_path):
+    import argparse
+
+    from chronoq.cli import spark as spark_cli
+
+    n = 100_000
+    rng = np.random.default_rng(11)
+    accepted = T0_MS + np.sort(rng.integers(0, 300_000, n))
+    due = accepted + rng.integers(1_000, 600_000, n)
+    fire_err = rng.gamma(2.0, 150.0, n).astype(np.int64)
+    recv_err = fire_err + rng.integers(0, 50, n)
+    recv_err[:17] = -1  # 17 early receipts
+    rows = ({"message_id": f"id{i}", "topic": "t", "accepted_ms": int(accepted[i]), "due_ms": int(due[i]),
+             "fired_ms": int(due[i] + fire_err[i]), "first_received_ms": int(due[i] + recv_err[i])}
+            for i in range(n))
+    write_trace(rows, tmp_path / "trace" / "part-0.parquet")
+
+    parser = argparse.ArgumentParser()
+    spark_cli.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["spark", "report", str(tmp_path / "trace"), "--out", str(tmp_path / "out")])
+    assert args.func(args) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    o = report["overall"]
+    assert o["messages"] == n and o["recv_early"] == 17 and o["fire_early"] == 0
+    for name, frac in (("p50", 50), ("p99", 99), ("p999", 99.9)):
+        assert o[f"recv_{name}"] == pytest.approx(np.percentile(recv_err, frac))
+        assert o[f"fire_{name}"] == pytest.approx(np.percentile(fire_err, frac))
+    assert o["fire_max"] == int(fire_err.max())
+    assert sum(m["due"] for m in report["per_minute"]) == n
+    assert sum(m["accepted"] for m in report["per_minute"]) == n
+    assert (tmp_path / "out" / "report.png").stat().st_size > 10_000

@@ -1,0 +1,107 @@
+"""`chronoq spark schedule`: every row scheduled or rejected with its reason; reruns add nothing."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+pytestmark = pytest.mark.spark
+
+HOUR_MS = 3_600_000
+DAY_MS = 24 * HOUR_MS
+
+
+def _pending(server: str, topic: str) -> int:
+    from chronoq.client import Admin
+
+    with Admin(server) as admin:
+        return int(admin.stats()["timer"]["pending_by_topic"].get(topic, 0))
+
+
+def _cli(*argv: str) -> int:
+    from chronoq.cli import spark as spark_cli
+
+    parser = argparse.ArgumentParser()
+    spark_cli.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["spark", "schedule", *argv])
+    return args.func(args)
+
+
+def test_schedule_parquet_sorts_every_row(spark, chronoq_server, tmp_path, capsys):
+    from chronoq.client import Admin
+
+    with Admin(chronoq_server) as admin:
+        admin.create_topic("remind", queue_count=2)
+    now = dt.datetime.now(dt.UTC)
+    good = [(f"r{i}", f"hello {i}", now + dt.timedelta(hours=1, seconds=i)) for i in range(120)]
+    too_far = [(f"far{i}", "x", now + dt.timedelta(days=40)) for i in range(7)]
+    no_body = [(f"nb{i}", None, now + dt.timedelta(hours=1)) for i in range(5)]
+    big = [(f"big{i}", "y" * 300, now + dt.timedelta(hours=1)) for i in range(3)]
+    no_time = [("nt0", "z", None)]
+    rows = good + too_far + no_body + big + no_time
+    table = pa.table({"rid": [r[0] for r in rows], "text": [r[1] for r in rows],
+                      "at": pa.array([r[2] for r in rows], pa.timestamp("ms", tz="UTC"))})
+    src = tmp_path / "in.parquet"
+    pq.write_table(table, src)
+    rejects = tmp_path / "rejects"
+
+    argv = ("--input", str(src), "--topic", "remind", "--deliver-at-column", "at", "--body-column", "text",
+            "--id-column", "rid", "--rejects", str(rejects), "--server", chronoq_server, "--max-body-bytes", "200")
+    assert _cli(*argv) == 0
+    out = capsys.readouterr().out
+    assert "rows 136: scheduled 120, rejected 16" in out
+    assert "rejected 7: too_far" in out and "rejected 5: body_missing" in out
+    assert "rejected 3: body_too_large" in out and "rejected 1: unparseable_time" in out
+    assert _pending(chronoq_server, "remind") == 120
+
+    rej = pq.read_table(rejects).to_pylist()
+    assert len(rej) == 16
+    by_id = {r["rid"]: r for r in rej}
+    assert "the limit (--max-delay-ms) is 2592000000" in by_id["far3"]["reason"]
+    assert by_id["big0"]["reason"] == "body is 300 bytes; the limit (--max-body-bytes) is 200"
+    assert by_id["nt0"]["reason_code"] == "unparseable_time"
+
+    with Admin(chronoq_server) as admin:
+        [status] = admin.query("r7", "remind")
+    assert status.deliver_at_ms == int(good[7][2].timestamp() * 1000) and status.state == "pending"
+
+    # A rerun (or retried tasks) sends the same ids: nothing new is scheduled.
+    assert _cli(*argv) == 0
+    assert _pending(chronoq_server, "remind") == 120
+
+
+def test_schedule_csv_derived_ids_delay_and_text_times(spark, chronoq_server, tmp_path, capsys):
+    from chronoq.client import Admin
+    from chronoq.spark.schedule import ScheduleOptions, run_schedule
+
+    with Admin(chronoq_server) as admin:
+        admin.create_topic("csvt", queue_count=1)
+    now_ms = int(time.time() * 1000)
+    iso = dt.datetime.fromtimestamp((now_ms + HOUR_MS) / 1000, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    lines = ["body,when"] + [f"b{i},{now_ms + HOUR_MS + i}" for i in range(30)] + [
+        f"iso,{iso}", "bad,garbage", "neg,-5", f"far,{now_ms + 31 * DAY_MS}", f"past,{now_ms - HOUR_MS}"]
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "part.csv").write_text("\n".join(lines) + "\n")
+    options = ScheduleOptions(input_path=str(tmp_path / "in"), topic="csvt", server=chronoq_server,
+                              deliver_at_column="when", rejects_path=str(tmp_path / "rej"))
+    result = run_schedule(spark, options, now_ms=now_ms)
+    # A time in the past is valid (the broker delivers it at once); one before the epoch is not.
+    assert (result.total, result.scheduled, result.rejected) == (35, 32, 3)
+    assert result.rejects_by_reason == {"unparseable_time": 1, "too_far": 1, "before_epoch": 1}
+    rej = {r["body"]: r["reason"] for r in pq.read_table(tmp_path / "rej").to_pylist()}
+    assert rej["bad"] == "unparseable delivery time 'garbage'"
+    assert _pending(chronoq_server, "csvt") == 31
+    again = run_schedule(spark, options, now_ms=now_ms)
+    assert again.scheduled == 32 and _pending(chronoq_server, "csvt") == 31  # derived ids are stable
+
+    delays = tmp_path / "delays.json"
+    delays.write_text('{"body": "d1", "ms": 3600000}\n{"body": "d2", "ms": -1}\n{"body": "d3", "ms": "soon"}\n')
+    result = run_schedule(spark, ScheduleOptions(input_path=str(delays), topic="csvt", server=chronoq_server,
+                                                 delay_column="ms", rejects_path=str(tmp_path / "rej2")))
+    assert result.scheduled == 1
+    assert result.rejects_by_reason == {"negative_delay": 1, "unparseable_delay": 1}

@@ -1,0 +1,163 @@
+"""The Spark timer engine's processor under TwsTester (no JVM): never early, cancel, order, restart."""
+
+from __future__ import annotations
+
+import random
+
+import pandas as pd
+import pytest
+
+pytest.importorskip("pyspark")
+from pyspark.sql.streaming.tws_tester import TwsTester
+
+from chronoq.spark.timer_processor import BucketTimerProcessor, split_due
+
+pytestmark = pytest.mark.spark
+
+KEY = (0, 0)
+
+
+def _frame(*entries: tuple) -> pd.DataFrame:
+    return pd.DataFrame({
+        "message_id": [e[0] for e in entries],
+        "due_ms": pd.Series([e[1] for e in entries], dtype="int64"),
+        "position": pd.Series([e[2] for e in entries], dtype="int64"),
+        "tombstone": pd.Series([e[3] if len(e) > 3 else False for e in entries], dtype=bool),
+    })
+
+
+def _tester(grace_ms: int = 10_000) -> TwsTester:
+    return TwsTester(BucketTimerProcessor(tombstone_grace_ms=grace_ms), timeMode="ProcessingTime")
+
+
+def _fired(out: pd.DataFrame) -> list[tuple[str, int]]:
+    if out.empty:
+        return []
+    for due, fired in zip(out["due_ms"], out["fired_ms"], strict=True):
+        assert fired >= due, "fired early"
+    return list(zip(out["message_id"], out["fired_ms"], strict=True))
+
+
+def test_never_early_and_one_timer_per_key():
+    t = _tester()
+    assert _fired(t.testInPandas(KEY, _frame(("a", 1000, 10), ("b", 1500, 20), ("c", 2500, 30)))) == []
+    assert list(t.handle.listTimers()) == [1000]
+    assert _fired(t.setProcessingTime(999)) == []
+    assert _fired(t.setProcessingTime(1000)) == [("a", 1000)]
+    assert list(t.handle.listTimers()) == [1500]
+    assert _fired(t.setProcessingTime(2499)) == [("b", 2499)]
+    assert _fired(t.setProcessingTime(2500)) == [("c", 2500)]
+    assert t.peekListState("entries", KEY) == []
+    assert list(t.handle.listTimers()) == []
+
+
+def test_earlier_arrival_moves_the_timer_and_due_input_fires_at_once():
+    t = _tester()
+    t.testInPandas(KEY, _frame(("late", 5000, 1)))
+    t.testInPandas(KEY, _frame(("early", 3000, 2)))
+    assert list(t.handle.listTimers()) == [3000]
+    t.setProcessingTime(4000)
+    # Already due when it arrives: emitted by this very batch, stamped with the batch time.
+    assert _fired(t.testInPandas(KEY, _frame(("past", 3500, 3)))) == [("past", 4000)]
+    assert _fired(t.setProcessingTime(5000)) == [("late", 5000)]
+
+
+def test_cancel_before_and_after_the_timer_arrives():
+    t = _tester(grace_ms=10_000)
+    t.testInPandas(KEY, _frame(("a", 1000, 1), ("b", 1000, 2)))
+    assert _fired(t.testInPandas(KEY, _frame(("a", 1000, 3, True)))) == []
+    # The tombstone for "x" arrives before its timer (another queue, a later batch).
+    t.testInPandas(KEY, _frame(("x", 2000, 9, True)))
+    t.testInPandas(KEY, _frame(("x", 2000, 4)))
+    assert _fired(t.setProcessingTime(5000)) == [("b", 5000)]
+    assert t.peekListState("entries", KEY) == []
+
+
+def test_orphan_tombstone_expires_after_grace():
+    t = _tester(grace_ms=10_000)
+    t.testInPandas(KEY, _frame(("ghost", 1000, 1, True)))
+    assert t.peekListState("entries", KEY) == [("ghost", 1000, 1, True)]
+    assert list(t.handle.listTimers()) == [11_000]
+    t.setProcessingTime(10_999)
+    assert len(t.peekListState("entries", KEY)) == 1
+    t.setProcessingTime(11_000)
+    assert t.peekListState("entries", KEY) == []
+    assert list(t.handle.listTimers()) == []
+
+
+def test_same_millisecond_fires_in_position_order():
+    t = _tester()
+    positions = list(range(100, 600, 10))
+    random.Random(3).shuffle(positions)
+    t.testInPandas(KEY, _frame(*[(f"m{p}", 7000, p) for p in positions]))
+    t.testInPandas(KEY, _frame(("first", 6999, 999)))
+    out = t.setProcessingTime(7000)
+    assert list(out["message_id"]) == ["first"] + [f"m{p}" for p in sorted(positions)]
+
+
+def test_restart_keeps_pending_timers():
+    t = _tester()
+    t.testInPandas(KEY, _frame(("a", 1000, 1), ("b", 3000, 2)))
+    assert _fired(t.setProcessingTime(1000)) == [("a", 1000)]
+    # A restarted job: a new processor object over the same (checkpointed) state and timers.
+    t.processor.close()
+    t.processor = BucketTimerProcessor()
+    t.processor.init(t.handle)
+    assert _fired(t.setProcessingTime(2999)) == []
+    assert _fired(t.setProcessingTime(3000)) == [("b", 3000)]
+
+
+def test_random_schedule_fires_each_live_timer_once_never_early():
+    rng = random.Random(42)
+    t = _tester(grace_ms=1_000_000)
+    live: dict[str, int] = {}
+    cancelled: set[str] = set()
+    fired: dict[str, int] = {}
+    now = 0
+    position = 0
+    for _ in range(200):
+        batch = []
+        for _ in range(rng.randint(0, 5)):
+            position += 1
+            mid = f"m{position}"
+            due = now + rng.randint(-50, 3000)
+            live[mid] = due
+            batch.append((mid, due, position))
+        # Cancel some pending timer (the broker only cancels before due).
+        candidates = [m for m, d in live.items() if d > now and m not in cancelled and m not in fired]
+        if candidates and rng.random() < 0.3:
+            victim = rng.choice(candidates)
+            position += 1
+            cancelled.add(victim)
+            batch.append((victim, live[victim], position, True))
+        # A few keys, chosen by message id as the (shard, bucket) grouping does: a tombstone meets its timer.
+        for shard in range(3):
+            rows = [e for e in batch if int(e[0][1:]) % 3 == shard]
+            if rows:
+                for mid, when in _fired(t.testInPandas((shard, 0), _frame(*rows))):
+                    assert mid not in fired
+                    fired[mid] = when
+        now += rng.randint(1, 100)
+        for mid, when in _fired(t.setProcessingTime(now)):
+            assert mid not in fired
+            fired[mid] = when
+    now += 10_000
+    for mid, when in _fired(t.setProcessingTime(now)):
+        fired[mid] = when
+    assert len(cancelled) > 20 and len(fired) > 300
+    assert set(fired) == set(live) - cancelled
+    for mid, when in fired.items():
+        assert when >= live[mid]
+
+
+def test_split_due_is_pure():
+    entries = [("a", 5, 1, False), ("b", 10, 2, False), ("a", 5, 3, True), ("z", 1, 4, True)]
+    due, pending = split_due(entries, now_ms=10, grace_ms=5)
+    assert due == [("b", 10, 2, False)]
+    assert pending == []  # "a" cancelled, the orphan "z" past its grace
+
+
+def test_heartbeat_rows_are_ignored():
+    t = _tester()
+    out = t.testInPandas((-1, -1), _frame(("__chronoq_heartbeat", -1, -1)))
+    assert out.empty and t.peekListState("entries", (-1, -1)) == [] and list(t.handle.listTimers()) == []
