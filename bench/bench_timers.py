@@ -76,8 +76,9 @@ async def accept_phase(data_dir: Path, n: int) -> dict[str, Any]:
             "pending_after": pending}
 
 
-async def precision_phase(data_dir: Path, n: int, window_s: float, lead_s: float) -> dict[str, Any]:
-    broker = await Broker.open(Config(data_dir=data_dir))
+async def precision_phase(data_dir: Path, n: int, window_s: float, lead_s: float,
+                          trace_out: str | None = None) -> dict[str, Any]:
+    broker = await Broker.open(Config(data_dir=data_dir, trace_enable=trace_out is not None))
     rng = random.Random(7)
     start_ms = broker.clock.now_ms() + int(lead_s * 1000)
     dues = sorted(start_ms + int(rng.random() * window_s * 1000) for _ in range(n))
@@ -107,6 +108,11 @@ async def precision_phase(data_dir: Path, n: int, window_s: float, lead_s: float
             await broker.ack("bench", "precision", m.receipt_handle)
     fire = broker.stats()["timer"]["latencies"]["delivery_error_ms"]
     await broker.close()
+    if trace_out is not None:  # the delivery trace, for `chronoq spark report`
+        from chronoq.spark.trace import write_trace
+        from chronoq.trace import export_rows
+
+        write_trace(export_rows(data_dir), trace_out)
     return {"messages": n, "window_s": window_s, "send_seconds": round(send_s, 2),
             "sending_ended_ms_after_first_due": late_start_ms,
             "received_minus_due_ms": _percentiles(errors), "early": sum(1 for e in errors if e < 0),
@@ -120,6 +126,7 @@ async def main() -> int:
     ap.add_argument("--lead-s", type=float, default=0.0,
                     help="due window starts this long after sending begins (default: sized to the accept rate)")
     ap.add_argument("--out", default="bench/results/timers.json")
+    ap.add_argument("--trace-out", default=None, help="also write the precision run's delivery trace (Parquet)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="chronoq-bench-timers-", dir=os.environ.get("BENCH_DIR")))
     try:
@@ -128,7 +135,7 @@ async def main() -> int:
         print(f"accept: {a['msgs_per_s']:,} timer msgs/s in batches of {BATCH} ({a['messages']} in {a['seconds']} s); "
               f"{accept['one_at_a_time_16_producers']['msgs_per_s']:,}/s one at a time, 16 producers", flush=True)
         lead_s = args.lead_s or (args.n / max(a["msgs_per_s"], 1)) * 1.5 + 3
-        precision = await precision_phase(root / "precision", args.n, args.window_s, lead_s)
+        precision = await precision_phase(root / "precision", args.n, args.window_s, lead_s, args.trace_out)
         e = precision["received_minus_due_ms"]
         f = precision["broker_fired_minus_due_ms"]
         print(f"precision: {args.n} due over {args.window_s} s; received - due ms: p50 {e.get('p50')} "
