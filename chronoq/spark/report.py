@@ -168,10 +168,21 @@ def render_chart(report: Mapping[str, Any], path: str | Path) -> None:
     for name, _ in PERCENTILES:
         ax.plot(xs, [m[f"{main}_{name}"] for m in rows], marker="o", markersize=3,
                 label=f"{labels[main]} {name.upper()}")
-    ax.plot(xs, [m[f"{main}_max"] for m in rows], color="grey", linewidth=0.8, label=f"{labels[main]} max")
+    ax.plot(xs, [m[f"{main}_max"] for m in rows], color="grey", linewidth=0.8, marker="_", markersize=10,
+            label=f"{labels[main]} max")
     if report["overall"][f"{other}_count"]:
-        ax.plot(xs, [m[f"{other}_p99"] for m in rows], linestyle="--", label=f"{labels[other]} P99")
+        ax.plot(xs, [m[f"{other}_p99"] for m in rows], linestyle="--", marker="x", markersize=5,
+                label=f"{labels[other]} P99")
     ax.axhline(0, color="black", linewidth=0.6)
+    if xs:
+        # A short run has one or two minutes: keep the axis on them, not on matplotlib's years.
+        pad = dt.timedelta(minutes=1)
+        ax.set_xlim(xs[0] - pad, xs[-1] + pad)
+        from matplotlib.dates import DateFormatter, MinuteLocator
+
+        span_min = int((xs[-1] - xs[0]).total_seconds() // 60) + 3
+        ax.xaxis.set_major_locator(MinuteLocator(interval=max(1, span_min // 10)))
+        ax.xaxis.set_major_formatter(DateFormatter("%m-%d %H:%M", tz=dt.UTC))
     ax.set_xlabel("due minute (UTC)")
     ax.set_ylabel("delay error (ms, actual - due)")
     ax.set_title(f"chronoq delivery error per minute ({report['overall']['messages']} messages)")
