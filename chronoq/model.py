@@ -29,7 +29,7 @@ ALL_MESSAGE_TYPES = frozenset(MessageType)
 # -- system topics (written by the broker only) ---------------------------------------------
 TIMER_TOPIC = "rmq_sys_wheel_timer"
 """Timer messages wait here (RocketMQ 5's TIMER_TOPIC) until due, real topic in properties."""
-SCHEDULE_TOPIC = "SCHEDULE_TOPIC_XXXX"
+SCHEDULE_TOPIC = "SCHEDULE_TOPIC_XXXX"  # RocketMQ 4's own name for it, kept for familiarity
 """Delay-level messages wait here, one queue per level (RocketMQ 4)."""
 DLQ_PREFIX = "%DLQ%"
 SYSTEM_TOPICS = frozenset({TIMER_TOPIC, SCHEDULE_TOPIC})
