@@ -70,6 +70,9 @@ class Config:
     # -- timers ------------------------------------------------------------------------------
     timer_wheel_enable: bool = True
     timer_engine: Literal["rocksdb", "spark"] = "rocksdb"
+    timer_spark_backstop_ms: int = 60_000
+    """With timer_engine = "spark": the broker itself fires a timer overdue by this much (the
+    Spark job is down, or dropped it), so none waits forever."""
     timer_precision_ms: int = 1
     timer_max_delay_ms: int = 30 * DAY_MS
     timer_congest_num_each_slot: int = 0
@@ -107,6 +110,7 @@ class Config:
             "min_invisible_duration_ms", "max_invisible_duration_ms", "max_receive_batch",
             "timer_precision_ms", "timer_max_delay_ms", "timer_fire_batch", "retention_ms",
             "retention_check_interval_ms", "max_send_batch", "max_message_id_length",
+            "timer_spark_backstop_ms",
         ]
         for name in positive:
             value = getattr(self, name)

@@ -231,9 +231,10 @@ class TimerService:
         return min(deadlines) if deadlines else None
 
     def _engine_deadline(self) -> int | None:
-        if self.config.timer_engine == "spark":
-            return None
-        return self.engine.next_deadline_ms()
+        deadline = self.engine.next_deadline_ms()
+        if deadline is not None and self.config.timer_engine == "spark":
+            return deadline + self.config.timer_spark_backstop_ms
+        return deadline
 
     def _levels_deadline(self) -> int | None:
         best: int | None = None
@@ -261,13 +262,16 @@ class TimerService:
         """Fire what is due at `now_ms`, up to `timer_fire_batch`; return how many fired."""
         batch = self.config.timer_fire_batch
         copies: list[PreparedMessage] = []
-        if self.config.timer_engine != "spark":
-            for entry in self.engine.due(now_ms, batch):
-                if entry.position in self._holding or entry.position in self._firing:
-                    continue
-                rec = self.store.read_at(entry.position, entry.size)
-                if rec is not None:
-                    copies.append(self.delivered_copy(rec))
+        # With the Spark engine the job decides when to fire; the broker's loop is only its
+        # backstop, firing what is overdue by more than `timer_spark_backstop_ms` (a job that is
+        # down, or dropped a timer), so no timer waits forever. FireTimers skips what fired.
+        horizon_ms = now_ms - self.config.timer_spark_backstop_ms if self.config.timer_engine == "spark" else now_ms
+        for entry in self.engine.due(horizon_ms, batch):
+            if entry.position in self._holding or entry.position in self._firing:
+                continue
+            rec = self.store.read_at(entry.position, entry.size)
+            if rec is not None:
+                copies.append(self.delivered_copy(rec))
         for level in range(1, self.levels.max_level + 1):
             if len(copies) >= batch:
                 break
