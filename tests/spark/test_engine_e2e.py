@@ -11,10 +11,10 @@ from __future__ import annotations
 import time
 
 import pytest
+from engine_waits import WAIT_S, wait_ingested
 
 pytestmark = pytest.mark.spark
 
-WAIT_S = 240.0
 RESTART_MARGIN_MS = 20_000
 
 
@@ -47,19 +47,6 @@ def _wait_delivered(query, admin, topic: str, ids: set[str]) -> dict:
         query.awaitTermination(0.2)
 
 
-def _ingested(query) -> int:
-    """Records read from the timer source (not the engine's rate-source heartbeat)."""
-    return sum(src["numInputRows"] for p in query.recentProgress for src in p["sources"]
-               if not src["description"].startswith("RateStream"))
-
-
-def _wait_ingested(query, rows: int) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while _ingested(query) < rows:
-        assert time.monotonic() < deadline, "timed out waiting for the engine to ingest"
-        query.awaitTermination(0.2)
-
-
 def test_spark_engine_end_to_end(spark, spark_engine_server, tmp_path):
     from chronoq.client import Admin, Producer
     from chronoq.spark.engine import EngineOptions, run_engine
@@ -84,7 +71,7 @@ def test_spark_engine_end_to_end(spark, spark_engine_server, tmp_path):
             for mid, s in states.items():
                 assert s.fired_ms >= s.deliver_at_ms, f"{mid} fired {s.deliver_at_ms - s.fired_ms} ms early"
             producer.send("e2e", b"h", deliver_at=_now_ms() + RESTART_MARGIN_MS, message_id="h")
-            _wait_ingested(query, 8)  # warm, a, s1-s3, x and its tombstone, h
+            wait_ingested(query, 8)  # warm, a, s1-s3, x and its tombstone, h
         finally:
             query.stop()
         assert admin.query("h", "e2e")[0].state == "pending", "h fired before the stop (machine too slow)"

@@ -13,6 +13,7 @@ import json
 import time
 
 import pytest
+from engine_waits import WAIT_S, wait_ingested
 
 from chronoq.model import SYS_TIMER_DEL_UNIQKEY, SYS_TIMER_OUT_MS
 
@@ -20,7 +21,6 @@ pytestmark = pytest.mark.spark
 
 RECORD_SCHEMA = "message_id STRING, system_properties MAP<STRING, STRING>, position BIGINT"
 H_MARGIN_MS = 20_000  # "h" must outlive the stop; ingesting it and stopping took 7 s under heavy load
-WAIT_S = 240.0  # generous: on a loaded 2-core machine a first micro-batch has taken over a minute
 
 
 def _write(directory, name: str, records: list[dict]) -> None:
@@ -51,21 +51,6 @@ def _wait_for(query, log, ids: set[str]) -> list[dict]:
         if ids <= {f["message_id"] for f in fired}:
             return fired
         assert time.monotonic() < deadline, f"timed out waiting for {ids - {f['message_id'] for f in fired}}"
-        query.awaitTermination(0.2)
-
-
-def _ingested(query) -> int:
-    """Records read from the timer source (not the engine's rate-source heartbeat)."""
-    return sum(src["numInputRows"] for p in query.recentProgress for src in p["sources"]
-               if not src["description"].startswith("RateStream"))
-
-
-def _wait_ingested(query, rows: int) -> None:
-    # Not processAllAvailable(): a processing-time transformWithState keeps Spark running no-data
-    # batches, and processAllAvailable() was seen never to return on this query.
-    deadline = time.monotonic() + WAIT_S
-    while _ingested(query) < rows:
-        assert time.monotonic() < deadline, "timed out waiting for the engine to ingest"
         query.awaitTermination(0.2)
 
 
@@ -100,7 +85,7 @@ def test_engine_fires_on_time_cancels_orders_and_restarts(spark, tmp_path):
         _wait_for(query, log, {"a", "b", "c", "d"})
         # "h" is still pending when the job stops; it must come back from the checkpointed state.
         _write(source, "2", [_timer("h", int(time.time() * 1000) + H_MARGIN_MS, 140)])
-        _wait_ingested(query, 8)  # warm, the 6 records of "1", h
+        wait_ingested(query, 8)  # warm, the 6 records of "1", h
     finally:
         query.stop()
     fired = _fired(log)
