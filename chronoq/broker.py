@@ -77,7 +77,9 @@ class Broker:
         self._arrivals: dict[str, asyncio.Event] = {}
         self._timer_wakeup = asyncio.Event()
         self._recent: OrderedDict[tuple[str, str], tuple[int, SendResult]] = OrderedDict()
-        self._sending: dict[tuple[str, str], asyncio.Future[SendResult]] = {}
+        self._sending: dict[tuple[str, str], tuple[asyncio.Future[list[SendResult]], int]] = {}
+        """(topic, id) being written -> (its batch's future, its index in the batch's results): a
+        concurrent send of the same id waits for the first. One future per batch, not per message."""
         self.fatal: BaseException | None = None
         self.trace: TraceJournal | None = TraceJournal(config.data_dir) if config.trace_enable else None
 
@@ -318,7 +320,7 @@ class Broker:
         outcomes: list[Any] = [None] * len(msgs)
         to_write: list[PreparedMessage] = []
         slots: list[tuple[int, tuple[str, str], int | None]] = []
-        waits: list[tuple[int, asyncio.Future[SendResult]]] = []
+        waits: list[tuple[int, tuple[asyncio.Future[list[SendResult]], int]]] = []
         repeats: list[tuple[int, int]] = []  # (slot in msgs, index in to_write) for ids repeated in this batch
         batch_keys: dict[tuple[str, str], int] = {}
         for i, msg in enumerate(msgs):
@@ -350,31 +352,33 @@ class Broker:
             batch_keys[key] = len(to_write)
             to_write.append(prepared)
             slots.append((i, key, timer.deliver_at_ms if timer is not None else None))
-        for _, (topic_name, _), _ in slots:
+        for topic_name in {key[0] for _, key, _ in slots}:
             self._topic_for(topic_name)
-        futures = {key: asyncio.get_running_loop().create_future() for _, key, _ in slots}
-        self._sending.update(futures)
+        batch_done: asyncio.Future[list[SendResult]] = asyncio.get_running_loop().create_future()
+        for j, (_, key, _) in enumerate(slots):
+            self._sending[key] = (batch_done, j)
         try:
             stored = self._write_prepared(to_write, now)
             if stored:
                 await self.store.wait_durable(stored[-1].position + stored[-1].size)
         except BaseException as e:
-            for key, fut in futures.items():
+            for _, key, _ in slots:
                 self._sending.pop(key, None)
-                if not fut.done():
-                    fut.set_exception(e if isinstance(e, Exception) else BrokerClosed())
-                    fut.exception()  # mark retrieved: waiters may not exist
+            batch_done.set_exception(e if isinstance(e, Exception) else BrokerClosed())
+            batch_done.exception()  # mark retrieved: waiters may not exist
             raise
+        results: list[SendResult] = []
         for (i, key, deliver_at_ms), rec in zip(slots, stored, strict=True):
             result = self._result_for(rec, key, deliver_at_ms)
             outcomes[i] = result
+            results.append(result)
             self._recent[key] = (now, result)
             self._sending.pop(key, None)
-            futures[key].set_result(result)
+        batch_done.set_result(results)
         for i, j in repeats:
             outcomes[i] = _as_duplicate(outcomes[slots[j][0]])
-        for i, fut in waits:
-            outcomes[i] = _as_duplicate(await fut)
+        for i, (fut, j) in waits:
+            outcomes[i] = _as_duplicate((await fut)[j])
         return outcomes
 
     def _write_prepared(self, to_write: list[PreparedMessage], now: int) -> list[StoredMessage]:

@@ -9,6 +9,7 @@ absolute due time here; the broker then routes the message to the timer or sched
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from chronoq.config import Config
@@ -143,6 +144,43 @@ def resolve_timer(msg: OutgoingMessage, config: Config, now_ms: int, levels: Del
     return TimerRequest(deliver_at_ms, level)
 
 
+def _check_tag(tag: str, config: Config) -> None:
+    if len(tag) > config.max_tag_length:
+        raise InvalidTag(tag, f"{len(tag)} characters; the limit (max_tag_length) is {config.max_tag_length}")
+    if not _text_ok(tag) or "|" in tag or not tag.strip():
+        raise InvalidTag(tag, "may not contain '|', control characters, or be blank")
+
+
+def _check_keys(keys: tuple[str, ...], config: Config) -> int:
+    """The keys' encoded size, or the error naming the first rule they break."""
+    if len(keys) > config.max_keys_count:
+        raise InvalidKeys(f"{len(keys)} keys; the limit (max_keys_count) is {config.max_keys_count}")
+    for key in keys:
+        if not isinstance(key, str) or not key or not _text_ok(key):
+            raise InvalidKeys(f"key {key!r} is empty or has control characters")
+    keys_size = len(encode_keys(keys))
+    if keys_size > MAX_U16:
+        raise InvalidKeys(f"the keys take {keys_size} bytes; the record format allows {MAX_U16}")
+    return keys_size
+
+
+def _check_properties(given: Mapping[str, str], config: Config) -> tuple[dict[str, str], int]:
+    """A copy of the user's properties and their encoded size, or the error naming the first rule broken."""
+    props: dict[str, str] = {}
+    for k, v in given.items():
+        if not isinstance(k, str) or not isinstance(v, str) or not k or not _text_ok(k) or "\x00" in v:
+            raise InvalidProperty(str(k), "keys must be non-empty text and values text without NUL")
+        if k in RESERVED_PROPERTIES or k.startswith(RESERVED_PREFIX):
+            raise ReservedProperty(k)
+        props[k] = v
+    if len(props) > config.max_property_count:
+        raise PropertiesTooLarge("property count", len(props), config.max_property_count)
+    props_size = sum(len(k.encode()) + len(v.encode()) + 6 for k, v in props.items())
+    if props_size > config.max_properties_size_bytes:
+        raise PropertiesTooLarge("encoded size in bytes", props_size, config.max_properties_size_bytes)
+    return props, props_size
+
+
 def prepare(msg: OutgoingMessage, config: Config, now_ms: int, levels: DelayLevels) -> tuple[
         PreparedMessage, TimerRequest | None]:
     """Validate `msg` and resolve its timer request. Topic existence and message-type acceptance
@@ -160,36 +198,22 @@ def prepare(msg: OutgoingMessage, config: Config, now_ms: int, levels: DelayLeve
             or not message_id.isprintable() or " " in message_id:
         raise InvalidMessageId(str(message_id), f"must be 1..{config.max_message_id_length} printable "
                                                 "characters without spaces")
+    # The empty tag, keys and properties are the usual case: checked by truth value, so an
+    # ordinary message costs no loop (this runs for every message a producer sends).
     tag = msg.tag or ""
-    if len(tag) > config.max_tag_length:
-        raise InvalidTag(tag, f"{len(tag)} characters; the limit (max_tag_length) is {config.max_tag_length}")
-    if not _text_ok(tag) or "|" in tag or (tag and not tag.strip()):
-        raise InvalidTag(tag, "may not contain '|', control characters, or be blank")
+    if tag:
+        _check_tag(tag, config)
     keys = tuple(msg.keys)
-    if len(keys) > config.max_keys_count:
-        raise InvalidKeys(f"{len(keys)} keys; the limit (max_keys_count) is {config.max_keys_count}")
-    for key in keys:
-        if not isinstance(key, str) or not key or not _text_ok(key):
-            raise InvalidKeys(f"key {key!r} is empty or has control characters")
-    keys_size = len(encode_keys(keys))
-    if keys_size > MAX_U16:
-        raise InvalidKeys(f"the keys take {keys_size} bytes; the record format allows {MAX_U16}")
+    keys_size = _check_keys(keys, config) if keys else 0
     props: dict[str, str] = {}
-    for k, v in msg.properties.items():
-        if not isinstance(k, str) or not isinstance(v, str) or not k or not _text_ok(k) or "\x00" in v:
-            raise InvalidProperty(str(k), "keys must be non-empty text and values text without NUL")
-        if k in RESERVED_PROPERTIES or k.startswith(RESERVED_PREFIX):
-            raise ReservedProperty(k)
-        props[k] = v
-    if len(props) > config.max_property_count:
-        raise PropertiesTooLarge("property count", len(props), config.max_property_count)
-    props_size = sum(len(k.encode()) + len(v.encode()) + 6 for k, v in props.items())
-    if props_size > config.max_properties_size_bytes:
-        raise PropertiesTooLarge("encoded size in bytes", props_size, config.max_properties_size_bytes)
+    props_size = 0
+    if msg.properties:
+        props, props_size = _check_properties(msg.properties, config)
     timer = resolve_timer(msg, config, now_ms, levels)
-    # Timer properties become system properties; they stay out of the user's property map.
-    for k in (PROP_TIMER_DELIVER_MS, PROP_TIMER_DELAY_MS, PROP_TIMER_DELAY_SEC, PROP_DELAY_LEVEL):
-        props.pop(k, None)
+    if props:
+        # Timer properties become system properties; they stay out of the user's property map.
+        for k in (PROP_TIMER_DELIVER_MS, PROP_TIMER_DELAY_MS, PROP_TIMER_DELAY_SEC, PROP_DELAY_LEVEL):
+            props.pop(k, None)
     group = msg.message_group
     if group is not None and not isinstance(group, str):
         raise InvalidProperty("message_group", f"must be text, not {type(group).__name__}")
@@ -199,7 +223,7 @@ def prepare(msg: OutgoingMessage, config: Config, now_ms: int, levels: DelayLeve
     # Encoded bytes, not characters: a multi-byte tag or id counts what it takes on disk. The
     # message group is stored as a system property, so it counts too.
     size = (HEADER_SIZE + len(body) + props_size + len(message_id.encode()) + len(msg.topic.encode())
-            + len(tag.encode()) + keys_size + len(encode_properties({SYS_MESSAGE_GROUP: group} if group else {}))
+            + len(tag.encode()) + keys_size + (len(encode_properties({SYS_MESSAGE_GROUP: group})) if group else 0)
             + 256)  # 256: room for the system properties we add
     if size > config.max_message_size_bytes:
         raise MessageTooLarge(size, config.max_message_size_bytes)

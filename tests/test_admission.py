@@ -42,6 +42,7 @@ BAD: list[tuple[str, OutgoingMessage, type[errors.ChronoqError]]] = [
     ("empty topic name", msg(topic=""), errors.InvalidTopicName),
     ("topic name too long", msg(topic="t" * 21), errors.InvalidTopicName),
     ("topic name with a space", msg(topic="a b"), errors.InvalidTopicName),
+    ("topic name ending in a newline", msg(topic="ab\n"), errors.InvalidTopicName),
     ("topic name with a slash", msg(topic="a/b"), errors.InvalidTopicName),
     ("topic name not text", msg(topic=5), errors.InvalidTopicName),
     ("timer system topic", msg(topic=TIMER_TOPIC), errors.SystemTopicForbidden),

@@ -84,6 +84,27 @@ def test_a_retried_message_id_is_stored_once_within_the_window(make_config: Call
     run(make_config, arun, body)
 
 
+def test_concurrent_sends_of_one_id_store_it_once_and_share_its_result(make_config: Callable,
+                                                                         arun: Callable) -> None:
+    """A retry that arrives while the first send is still waiting for its fsync waits for that
+    send and gets its result (marked duplicate), whatever its position in either batch."""
+    async def body(broker: Broker, clock: FakeClock) -> None:
+        first = [OutgoingMessage("orders", b"a", message_id=f"id-{i}") for i in range(5)]
+        retry = [OutgoingMessage("orders", b"b", message_id="new"), OutgoingMessage("orders", b"a", message_id="id-3"),
+                 OutgoingMessage("orders", b"a", message_id="id-0")]
+        a, b = await asyncio.gather(broker.send_batch(first), broker.send_batch(retry))
+        assert [r.duplicate for r in a] == [False] * 5
+        assert [r.duplicate for r in b] == [False, True, True]
+        assert (b[1].message_id, b[1].queue_id, b[1].queue_offset, b[1].position) == (
+            "id-3", a[3].queue_id, a[3].queue_offset, a[3].position)
+        assert (b[2].message_id, b[2].position) == ("id-0", a[0].position)
+        stored = [m for q in range(broker.get_topic("orders").queue_count)
+                  for m in await broker.read("orders", q, 0, 100)]
+        assert sorted(m.message_id for m in stored) == sorted(["new", *(f"id-{i}" for i in range(5))])
+
+    run(make_config, arun, body)
+
+
 def test_topics(make_config: Callable, arun: Callable) -> None:
     async def body(broker: Broker, clock: FakeClock) -> None:
         t = await broker.create_topic("plain", 3, [MessageType.NORMAL])

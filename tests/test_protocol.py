@@ -20,7 +20,7 @@ from chronoq.errors import (
     MessageTooLarge,
     TopicNotFound,
 )
-from chronoq.model import MessageType, ReceivedMessage, SendResult, StoredMessage, TopicConfig
+from chronoq.model import MessageType, OutgoingMessage, ReceivedMessage, SendResult, StoredMessage, TopicConfig
 from chronoq.protocol import admin
 from chronoq.protocol import requests as rq
 from chronoq.protocol import responses as rs
@@ -438,3 +438,20 @@ def test_admin_message_from_json():
                 {"topic": "bad topic", "body_b64": ""}, [], {"topic": "orders", "body_b64": "", "keys": [1]}):
         with pytest.raises(ChronoqError):
             admin.message_from_json(bad, CONFIG)
+
+
+def test_admin_plain_timer_entry_decodes_like_the_general_path():
+    """The usual entry (topic, body, id, due time) takes a shorter path; it must decode to the
+    same message, and anything malformed must still get the general path's specific error."""
+    doc = {"topic": "orders", "body_b64": "aGk=", "message_id": "m-1", "deliver_at_ms": 1_800_000_000_000}
+    msg = admin.message_from_json(doc, CONFIG)
+    assert msg == OutgoingMessage(topic="orders", body=b"hi", message_id="m-1", deliver_at_ms=1_800_000_000_000)
+    assert admin.message_from_json({"topic": "orders", "body_b64": "aGk="}, CONFIG) == OutgoingMessage("orders", b"hi")
+    cases = [({**doc, "body_b64": "aGk"}, "body_b64"), ({**doc, "body_b64": "a!k="}, "body_b64"),
+             ({**doc, "deliver_at_ms": 1.5}, "deliver_at_ms"), ({**doc, "deliver_at_ms": True}, "deliver_at_ms"),
+             ({**doc, "message_id": 7}, "message_id"), ({**doc, "topic": "bad topic"}, "bad topic"),
+             ({**doc, "topic": "orders\n"}, "orders")]
+    for bad, named in cases:
+        with pytest.raises(ChronoqError) as info:
+            admin.message_from_json(bad, CONFIG)
+        assert named in str(info.value), (bad, str(info.value))

@@ -36,7 +36,10 @@ _U32 = struct.Struct(">I")
 
 
 def tag_hash(tag: str) -> int:
-    return crc32c.crc32c(tag.encode())
+    return crc32c.crc32c(tag.encode()) if tag else _EMPTY_TAG_HASH
+
+
+_EMPTY_TAG_HASH = crc32c.crc32c(b"")
 
 
 def encode_entry(position: int, size: int, tag_hash_value: int) -> bytes:
@@ -196,6 +199,21 @@ class ConsumeQueue:
         f.count += 1
         self._dirty.add(f.fd)
         return offset
+
+    def append_many(self, entries: list[tuple[int, int, int]]) -> None:
+        """Append (position, size, tag hash) entries in order: one pwrite per file they fill,
+        where `append` would make one per entry."""
+        i = 0
+        while i < len(entries):
+            f = self._files[-1] if self._files else None
+            if f is None or f.count >= self.entries_per_file:
+                f = self._new_file(self.next_offset)
+            take = min(len(entries) - i, self.entries_per_file - f.count)
+            blob = b"".join([encode_entry(p, s, t) for p, s, t in entries[i:i + take]])
+            os.pwrite(f.fd, blob, CQ_HEADER_SIZE + f.count * ENTRY_SIZE)
+            f.count += take
+            self._dirty.add(f.fd)
+            i += take
 
     def _new_file(self, first_offset: int) -> CQFile:
         self.directory.mkdir(parents=True, exist_ok=True)

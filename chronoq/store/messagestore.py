@@ -297,12 +297,19 @@ class MessageStore:
 
     def _on_durable(self, end: int) -> None:
         batch: list[StoredMessage] = []
+        per_queue: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
         while self._undispatched and self._undispatched[0].position < end:
             msg = self._undispatched.popleft()
             if msg.position < self.dispatched_position:
                 continue
-            self._cq((msg.topic, msg.queue_id)).append(msg.position, msg.size, tag_hash(msg.tag))
+            key = (msg.topic, msg.queue_id)
+            entries = per_queue.get(key)
+            if entries is None:
+                entries = per_queue[key] = []
+            entries.append((msg.position, msg.size, tag_hash(msg.tag)))
             batch.append(msg)
+        for key, entries in per_queue.items():
+            self._cq(key).append_many(entries)
         if batch:
             self.dispatched_position = batch[-1].position + batch[-1].size
             for listener in self.listeners:

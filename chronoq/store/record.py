@@ -50,20 +50,39 @@ KIND_MESSAGE = 1
 HEADER = struct.Struct(">IIHBBB3xQQIQQHHHHIII")
 HEADER_SIZE = HEADER.size  # 72
 _PREFIX = struct.Struct(">II")
+_HEADER_REST = struct.Struct(">HBBB3xQQIQQHHHHIII")
+"""HEADER without its first 8 bytes (total size, CRC32C)."""
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
 MAX_U16 = 0xFFFF
 
 assert HEADER_SIZE == 72
+assert _PREFIX.size + _HEADER_REST.size == HEADER_SIZE
 
 
 def encode_properties(props: Mapping[str, str]) -> bytes:
+    if not props:
+        return b""
     parts: list[bytes] = []
+    cache = _KEY_FIELDS
     for key in sorted(props):
-        k = key.encode()
+        kf = cache.get(key)
+        if kf is None:
+            k = key.encode()
+            kf = _U16.pack(len(k)) + k
+            if len(cache) < _KEY_FIELDS_MAX:
+                cache[key] = kf
         v = props[key].encode()
-        parts.append(_U16.pack(len(k)) + k + _U32.pack(len(v)) + v)
+        parts.append(kf)
+        parts.append(_U32.pack(len(v)))
+        parts.append(v)
     return b"".join(parts)
+
+
+_KEY_FIELDS: dict[str, bytes] = {}
+"""Encoded key fields (length + UTF-8) of property names seen: the system properties and a
+producer's usual few, encoded once."""
+_KEY_FIELDS_MAX = 1024
 
 
 def decode_properties(buf: bytes | memoryview) -> dict[str, str]:
@@ -92,7 +111,7 @@ def decode_properties(buf: bytes | memoryview) -> dict[str, str]:
 
 
 def encode_keys(keys: tuple[str, ...]) -> bytes:
-    return "\x00".join(keys).encode()
+    return "\x00".join(keys).encode() if keys else b""
 
 
 def decode_keys(buf: bytes) -> tuple[str, ...]:
@@ -106,20 +125,20 @@ def encode_record(
 ) -> bytes:
     mid = message_id.encode()
     tp = topic.encode()
-    tg = tag.encode()
+    tg = tag.encode() if tag else b""
     ks = encode_keys(keys)
     pr = encode_properties(properties)
     sp = encode_properties(system_properties)
-    for name, blob in (("message id", mid), ("topic", tp), ("tag", tg), ("keys", ks)):
-        if len(blob) > MAX_U16:
-            raise ValueError(f"{name} is {len(blob)} bytes; the record format allows {MAX_U16}")
-    total = HEADER_SIZE + len(mid) + len(tp) + len(tg) + len(ks) + len(pr) + len(sp) + len(body)
-    head = HEADER.pack(
-        total, 0, RECORD_MAGIC, RECORD_VERSION, KIND_MESSAGE, int(message_type), position,
-        queue_offset, queue_id, born_ms, store_ms, len(mid), len(tp), len(tg), len(ks),
-        len(pr), len(sp), len(body),
-    )
-    rest = b"".join((head[8:], mid, tp, tg, ks, pr, sp, body))
+    n_mid, n_tp, n_tg, n_ks, n_pr, n_sp = len(mid), len(tp), len(tg), len(ks), len(pr), len(sp)
+    if n_mid > MAX_U16 or n_tp > MAX_U16 or n_tg > MAX_U16 or n_ks > MAX_U16:
+        for name, n in (("message id", n_mid), ("topic", n_tp), ("tag", n_tg), ("keys", n_ks)):
+            if n > MAX_U16:
+                raise ValueError(f"{name} is {n} bytes; the record format allows {MAX_U16}")
+    total = HEADER_SIZE + n_mid + n_tp + n_tg + n_ks + n_pr + n_sp + len(body)
+    # Everything after the (size, crc) prefix, which is what the CRC covers.
+    rest = b"".join((_HEADER_REST.pack(
+        RECORD_MAGIC, RECORD_VERSION, KIND_MESSAGE, int(message_type), position, queue_offset, queue_id, born_ms,
+        store_ms, n_mid, n_tp, n_tg, n_ks, n_pr, n_sp, len(body)), mid, tp, tg, ks, pr, sp, body))
     return _PREFIX.pack(total, crc32c.crc32c(rest)) + rest
 
 
