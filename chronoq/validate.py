@@ -51,7 +51,7 @@ from chronoq.store.record import HEADER_SIZE, MAX_U16, encode_keys, encode_prope
 from chronoq.timer.levels import DelayLevels
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TimerRequest:
     deliver_at_ms: int
     """The absolute due time, rounded up to the timer precision (never early)."""

@@ -24,7 +24,6 @@ from hypothesis import strategies as st
 from chronoq.errors import DataDirLocked
 from chronoq.model import TimerState
 from chronoq.timer import index as index_module
-from chronoq.timer import index_codec
 from chronoq.timer.engine import IndexBatch, IndexPositionWentBack, TimerEngine, TimerEntry
 from chronoq.timer.index import (
     CF_COUNTERS,
@@ -634,14 +633,6 @@ def test_byte_layouts_match_the_module_documentation(tmp_path: Path) -> None:
         assert cf[CF_META][b"head_floor"] == tk  # the old head: at or below anything pending
         index.apply(IndexBatch(indexed_position=600))
         assert cf[CF_META][b"head_floor"] == b""  # nothing pending
-
-
-def test_entries_built_by_the_decoder_equal_constructed_ones() -> None:
-    made = entry(5, T0, keys=("a", "b"))
-    built = index_codec._new_entry(*(getattr(made, name) for name in TimerEntry.__slots__))
-    assert built == made and hash(built) == hash(made) and repr(built) == repr(made)
-    with pytest.raises(AttributeError):
-        built.position = 6  # type: ignore[misc]  # still frozen
 
 
 def test_open_creates_a_fresh_index_and_refuses_a_missing_one_when_asked(tmp_path: Path) -> None:

@@ -181,28 +181,7 @@ def decode_entry(tk: bytes, value: bytes) -> TimerEntry:
         keys, end = unpack_keys(value, end)
         if end != len(value):
             raise MalformedValue(f"time entry has {len(value) - end} bytes more or less than it says")
-    return _new_entry(deliver_at_ms, position, size, message_id, topic, accepted_ms, keys)
-
-
-_SET_DUE, _SET_POSITION, _SET_SIZE, _SET_ID, _SET_TOPIC, _SET_ACCEPTED, _SET_KEYS = (
-    TimerEntry.__dict__[name].__set__ for name in TimerEntry.__slots__)
-_new_object = object.__new__
-
-
-def _new_entry(deliver_at_ms: int, position: int, size: int, message_id: str, topic: str, accepted_ms: int,
-               keys: tuple[str, ...]) -> TimerEntry:
-    """`TimerEntry(...)` at half the cost: a frozen dataclass's __init__ sets each field
-    through `object.__setattr__`, and `due()` builds one per timer it hands out. This fills
-    the slots directly, which is what that __init__ ends up doing."""
-    entry = _new_object(TimerEntry)
-    _SET_DUE(entry, deliver_at_ms)
-    _SET_POSITION(entry, position)
-    _SET_SIZE(entry, size)
-    _SET_ID(entry, message_id)
-    _SET_TOPIC(entry, topic)
-    _SET_ACCEPTED(entry, accepted_ms)
-    _SET_KEYS(entry, keys)
-    return entry
+    return TimerEntry(deliver_at_ms, position, size, message_id, topic, accepted_ms, keys)
 
 
 def id_key_of_entry(value: bytes) -> tuple[bytes, str]:
