@@ -258,9 +258,12 @@ def outgoing_to_json(msg: OutgoingMessage) -> dict[str, Any]:
         doc["keys"] = list(msg.keys)
     if msg.properties:
         doc["properties"] = dict(msg.properties)
-    for name in ("deliver_at_ms", "delay_ms", "delay_level"):
-        if getattr(msg, name) is not None:
-            doc[name] = getattr(msg, name)
+    if msg.deliver_at_ms is not None:
+        doc["deliver_at_ms"] = msg.deliver_at_ms
+    if msg.delay_ms is not None:
+        doc["delay_ms"] = msg.delay_ms
+    if msg.delay_level is not None:
+        doc["delay_level"] = msg.delay_level
     return doc
 
 
