@@ -138,17 +138,21 @@ class TimerService:
                            system_properties=sysprops)
         limit = self.config.timer_congest_num_each_slot
         slot_s = deliver_at_ms // 1000
-        if limit and deliver_at_ms > now_ms:
-            count = self.engine.slot_count(slot_s) + self._reserved[slot_s]
-            if count >= limit:
-                raise TimerSlotCongested(slot_s, count, limit)
-        self._reserved[slot_s] += 1
+        if limit:
+            # Reservations only matter to this check, so without a limit none are kept.
+            if deliver_at_ms > now_ms:
+                count = self.engine.slot_count(slot_s) + self._reserved[slot_s]
+                if count >= limit:
+                    raise TimerSlotCongested(slot_s, count, limit)
+            self._reserved[slot_s] += 1
         # Built directly rather than by dataclasses.replace: this runs for every timer accepted.
         return PreparedMessage(TIMER_TOPIC, msg.message_id, msg.message_type, msg.body, msg.born_ms, msg.tag,
                                msg.keys, msg.properties, sysprops, 0, None)
 
     def release_reservations(self, msgs: list[PreparedMessage]) -> None:
         """Undo `route` reservations for messages that were not written after all."""
+        if not self._reserved:
+            return
         for m in msgs:
             if m.topic == TIMER_TOPIC:
                 self._unreserve(int(m.system_properties[SYS_TIMER_OUT_MS]) // 1000)
@@ -192,7 +196,7 @@ class TimerService:
                 due = int(sp[SYS_TIMER_OUT_MS])
                 entry = TimerEntry(due, m.position, m.size, m.message_id, sp[SYS_REAL_TOPIC],
                                    int(sp.get(SYS_TIMER_ENQUEUE_MS, m.store_ms)), m.keys)
-                if now_ms is not None:
+                if now_ms is not None and self._reserved:
                     self._unreserve(due // 1000)
                 if SYS_TIMER_ROLLED_FROM in sp:
                     rolled.append((int(sp[SYS_TIMER_ROLLED_FROM]), entry))
