@@ -95,6 +95,15 @@ def _whole_ms(name: str, value: object) -> int:
 
 def resolve_timer(msg: OutgoingMessage, config: Config, now_ms: int, levels: DelayLevels) -> TimerRequest | None:
     props = msg.properties
+    if not props and msg.delay_ms is None and msg.delay_level is None:
+        # The usual shapes, answered without collecting the alternatives: no timer at all, or
+        # an absolute due time alone.
+        if msg.deliver_at_ms is None:
+            return None
+        deliver_at_ms = _whole_ms("deliver_at_ms", msg.deliver_at_ms)
+        if not config.timer_wheel_enable:
+            raise TimerDisabled()
+        return _timer_at(deliver_at_ms, config, now_ms)
     given: dict[str, int] = {}
     if msg.deliver_at_ms is not None:
         given["deliver_at_ms"] = _whole_ms("deliver_at_ms", msg.deliver_at_ms)
@@ -130,9 +139,7 @@ def resolve_timer(msg: OutgoingMessage, config: Config, now_ms: int, levels: Del
         level = levels.clamp(value)  # < 1 (or not an int) is refused through either door
         deliver_at_ms = now_ms + levels.delay_ms(level)
     elif kind in ("deliver_at_ms", PROP_TIMER_DELIVER_MS):
-        if value < 0:
-            raise InvalidDeliveryTime(f"deliver-at {value} is before the epoch", deliver_at_ms=value)
-        deliver_at_ms = value
+        return _timer_at(value, config, now_ms)
     else:
         if value < 0:
             raise NegativeDelay(value)
@@ -179,6 +186,16 @@ def _check_properties(given: Mapping[str, str], config: Config) -> tuple[dict[st
     if props_size > config.max_properties_size_bytes:
         raise PropertiesTooLarge("encoded size in bytes", props_size, config.max_properties_size_bytes)
     return props, props_size
+
+
+def _timer_at(deliver_at_ms: int, config: Config, now_ms: int) -> TimerRequest:
+    """An absolute due time, checked against the limits and rounded up to the precision."""
+    if deliver_at_ms < 0:
+        raise InvalidDeliveryTime(f"deliver-at {deliver_at_ms} is before the epoch", deliver_at_ms=deliver_at_ms)
+    if deliver_at_ms - now_ms > config.timer_max_delay_ms:
+        raise DeliveryTimeTooFar(deliver_at_ms, now_ms, config.timer_max_delay_ms)
+    precision = config.timer_precision_ms
+    return TimerRequest(-(-deliver_at_ms // precision) * precision)  # round up: never early
 
 
 def prepare(msg: OutgoingMessage, config: Config, now_ms: int, levels: DelayLevels) -> tuple[

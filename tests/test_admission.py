@@ -158,7 +158,7 @@ def test_timer_disabled(make_config: Callable[..., Config], arun: Callable) -> N
         broker = await open_broker(make_config, timer_wheel_enable=False)
         try:
             before = snapshot(broker)
-            for bad in (msg(delay_ms=1000), msg(topic="fresh", delay_level=2),
+            for bad in (msg(delay_ms=1000), msg(topic="fresh", delay_level=2), msg(deliver_at_ms=10**12),
                         msg(properties={"TIMER_DELIVER_MS": "1"})):
                 with pytest.raises(errors.TimerDisabled):
                     await broker.send(bad)
