@@ -19,13 +19,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import OrderedDict
 from collections.abc import Coroutine, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from chronoq.clock import Clock, SystemClock
 from chronoq.config import Config
+from chronoq.dedupe import DedupeWindow
 from chronoq.errors import BrokerClosed, ChronoqError, InvalidRecallHandle, MessageTypeNotAccepted, TopicNotFound
 from chronoq.model import (
     ALL_MESSAGE_TYPES,
@@ -74,9 +74,10 @@ class Broker:
         self.open_report = open_report
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
-        self._arrivals: dict[str, asyncio.Event] = {}
+        self._arrivals: dict[str, list[asyncio.Future[None]]] = {}
+        """Long polls waiting per topic: plain futures, woken in one loop turn by a dispatch."""
         self._timer_wakeup = asyncio.Event()
-        self._recent: OrderedDict[tuple[str, str], tuple[int, SendResult]] = OrderedDict()
+        self._recent = DedupeWindow(config.dedupe_window_ms, config.dedupe_window_max_entries)
         self._sending: dict[tuple[str, str], tuple[asyncio.Future[list[SendResult]], int]] = {}
         """(topic, id) being written -> (its batch's future, its index in the batch's results): a
         concurrent send of the same id waits for the first. One future per batch, not per message."""
@@ -91,8 +92,9 @@ class Broker:
         store, report = MessageStore.open(config)
         groups = engine = None
         try:
-            groups = GroupStore(config.data_dir / files.GROUPS_DIR)
-            engine = _open_timer_index(config.data_dir / files.TIMER_DIR, store)
+            groups = GroupStore(config.data_dir / files.GROUPS_DIR, block_cache_bytes=config.groups_block_cache_bytes,
+                                write_buffer_bytes=config.groups_write_buffer_bytes)
+            engine = _open_timer_index(config.data_dir / files.TIMER_DIR, store, config)
             broker_ref: list[Broker] = []
 
             async def append(msgs: list[PreparedMessage]) -> list[StoredMessage]:
@@ -104,7 +106,7 @@ class Broker:
             except ValueError:  # the index is ahead of the log (power loss): rebuild it
                 engine.close()
                 RocksTimerIndex.destroy(config.data_dir / files.TIMER_DIR)
-                engine = RocksTimerIndex.open(config.data_dir / files.TIMER_DIR)
+                engine = RocksTimerIndex.open(config.data_dir / files.TIMER_DIR, **_index_memory(config))
                 timer = TimerService(config, store, engine, groups, append)
                 timer.recover()
             broker = cls(config, clock, store, groups, timer, report)
@@ -239,9 +241,9 @@ class Broker:
         if TIMER_TOPIC in topics or SCHEDULE_TOPIC in topics:
             self._timer_wakeup.set()
         for topic in topics:
-            event = self._arrivals.pop(topic, None)
-            if event is not None:
-                event.set()
+            for waiter in self._arrivals.pop(topic, ()):
+                if not waiter.done():
+                    waiter.set_result(None)
 
     def _trace_dispatch(self, msgs: list[StoredMessage]) -> None:
         assert self.trace is not None
@@ -332,8 +334,8 @@ class Broker:
                     raise MessageTypeNotAccepted(topic.name, prepared.message_type.name,
                                                  sorted(t.name for t in topic.message_types))
                 key = (prepared.topic, prepared.message_id)
-                if key in self._recent:
-                    outcomes[i] = _as_duplicate(self._recent[key][1])
+                if (dup := self._recent.get(key)) is not None:
+                    outcomes[i] = dup
                     continue
                 if key in self._sending:
                     waits.append((i, self._sending[key]))
@@ -372,7 +374,7 @@ class Broker:
             result = self._result_for(rec, key, deliver_at_ms)
             outcomes[i] = result
             results.append(result)
-            self._recent[key] = (now, result)
+            self._recent.add(key, now, result)
             self._sending.pop(key, None)
         batch_done.set_result(results)
         for i, j in repeats:
@@ -398,12 +400,7 @@ class Broker:
         return SendResult(message_id, topic, rec.queue_id, rec.queue_offset, rec.position, deliver_at_ms, handle)
 
     def _expire_recent(self, now_ms: int) -> None:
-        horizon = now_ms - self.config.dedupe_window_ms
-        while self._recent:
-            _key, (at_ms, _) = next(iter(self._recent.items()))
-            if at_ms >= horizon:
-                break
-            self._recent.popitem(last=False)
+        self._recent.expire(now_ms)
 
     # -- consume ----------------------------------------------------------------------------
 
@@ -420,13 +417,20 @@ class Broker:
         invisible = invisible_duration_ms  # None: the broker's retry backoff (consumers.invisible_for)
         wait_ms = max(0, min(wait_ms, self.config.max_long_poll_ms))
         deadline = self.clock.now_ms() + wait_ms
+        loop = asyncio.get_running_loop()
         while True:
-            event = self._arrivals.setdefault(topic, asyncio.Event())
+            # Registered before looking, so a dispatch between the look and the wait still wakes us.
+            waiter: asyncio.Future[None] = loop.create_future()
+            waiters = self._arrivals.setdefault(topic, [])
+            if len(waiters) >= 64:  # long polls that timed out while the topic was quiet
+                waiters[:] = [w for w in waiters if not w.done()]
+            waiters.append(waiter)
             now = self.clock.now_ms()
             outcome = self.consumers.receive(group, tcfg, tag_filter, batch_size, invisible, now, queue_id)
             if outcome.exhausted:
                 await self._dead_letter(group, outcome.exhausted)
             if outcome.delivered or now >= deadline:
+                waiter.cancel()  # done, so the next registration's pruning drops it
                 if self.trace is not None:
                     for rm in outcome.delivered:
                         due = rm.message.deliver_at_ms
@@ -437,12 +441,22 @@ class Broker:
             next_visible = self.groups.next_visible_ms(group, topic)
             if next_visible is not None:
                 wake = min(wake, max(next_visible, now + 1))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), (wake - now) / 1000)
+            # A bare future and a timer, not wait_for(event.wait()): that wakes through two extra
+            # tasks, each a loop turn, and a busy loop's turn is a millisecond.
+            timer = loop.call_later((wake - now) / 1000, _wake, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
 
     async def ack(self, group: str, topic: str, receipt_handle: str) -> None:
         self._check_open()
         self.consumers.ack(group, topic, receipt_handle)
+
+    async def ack_many(self, group: str, topic: str, receipt_handles: Sequence[str]) -> list[ChronoqError | None]:
+        """Ack several handles in one store write; per handle, None or the error refusing it."""
+        self._check_open()
+        return self.consumers.ack_many(group, topic, receipt_handles)
 
     async def change_invisible_duration(self, group: str, topic: str, receipt_handle: str,
                                         invisible_duration_ms: int) -> str:
@@ -546,6 +560,11 @@ class Broker:
         }
 
 
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 def _check_queue_id(msg: PreparedMessage, topic: TopicConfig) -> None:
     """A queue id outside the topic is refused per message, before anything is written (the
     store would refuse it too, but for the whole batch)."""
@@ -561,17 +580,22 @@ def _as_duplicate(result: SendResult) -> SendResult:
     return replace(result, duplicate=True)
 
 
-def _open_timer_index(path: Path, store: MessageStore) -> RocksTimerIndex:
+def _index_memory(config: Config) -> dict[str, int]:
+    return {"block_cache_bytes": config.timer_index_block_cache_bytes,
+            "write_buffer_bytes": config.timer_index_write_buffer_bytes}
+
+
+def _open_timer_index(path: Path, store: MessageStore, config: Config) -> RocksTimerIndex:
     try:
-        index = RocksTimerIndex.open(path)
+        index = RocksTimerIndex.open(path, **_index_memory(config))
     except TimerIndexCorrupt as e:
         log.warning("timer index unusable (%s): rebuilding it from the commit log", e)
         RocksTimerIndex.destroy(path)
-        return RocksTimerIndex.open(path)
+        return RocksTimerIndex.open(path, **_index_memory(config))
     if index.indexed_position > store.log.end_position:
         log.warning("timer index is ahead of the commit log: rebuilding it")
         index.close()
         RocksTimerIndex.destroy(path)
-        return RocksTimerIndex.open(path)
+        return RocksTimerIndex.open(path, **_index_memory(config))
     return index
 

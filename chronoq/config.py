@@ -65,6 +65,9 @@ class Config:
     dedupe_window_ms: int = 10 * MINUTE_MS
     """A send repeating a message id seen on the same topic within this window returns the first
     result and stores nothing (client retries are idempotent)."""
+    dedupe_window_max_entries: int = 200_000
+    """The dedupe window also forgets its oldest ids past this many (about 190 bytes each), so its
+    memory is bounded whatever the send rate; a retry older than either bound is stored again."""
     max_send_batch: int = 1024
 
     # -- timers ------------------------------------------------------------------------------
@@ -79,9 +82,19 @@ class Config:
     """Most messages due within one second; 0 means unlimited."""
     timer_fire_batch: int = 2048
     """Timers fired per step; the loop steps again at once while due timers remain."""
+    timer_index_block_cache_bytes: int = 32 * MiB
+    """RocksDB block cache of the timer index, holding its index and filter blocks as well: with
+    the memtables below, what bounds the index's memory at any backlog."""
+    timer_index_write_buffer_bytes: int = 64 * MiB
+    """All memtables of the timer index together (RocksDB db_write_buffer_size)."""
     delay_levels: str = DEFAULT_DELAY_LEVELS
     schedule_topic_levels_enable: bool = True
     """True: delay-level messages take RocketMQ 4's path (one queue per level, head scanned)."""
+
+    groups_block_cache_bytes: int = 8 * MiB
+    """RocksDB block cache of the consumer-group store (offsets, in-flight entries)."""
+    groups_write_buffer_bytes: int = 8 * MiB
+    """All memtables of the consumer-group store together."""
 
     trace_enable: bool = False
     """Journal accepted/fired/first-received times of timer messages (`chronoq trace export`)."""
@@ -110,7 +123,9 @@ class Config:
             "min_invisible_duration_ms", "max_invisible_duration_ms", "max_receive_batch",
             "timer_precision_ms", "timer_max_delay_ms", "timer_fire_batch", "retention_ms",
             "retention_check_interval_ms", "max_send_batch", "max_message_id_length",
-            "timer_spark_backstop_ms",
+            "timer_spark_backstop_ms", "dedupe_window_max_entries",
+            "timer_index_block_cache_bytes", "timer_index_write_buffer_bytes", "groups_block_cache_bytes",
+            "groups_write_buffer_bytes",
         ]
         for name in positive:
             value = getattr(self, name)

@@ -12,10 +12,18 @@ Pure decisions over the store: takes `now_ms`, never reads the clock.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from chronoq.config import Config
-from chronoq.errors import InvalidBatchSize, InvalidFilterExpression, InvalidInvisibleDuration, InvalidQueueId
+from chronoq.errors import (
+    ChronoqError,
+    InvalidBatchSize,
+    InvalidFilterExpression,
+    InvalidInvisibleDuration,
+    InvalidQueueId,
+    InvalidReceiptHandle,
+)
 from chronoq.model import ReceivedMessage, StoredMessage, TopicConfig
 from chronoq.store.consumequeue import tag_hash
 from chronoq.store.groups import GroupStore, InFlight, new_nonce
@@ -152,6 +160,26 @@ class ConsumerGroups:
         entry = self.groups.lookup_handle(group, topic, handle)
         self.groups.commit(remove=[entry])
         return entry
+
+    def ack_many(self, group: str, topic: str, handles: Sequence[str]) -> list[ChronoqError | None]:
+        """Ack several handles in one store commit (one RocksDB write per AckMessage request, not
+        per entry). Each handle is judged alone: a refused one (expired, acked, repeated in the
+        request) gets its error in the result and the others are still acked."""
+        outcomes: list[ChronoqError | None] = []
+        entries: dict[tuple[int, int], InFlight] = {}
+        for handle in handles:
+            try:
+                entry = self.groups.lookup_handle(group, topic, handle)
+                if (entry.queue_id, entry.offset) in entries:
+                    raise InvalidReceiptHandle("the same message is acked twice in one request")
+            except ChronoqError as err:
+                outcomes.append(err)
+                continue
+            entries[(entry.queue_id, entry.offset)] = entry
+            outcomes.append(None)
+        if entries:
+            self.groups.commit(remove=list(entries.values()))
+        return outcomes
 
     def change_invisible(self, group: str, topic: str, handle: str, invisible_ms: int, now_ms: int) -> InFlight:
         self.check_invisible(invisible_ms)

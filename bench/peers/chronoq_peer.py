@@ -5,14 +5,17 @@ project's default configuration (commit log fsynced before a send is acknowledge
 stopped by pid like every peer; it is ready when it prints "chronoq serving on". Producers use
 `chronoq.client.AsyncProducer`: `send(topic, body, deliver_at=ms, message_id=id)` one at a time,
 and `send_batch` for the batched mode (the RocketMQ SendMessage call with many messages). The
-consumer is an `AsyncConsumer` long-polling the topic; each received batch is acked in one
-AckMessage request, sent as a background task so a slow ack never delays the next receive (the
-receive time is stamped before any ack either way).
+consumer is an `AsyncConsumer` used as RocketMQ's PushConsumer uses the same protocol: a few long
+polls always in flight, streaming into a local cache that the harness drains; each drained batch
+is acked by a background task that gathers acks for `ACK_LINGER_S` into one AckMessage request, so
+an ack never delays a receive (the receive time is stamped before any ack either way).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import sys
 import time
 from collections.abc import Sequence
@@ -27,7 +30,16 @@ GROUP = "bench"
 RECEIVE_BATCH = 64
 """The server's default `max_receive_batch`."""
 READY_LINE = "chronoq serving on"
-ACKS_IN_FLIGHT = 8
+ACK_BATCH_MAX = 1000
+"""Entries per AckMessage request, within the server's `max_send_batch` (1024 by default)."""
+ACK_LINGER_S = 0.02
+"""Acks gather this long before their request goes out: the invisible duration is seconds, so an
+ack 20 ms later costs nothing, and it saves the server an RPC per handful of messages."""
+PREFETCH_RECEIVES = 2
+"""Long polls kept in flight, as the PushConsumer keeps receiving while messages are processed."""
+PREFETCH_WAIT_MS = 5_000
+CACHE_MAX_MESSAGES = 1024
+"""Received but not yet handed to the harness; the PushConsumer's default maxCacheMessageCount."""
 
 
 def _server(addr: dict[str, Any]) -> str:
@@ -65,37 +77,74 @@ class ChronoqProducer(ProducerClient):
 
 
 class ChronoqConsumer(ConsumerClient):
+    """Consumes as RocketMQ's PushConsumer does: `PREFETCH_RECEIVES` long polls are always in
+    flight, each streaming its messages into a local cache as they arrive (`receive_stream`), and
+    `receive` hands over what the cache holds. So a message never waits for a receive call to be
+    issued, nor for the rest of its batch to stream."""
+
     def __init__(self, addr: dict[str, Any]) -> None:
         self.addr = addr
-        self.acks: set[asyncio.Task[None]] = set()
-        self.slots = asyncio.Semaphore(ACKS_IN_FLIGHT)
+        self.unacked: list[Any] = []
+        self.acker: asyncio.Task[None] | None = None
+        self.cache: collections.deque[Any] = collections.deque()
+        self.arrived = asyncio.Event()
+        self.room = asyncio.Event()
+        self.room.set()
+        self.pollers: list[asyncio.Task[None]] = []
+        self.failure: BaseException | None = None
 
     async def open(self) -> None:
         from chronoq.client import AsyncConsumer
 
         self.c = AsyncConsumer(GROUP, TOPIC, server=_server(self.addr), timeout_ms=30_000)
+        self.pollers = [asyncio.create_task(self._poll()) for _ in range(PREFETCH_RECEIVES)]
+
+    async def _poll(self) -> None:
+        try:
+            while True:
+                await self.room.wait()
+                async for m in self.c.receive_stream(RECEIVE_BATCH, wait=PREFETCH_WAIT_MS):
+                    self.cache.append(m)
+                    self.arrived.set()
+                if len(self.cache) >= CACHE_MAX_MESSAGES:
+                    self.room.clear()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # the server died: the harness's next receive raises it
+            self.failure = e
+            self.arrived.set()
 
     async def receive(self, max_wait_s: float) -> list[tuple[bytes, Any]]:
-        got = await self.c.receive(RECEIVE_BATCH, wait=int(max_wait_s * 1000))
+        if not self.cache and self.failure is None:
+            self.arrived.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.arrived.wait(), max_wait_s)
+        if self.failure is not None and not self.cache:
+            raise self.failure
+        got = [self.cache.popleft() for _ in range(min(len(self.cache), CACHE_MAX_MESSAGES))]
+        self.room.set()
         return [(m.body, m) for m in got]
 
     async def ack(self, tokens: Sequence[Any]) -> None:
-        if not tokens:
-            return
-        await self.slots.acquire()
-        task = asyncio.create_task(self._ack(tokens))
-        self.acks.add(task)
-        task.add_done_callback(self.acks.discard)
+        """Acks coalesce: one AckMessage request in flight, carrying everything handed over since
+        the previous one went out (the cache hands over a few messages at a time, and an RPC per
+        handful would cost the server more than the messages do)."""
+        self.unacked.extend(tokens)
+        if self.acker is None or self.acker.done():
+            self.acker = asyncio.create_task(self._ack_loop())
 
-    async def _ack(self, msgs: Sequence[Any]) -> None:
-        try:
-            await self.c.ack(*msgs)  # one AckMessage request for the whole received batch
-        finally:
-            self.slots.release()
+    async def _ack_loop(self) -> None:
+        while self.unacked:
+            await asyncio.sleep(ACK_LINGER_S)
+            batch, self.unacked = self.unacked[:ACK_BATCH_MAX], self.unacked[ACK_BATCH_MAX:]
+            await self.c.ack(*batch)
 
     async def close(self) -> None:
-        if self.acks:
-            await asyncio.gather(*self.acks, return_exceptions=True)
+        for task in self.pollers:
+            task.cancel()
+        await asyncio.gather(*self.pollers, return_exceptions=True)
+        if self.acker is not None:
+            await asyncio.gather(self.acker, return_exceptions=True)
         await self.c.close()
 
 

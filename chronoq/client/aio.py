@@ -25,7 +25,7 @@ import itertools
 import json
 import os
 import socket
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -384,6 +384,13 @@ class AsyncConsumer(AsyncAdmin):
         """Up to `max_messages` visible messages, hidden from others for `invisible` (the server's
         default if None) until acked. `wait` long-polls: the server holds the call that long when
         nothing is visible. Returns [] when nothing arrived."""
+        return [m async for m in self.receive_stream(max_messages, invisible=invisible, wait=wait)]
+
+    async def receive_stream(self, max_messages: int = 32, *, invisible: timedelta | int | None = None,
+                             wait: timedelta | int = 0) -> AsyncIterator[ReceivedMessage]:
+        """`receive`, yielding each message as its response arrives. ReceiveMessage streams one
+        response per message, and grpc.aio reads each in its own round trip (about 0.1 ms apiece
+        here), so the first of 64 messages is usable ~7 ms before the batch is complete."""
         if max_messages < 1:
             raise InvalidArgument("max_messages", max_messages, "at least 1")
         wait_ms = wire.duration_to_ms("wait", wait)
@@ -395,19 +402,20 @@ class AsyncConsumer(AsyncAdmin):
         if invisible is not None:
             req.invisible_duration.CopyFrom(wire.ms_to_duration(wire.duration_to_ms("invisible", invisible)))
         deadline_ms = self.timeout_ms + wait_ms
-        out: list[ReceivedMessage] = []
+        call = self._method("ReceiveMessage")(req, timeout=deadline_ms / 1000, metadata=self._metadata)
         try:
-            async for resp in self._method("ReceiveMessage")(req, timeout=deadline_ms / 1000, metadata=self._metadata):
+            async for resp in call:
                 which = resp.WhichOneof("content")
                 if which == "status":
                     if resp.status.code == MESSAGE_NOT_FOUND:
                         continue
                     wire.check_status("ReceiveMessage", resp.status)
                 elif which == "message":
-                    out.append(wire.decode_received(resp.message, self._clock.now_ms()))
+                    yield wire.decode_received(resp.message, self._clock.now_ms())
         except grpc.aio.AioRpcError as e:
             raise self._translate("ReceiveMessage", e, deadline_ms) from None
-        return out
+        finally:
+            call.cancel()  # a caller that stops early must not leave the stream open (no-op when done)
 
     async def ack(self, msg: ReceivedMessage, *more: ReceivedMessage) -> None:
         """Acknowledge: the message(s) will not be delivered to this group again. Several messages

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import crc32c
-from rocksdict import Options, Rdict, WriteBatch, WriteOptions
+from rocksdict import BlockBasedOptions, Cache, Options, Rdict, WriteBatch, WriteOptions
 
 from chronoq.errors import CorruptRecord, InvalidReceiptHandle
 
@@ -45,6 +45,12 @@ _U64 = struct.Struct(">Q")
 _QO = struct.Struct(">IQ")
 _HANDLE = struct.Struct(">BIQI")  # version, queue id, offset, nonce
 HANDLE_VERSION = 1
+BLOCK_CACHE_BYTES = 8 * 1024 * 1024
+"""Default of `Config.groups_block_cache_bytes` (index and filter blocks included)."""
+WRITE_BUFFER_BYTES = 8 * 1024 * 1024
+"""Default of `Config.groups_write_buffer_bytes`: the memtables of the store together. The state
+here is offsets and in-flight entries, small whatever the backlog; RocksDB's defaults (64 MB
+memtables, up to two of them) would cost more than the data."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,11 +101,26 @@ def _gt(group: str, topic: str) -> bytes:
     return group.encode() + b"\x00" + topic.encode() + b"\x00"
 
 
+def _db_options(block_cache_bytes: int, write_buffer_bytes: int) -> Options:
+    opts = Options(raw_mode=True)
+    opts.create_if_missing(True)
+    table = BlockBasedOptions()
+    table.set_block_cache(Cache(block_cache_bytes))
+    table.set_cache_index_and_filter_blocks(True)
+    table.set_pin_l0_filter_and_index_blocks_in_cache(True)
+    opts.set_block_based_table_factory(table)
+    # Two memtables of half the budget each: one filling while the other flushes.
+    opts.set_write_buffer_size(max(1, write_buffer_bytes // 2))
+    opts.set_max_write_buffer_number(2)
+    opts.set_db_write_buffer_size(write_buffer_bytes)
+    return opts
+
+
 class GroupStore:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, block_cache_bytes: int = BLOCK_CACHE_BYTES,
+                 write_buffer_bytes: int = WRITE_BUFFER_BYTES) -> None:
         directory.mkdir(parents=True, exist_ok=True)
-        opts = Options(raw_mode=True)
-        opts.create_if_missing(True)
+        opts = _db_options(block_cache_bytes, write_buffer_bytes)
         self.directory = directory
         self._db = Rdict(str(directory), opts)
         self._wo = WriteOptions()

@@ -196,7 +196,16 @@ def _check_entry(entry: TimerEntry, batch_end: int) -> None:
 # --- RocksDB options ----------------------------------------------------------------------------
 
 
-def _db_options(create: bool) -> Options:
+BLOCK_CACHE_BYTES = 32 * 1024 * 1024
+"""Default of `Config.timer_index_block_cache_bytes`: one block cache shared by all column
+families of an index (RocksDB would otherwise give each its own). Index and filter blocks are
+charged to it too (see `_cf_options`), so it bounds read-side memory however many timers are
+pending."""
+WRITE_BUFFER_BYTES = 64 * 1024 * 1024
+"""Default of `Config.timer_index_write_buffer_bytes`: all memtables of an index together."""
+
+
+def _db_options(create: bool, write_buffer_bytes: int) -> Options:
     opts = Options(raw_mode=True)
     opts.create_if_missing(create)
     opts.create_missing_column_families(create)
@@ -205,21 +214,22 @@ def _db_options(create: bool) -> Options:
     opts.set_wal_recovery_mode(DBRecoveryMode.point_in_time())
     opts.set_paranoid_checks(True)
     opts.set_max_background_jobs(2)
-    opts.set_db_write_buffer_size(96 * 1024 * 1024)
+    opts.set_db_write_buffer_size(write_buffer_bytes)
     opts.set_max_total_wal_size(128 * 1024 * 1024)
     opts.set_keep_log_file_num(3)
     return opts
-
-
-BLOCK_CACHE_BYTES = 32 * 1024 * 1024
-"""One block cache shared by all column families of an index (RocksDB would otherwise give each
-its own), so memory stays flat however many timers are pending."""
 
 
 def _cf_options(name: str, cache: Cache) -> Options:
     opts = Options(raw_mode=True)
     table = BlockBasedOptions()
     table.set_block_cache(cache)
+    # Without this every open table file keeps its index and bloom filter blocks on the heap,
+    # outside the cache: about 1.3 bytes per key per filtered family plus the indexes, memory
+    # that grows with the backlog (tens of MB at 10 M pending). In the cache they are bounded
+    # and evictable; L0 ones stay pinned because fresh files are the ones read most.
+    table.set_cache_index_and_filter_blocks(True)
+    table.set_pin_l0_filter_and_index_blocks_in_cache(True)
     if name != CF_TIME:
         # Point lookups (is this position known? this counter?) dominate; a bloom filter makes
         # the usual miss cost no disk read.
@@ -272,9 +282,11 @@ class RocksTimerIndex:
     # -- lifecycle ---------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, path: str | Path, *, create_if_missing: bool = True) -> RocksTimerIndex:
+    def open(cls, path: str | Path, *, create_if_missing: bool = True, block_cache_bytes: int = BLOCK_CACHE_BYTES,
+             write_buffer_bytes: int = WRITE_BUFFER_BYTES) -> RocksTimerIndex:
         """Open the index at `path`, creating an empty one (indexed_position 0) if there is
-        none and `create_if_missing`. Raises `TimerIndexCorrupt` for a missing (when not
+        none and `create_if_missing`. The two sizes bound RocksDB's memory (block cache with
+        index and filter blocks; all memtables). Raises `TimerIndexCorrupt` for a missing (when not
         creating), damaged or foreign-version index, `DataDirLocked` if another holder has it."""
         path = Path(path)
         fresh = not (path / "CURRENT").exists()
@@ -293,8 +305,8 @@ class RocksTimerIndex:
             if families != expected:
                 raise TimerIndexCorrupt(path, f"column families {sorted(families)}, expected {sorted(expected)}")
         try:
-            cache = Cache(BLOCK_CACHE_BYTES)
-            db = Rdict(str(path), _db_options(fresh),
+            cache = Cache(block_cache_bytes)
+            db = Rdict(str(path), _db_options(fresh, write_buffer_bytes),
                        column_families={name: _cf_options(name, cache) for name in COLUMN_FAMILIES})
         except Exception as exc:
             # RocksDB says "lock hold by current process" or "While lock file: .../LOCK: ...";
