@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 import multiprocessing
 import shutil
 import signal
@@ -302,15 +303,15 @@ def _rate_series(progress: list[list[tuple[float, int]]], points: int = 100) -> 
     end = max(p[-1][0] for p in progress if p)
     step_s = max(0.2, end / points)
     series = []
-    t = step_s
-    while t < end + step_s:
-        total = 0.0
-        for prod in progress:
-            total += _count_at(prod, t) - _count_at(prod, t - step_s)
-        width_s = min(t, end) - (t - step_s)  # the last window may be cut short by the end of the run
-        if width_s > 0:
-            series.append((round(t, 2), round(total / width_s, 1)))
-        t += step_s
+    # Windows by index, not by adding step_s up: a float sum can overshoot `end` by a hair and
+    # leave a last window ~1e-15 s wide, whose "rate" is then astronomically large.
+    for k in range(1, math.ceil(end / step_s - 1e-9) + 1):
+        start, t = (k - 1) * step_s, k * step_s
+        width_s = min(t, end) - start  # the last window may be cut short by the end of the run
+        if width_s < step_s / 4:
+            continue  # too short to say anything (its few messages are counted in no window)
+        total = sum(_count_at(prod, start + width_s) - _count_at(prod, start) for prod in progress)
+        series.append((round(t, 2), round(total / width_s, 1)))
     return series
 
 
