@@ -38,6 +38,8 @@ ack 20 ms later costs nothing, and it saves the server an RPC per handful of mes
 PREFETCH_RECEIVES = 2
 """Long polls kept in flight, as the PushConsumer keeps receiving while messages are processed."""
 PREFETCH_WAIT_MS = 5_000
+RETURN_INVISIBLE_MS = 1_000
+"""How soon a prefetched message handed back at close is visible again (the server's minimum)."""
 CACHE_MAX_MESSAGES = 1024
 """Received but not yet handed to the harness; the PushConsumer's default maxCacheMessageCount."""
 
@@ -145,6 +147,13 @@ class ChronoqConsumer(ConsumerClient):
         await asyncio.gather(*self.pollers, return_exceptions=True)
         if self.acker is not None:
             await asyncio.gather(self.acker, return_exceptions=True)
+        # Prefetched but never handed over: give them back (visible again after the 1 s minimum)
+        # instead of leaving them invisible for the retry backoff (10 s for a first attempt). A
+        # consumer stopped mid-run (the crash phase) must not hide messages from the next one.
+        if self.cache:
+            await asyncio.gather(*(self.c.change_invisible(m, RETURN_INVISIBLE_MS) for m in self.cache),
+                                 return_exceptions=True)
+            self.cache.clear()
         await self.c.close()
 
 
