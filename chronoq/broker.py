@@ -26,7 +26,14 @@ from typing import Any
 from chronoq.clock import Clock, SystemClock
 from chronoq.config import Config
 from chronoq.dedupe import DedupeWindow
-from chronoq.errors import BrokerClosed, ChronoqError, InvalidRecallHandle, MessageTypeNotAccepted, TopicNotFound
+from chronoq.errors import (
+    BrokerClosed,
+    ChronoqError,
+    FlushFailed,
+    InvalidRecallHandle,
+    MessageTypeNotAccepted,
+    TopicNotFound,
+)
 from chronoq.model import (
     ALL_MESSAGE_TYPES,
     SCHEDULE_TOPIC,
@@ -122,6 +129,7 @@ class Broker:
         store.create_topic(TIMER_TOPIC, 1, ALL_MESSAGE_TYPES, now, exist_ok=True)
         store.create_topic(SCHEDULE_TOPIC, timer.levels.max_level, ALL_MESSAGE_TYPES, now, exist_ok=True)
         store.listeners.append(broker._on_dispatch)
+        store.log.on_failed = broker._store_failed
         broker._spawn(store.log.flush_loop(), "flusher")
         if background:
             broker._spawn(broker._timer_loop(), "timer")
@@ -133,6 +141,12 @@ class Broker:
         task = asyncio.create_task(coro, name=f"chronoq-{name}")
         task.add_done_callback(self._task_done)
         self._tasks.append(task)
+
+    def _store_failed(self, reason: str) -> None:
+        """The commit log failed for good (an fsync error): stop, as for a dead task."""
+        if self.fatal is None:
+            self.fatal = FlushFailed(reason)
+            log.error("storage failed, the broker stops accepting work: %s", reason)
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
@@ -173,6 +187,9 @@ class Broker:
         if self._closed:
             raise BrokerClosed()
         if self.fatal is not None:
+            failure = self.store.log.failure
+            if isinstance(self.fatal, FlushFailed) and failure is not None:
+                raise FlushFailed(failure)  # says which fsync failed, rather than only "closed"
             raise BrokerClosed() from self.fatal
 
     # -- background -------------------------------------------------------------------------

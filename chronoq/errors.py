@@ -335,10 +335,38 @@ class BrokerClosed(ServerError):
 
 
 class FlushFailed(ServerError):
-    """fsync failed: the message is not acknowledged and the broker stops accepting writes."""
+    """The store cannot make writes durable any more (an fsync failed, or a background task
+    died): the message is not acknowledged, and the broker refuses every later write until it is
+    restarted. Not retriable against this broker process."""
 
     def __init__(self, reason: str) -> None:
         super().__init__(f"flush failed: {reason}", reason=reason)
+
+
+class FsyncFailed(FlushFailed):
+    """An fsync (or fdatasync) of `path` returned an error. Never retried: the kernel may already
+    have dropped the pages it could not write and marked them clean, so a second fsync would
+    report success for data that is gone ("fsyncgate"). The store fails for good."""
+
+    def __init__(self, path: str, errno: int | None, strerror: str) -> None:
+        ChronoqError.__init__(self, f"flush failed: fsync of {path} failed: {strerror} (errno {errno}); "
+                                    "the broker stops acknowledging writes until it is restarted",
+                              reason=f"fsync of {path}: {strerror}", path=path, errno=errno)
+
+
+class DiskFull(ServerError):
+    """The data directory's file system has less free space than `disk_min_free_bytes` (or a
+    write ran out of space). Nothing was stored; reads, acks and timer firing go on; retry once
+    space is freed. Code 42900 (TOO_MANY_REQUESTS), which RocketMQ clients back off and retry."""
+
+    code = 42900
+    retriable = True
+
+    def __init__(self, path: str, free_bytes: int, min_free_bytes: int) -> None:
+        super().__init__(
+            f"disk full: {path} has {free_bytes} bytes free, below disk_min_free_bytes = {min_free_bytes}; "
+            "sends are refused until space is freed (reads and acks go on)",
+            path=path, free_bytes=free_bytes, min_free_bytes=min_free_bytes)
 
 
 class CorruptRecord(ServerError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -39,10 +40,10 @@ def test_an_fsync_error_fails_the_senders_it_covered_and_later_writes(tmp_path: 
     async def body() -> None:
         broker = await Broker.open(Config(data_dir=tmp_path), clock=FakeClock(), background=False)
 
-        def eio(fds: list[int]) -> None:
+        def eio(fd: int) -> None:
             raise OSError(5, "Input/output error")
 
-        monkeypatch.setattr(commitlog, "_fsync_all", eio)
+        monkeypatch.setattr(os, "fdatasync", eio)
         with pytest.raises(FlushFailed):
             await asyncio.wait_for(broker.send(OutgoingMessage("t", b"x")), 5)
         with pytest.raises(FlushFailed):

@@ -13,6 +13,9 @@ Theory of operation:
   `open()` scans the last segment from the checkpoint (or its start) and truncates at the first
   record that fails its checks. Damage anywhere else is reported, never silently cut.
 - `on_durable(end)` lets the broker dispatch what is now durable: visibility follows durability.
+- Any fsync error fails the log for good (`store/fsync.py` says why): every waiting sender gets
+  `FlushFailed`, every later write is refused, nothing more is called durable, and `on_failed`
+  tells the owner, which stops the broker. Only a restart (recovery from disk) clears it.
 
 Segment header, version 1 (big-endian): magic b"CHRONOQL" (8) | version u32 | base_position u64 |
 crc32c u32 of bytes [0, 20). Records: see `store/record.py`.
@@ -31,9 +34,9 @@ from pathlib import Path
 
 import crc32c
 
-from chronoq.errors import BrokerClosed, CorruptRecord, FlushFailed, ServerError
+from chronoq.errors import BrokerClosed, CorruptRecord, FlushFailed, FsyncFailed, ServerError
 from chronoq.model import StoredMessage
-from chronoq.store import files
+from chronoq.store import files, fsync
 from chronoq.store.record import HEADER, HEADER_SIZE, RECORD_MAGIC, RECORD_VERSION, decode_record
 
 SEGMENT_MAGIC = b"CHRONOQL"
@@ -126,6 +129,8 @@ class CommitLog:
         self._failed: str | None = None
         self._closed = False
         self.on_durable: Callable[[int], None] | None = None
+        self.on_failed: Callable[[str], None] | None = None
+        """Called once, with the reason, when the log fails for good."""
         self.fsync_count = 0
 
     # -- opening and recovery ---------------------------------------------------------------
@@ -133,7 +138,7 @@ class CommitLog:
     @classmethod
     def open(cls, directory: Path, *, segment_size_bytes: int, flush: str = "sync",
              flush_interval_ms: int = 200, scan_from: int = 0) -> tuple[CommitLog, RecoveryReport]:
-        directory.mkdir(parents=True, exist_ok=True)
+        fsync.make_dirs(directory)
         log = cls(directory, segment_size_bytes=segment_size_bytes, flush=flush,
                   flush_interval_ms=flush_interval_ms)
         report = log._load(scan_from)
@@ -188,7 +193,7 @@ class CommitLog:
             return
         report.truncated_bytes = seg.end - valid_end
         os.ftruncate(seg.fd, valid_end - seg.base + SEGMENT_HEADER_SIZE)
-        os.fsync(seg.fd)
+        fsync.fsync(seg.fd, seg.path)
         seg.data_size = valid_end - seg.base
 
     def _frames(self, seg: Segment, start: int) -> Iterator[tuple[int, int, str | None]]:
@@ -213,10 +218,17 @@ class CommitLog:
         # new segment or a whole header, never a header-less file that `check` calls damage.
         tmp = path.with_name(path.name + ".tmp")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.write(fd, encode_segment_header(base))
-        os.fsync(fd)
-        os.rename(tmp, path)
-        _fsync_dir(self.directory)
+        try:
+            header = encode_segment_header(base)
+            if os.write(fd, header) != len(header):
+                raise OSError(28, "short write of a segment header")
+            fsync.fsync(fd, tmp)
+            os.rename(tmp, path)
+            fsync.fsync_dir(self.directory)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
         seg = Segment(base, path, fd, 0)
         self._add_segment(seg)
         return seg
@@ -243,13 +255,21 @@ class CommitLog:
     def fits_in_active(self, size: int) -> bool:
         return self._segments[-1].data_size + size <= self.segment_size_bytes - SEGMENT_HEADER_SIZE
 
-    def write(self, blob: bytes, store_ms: int = 0) -> int:
-        """Append one or more whole records encoded for `end_position`; return the new end.
-        The caller rolls first (`roll_if_needed`) so the blob fits the active segment."""
+    @property
+    def failure(self) -> str | None:
+        """Why the log failed for good, or None while it is healthy."""
+        return self._failed
+
+    def _check_writable(self) -> None:
         if self._failed is not None:
             raise FlushFailed(self._failed)
         if self._closed:
             raise BrokerClosed()
+
+    def write(self, blob: bytes, store_ms: int = 0) -> int:
+        """Append one or more whole records encoded for `end_position`; return the new end.
+        The caller rolls first (`roll_if_needed`) so the blob fits the active segment."""
+        self._check_writable()
         seg = self._segments[-1]
         # pwrite at the segment's end, never the fd's file offset: a segment reopened at start has
         # its offset at 0, and a plain write() there overwrote the header and first records.
@@ -265,11 +285,16 @@ class CommitLog:
     def roll_if_needed(self, size: int) -> None:
         if self.fits_in_active(size) or self._segments[-1].data_size == 0:
             return
+        self._check_writable()
         old = self._segments[-1]
-        # Why fsync here: so that only the last segment can ever hold a torn tail.
-        os.fsync(old.fd)
-        self._unsynced_fds.discard(old.fd)
-        self._new_segment(old.end)
+        try:
+            # Why fsync here: so that only the last segment can ever hold a torn tail.
+            fsync.fsync(old.fd, old.path)
+            self._unsynced_fds.discard(old.fd)
+            self._new_segment(old.end)
+        except FsyncFailed as e:
+            self.fail(e.message)
+            raise
 
     async def wait_durable(self, end: int) -> None:
         if self._failed is not None:
@@ -303,6 +328,11 @@ class CommitLog:
         await self._flush_once(asyncio.get_running_loop())
 
     async def _flush_once(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._failed is not None:
+            # Nothing written since the failure is ever called durable: an fsync now would
+            # return 0 for pages the failed one already lost.
+            self.fail(self._failed)
+            return
         target = self.end_position
         if target <= self._flushed:
             self._release(target)
@@ -310,13 +340,12 @@ class CommitLog:
         fds = list(self._unsynced_fds)
         self._unsynced_fds.clear()
         try:
-            await loop.run_in_executor(self._executor, _fsync_all, fds)
-        except OSError as e:
-            self._failed = f"fsync failed: {e}"
-            for _, fut in self._waiters:
-                if not fut.done():
-                    fut.set_exception(FlushFailed(self._failed))
-            self._waiters.clear()
+            await loop.run_in_executor(self._executor, _fsync_all, [(fd, self._path_of(fd)) for fd in fds])
+        except FsyncFailed as e:
+            self.fail(e.message)
+            return
+        if self._failed is not None:  # failed elsewhere (a roll) while this fsync ran
+            self.fail(self._failed)
             return
         self.fsync_count += 1
         self._flushed = max(self._flushed, target)
@@ -325,13 +354,24 @@ class CommitLog:
         self._release(self._flushed)
 
     def fail(self, reason: str) -> None:
-        """Stop accepting writes and fail every sender still waiting for durability (the
-        flusher died): a waiter must never hang on an fsync that will not come."""
-        self._failed = reason
+        """Fail for good: refuse every later write, fail every sender still waiting for
+        durability (a waiter must never hang on an fsync that will not come), call nothing
+        durable again, and tell `on_failed` (once). The first reason is kept."""
+        first = self._failed is None
+        if first:
+            self._failed = reason
         for _, fut in self._waiters:
             if not fut.done():
-                fut.set_exception(FlushFailed(reason))
+                fut.set_exception(FlushFailed(self._failed or reason))
         self._waiters.clear()
+        if first and self.on_failed is not None:
+            self.on_failed(reason)
+
+    def _path_of(self, fd: int) -> Path:
+        for seg in reversed(self._segments):
+            if seg.fd == fd:
+                return seg.path
+        return self.directory
 
     def _release(self, upto: int) -> None:
         keep: list[tuple[int, asyncio.Future[None]]] = []
@@ -346,11 +386,21 @@ class CommitLog:
             self._kick.set()
 
     def sync_blocking(self) -> None:
-        """fsync everything now, in this thread (close, tests, recovery)."""
-        for fd in list(self._unsynced_fds):
-            os.fsync(fd)
-        self._unsynced_fds.clear()
+        """fsync everything now, in this thread (close, tests, recovery). Raises FlushFailed if
+        the log has failed (then nothing is synced: see `fail`)."""
+        self._check_failed()
+        try:
+            for fd in list(self._unsynced_fds):
+                fsync.fdatasync(fd, self._path_of(fd))
+                self._unsynced_fds.discard(fd)
+        except FsyncFailed as e:
+            self.fail(e.message)
+            raise
         self._flushed = self.end_position
+
+    def _check_failed(self) -> None:
+        if self._failed is not None:
+            raise FlushFailed(self._failed)
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -400,22 +450,30 @@ class CommitLog:
             seg.path.unlink()
             removed.append(seg.path)
         if removed:
-            _fsync_dir(self.directory)
+            try:
+                fsync.fsync_dir(self.directory)
+            except FsyncFailed as e:
+                self.fail(e.message)
+                raise
         return removed
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._failed is None:
-            self.sync_blocking()
-        for seg in self._segments:
-            os.close(seg.fd)
-        self._executor.shutdown(wait=True)
-        for _, fut in self._waiters:
-            if not fut.done():
-                fut.set_exception(BrokerClosed())
-        self._waiters.clear()
+        try:
+            if self._failed is None:
+                self.sync_blocking()  # a failure here fails the log; the store then skips its checkpoint
+        except FlushFailed:
+            pass
+        finally:
+            for seg in self._segments:
+                os.close(seg.fd)
+            self._executor.shutdown(wait=True)
+            for _, fut in self._waiters:
+                if not fut.done():
+                    fut.set_exception(BrokerClosed())
+            self._waiters.clear()
 
 
 def _record_buffers(seg: Segment, start: int, stop: int) -> Iterator[tuple[int, bytes, int]]:
@@ -442,14 +500,7 @@ def _record_buffers(seg: Segment, start: int, stop: int) -> Iterator[tuple[int, 
         position += size
 
 
-def _fsync_all(fds: list[int]) -> None:
-    for fd in fds:
-        os.fdatasync(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _fsync_all(fds: list[tuple[int, Path]]) -> None:
+    """The group commit, in the flusher's worker thread."""
+    for fd, path in fds:
+        fsync.fdatasync(fd, path)

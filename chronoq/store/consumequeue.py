@@ -23,7 +23,7 @@ from pathlib import Path
 import crc32c
 
 from chronoq.errors import CorruptRecord
-from chronoq.store import files
+from chronoq.store import files, fsync
 
 CQ_MAGIC = b"CHRONOQQ"
 CQ_VERSION = 1
@@ -98,6 +98,8 @@ class ConsumeQueue:
         self.entries_per_file = entries_per_file
         self._files: list[CQFile] = []
         self._dirty: set[int] = set()
+        self._dir_dirty = False
+        """A file was created in or removed from `directory` since the last `flush`."""
         self._empty_next_offset = 0
 
     @classmethod
@@ -216,22 +218,35 @@ class ConsumeQueue:
             i += take
 
     def _new_file(self, first_offset: int) -> CQFile:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        # A new queue's directories are made durable at once (rare: once per queue); the new
+        # file's own entry in it at the next `flush` (the checkpoint), the only thing that
+        # relies on it: until then recovery replays the log into it anyway.
+        fsync.make_dirs(self.directory)
         path = self.directory / files.cq_file_name(first_offset)
         # Renamed into place with its header: a kill never leaves a header-less queue file.
         tmp = path.with_name(path.name + ".tmp")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.write(fd, encode_cq_header(first_offset))
+        header = encode_cq_header(first_offset)
+        if os.write(fd, header) != len(header):
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise OSError(28, "short write of a consume-queue header")
         os.rename(tmp, path)
         self._dirty.add(fd)
+        self._dir_dirty = True
         f = CQFile(first_offset, path, fd, 0)
         self._files.append(f)
         return f
 
     def flush(self) -> None:
-        for fd in self._dirty:
-            os.fdatasync(fd)
-        self._dirty.clear()
+        """Make every entry appended so far, and every file created, durable (FsyncFailed)."""
+        paths = {f.fd: f.path for f in self._files}
+        for fd in list(self._dirty):
+            fsync.fdatasync(fd, paths.get(fd, self.directory))
+            self._dirty.discard(fd)
+        if self._dir_dirty:
+            fsync.fsync_dir(self.directory)
+            self._dir_dirty = False
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -278,20 +293,25 @@ class ConsumeQueue:
             os.close(f.fd)
             self._dirty.discard(f.fd)
             f.path.unlink()
+            self._dir_dirty = True
             removed += 1
         return removed
 
     def destroy(self) -> None:
-        self.close()
+        self.close(sync=False)
         if self.directory.exists():
             for name in os.listdir(self.directory):
                 (self.directory / name).unlink()
         self._files = []
 
-    def close(self) -> None:
-        for f in self._files:
-            if f.fd in self._dirty:
-                os.fdatasync(f.fd)
-            os.close(f.fd)
-        self._dirty.clear()
-        self._files = []
+    def close(self, *, sync: bool = True) -> None:
+        """Close every file, fsyncing what is dirty first unless `sync` is False (the store has
+        failed: an fsync now could report success for pages a failed one lost)."""
+        try:
+            if sync:
+                self.flush()
+        finally:
+            for f in self._files:
+                os.close(f.fd)
+            self._dirty.clear()
+            self._files = []

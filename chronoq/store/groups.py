@@ -37,6 +37,7 @@ import crc32c
 from rocksdict import BlockBasedOptions, Cache, Options, Rdict, WriteBatch, WriteOptions
 
 from chronoq.errors import CorruptRecord, InvalidReceiptHandle
+from chronoq.store import fsync
 
 GROUPS_FORMAT_VERSION = 1
 _INFLIGHT = struct.Struct(">BHQIQIQ")
@@ -119,7 +120,7 @@ def _db_options(block_cache_bytes: int, write_buffer_bytes: int) -> Options:
 class GroupStore:
     def __init__(self, directory: Path, *, block_cache_bytes: int = BLOCK_CACHE_BYTES,
                  write_buffer_bytes: int = WRITE_BUFFER_BYTES) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
+        fsync.make_dirs(directory)  # the store is durable state: its name must survive a power loss
         opts = _db_options(block_cache_bytes, write_buffer_bytes)
         self.directory = directory
         self._db = Rdict(str(directory), opts)

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from chronoq.config import Config
-from chronoq.errors import DataDirLocked, InvalidQueueId, TopicExists, TopicNotFound
+from chronoq.errors import DataDirLocked, FlushFailed, FsyncFailed, InvalidQueueId, TopicExists, TopicNotFound
 from chronoq.model import MessageType, StoredMessage, TopicConfig
-from chronoq.store import files
+from chronoq.store import files, fsync
 from chronoq.store.commitlog import CommitLog, RecoveryReport
 from chronoq.store.consumequeue import ConsumeQueue, tag_hash
 from chronoq.store.meta import decode_topics, encode_checkpoint, encode_topics, read_checkpoint, write_atomic
@@ -82,7 +82,7 @@ class MessageStore:
     @classmethod
     def open(cls, config: Config) -> tuple[MessageStore, OpenReport]:
         store = cls(config)
-        store.dir.mkdir(parents=True, exist_ok=True)
+        fsync.make_dirs(store.dir)
         store._lock()
         try:
             report = store._recover()
@@ -335,11 +335,19 @@ class MessageStore:
     # -- checkpoint and retention -----------------------------------------------------------
 
     def checkpoint(self) -> int:
-        """Make consume queues durable and record how far they cover."""
+        """Make consume queues durable and record how far they cover. After any fsync error
+        (here or in the log) it raises FlushFailed and writes nothing: the checkpoint on disk
+        stays at the last point known durable, and a restart replays the log from there."""
+        if self.log.failure is not None:
+            raise FlushFailed(self.log.failure)
         position = self.dispatched_position
-        for cq in self._cqs.values():
-            cq.flush()
-        write_atomic(self.dir / files.CHECKPOINT, encode_checkpoint(position, 0))
+        try:
+            for cq in self._cqs.values():
+                cq.flush()
+            write_atomic(self.dir / files.CHECKPOINT, encode_checkpoint(position, 0))
+        except FsyncFailed as e:
+            self.log.fail(e.message)
+            raise
         return position
 
     def expired_before(self, now_ms: int) -> int:
@@ -364,9 +372,13 @@ class MessageStore:
         try:
             if hasattr(self, "log"):
                 self.log.close()
-                self.checkpoint()
-                for cq in self._cqs.values():
-                    cq.close()
+                healthy = self.log.failure is None
+                try:
+                    if healthy:
+                        self.checkpoint()
+                finally:
+                    for cq in self._cqs.values():
+                        cq.close(sync=healthy and self.log.failure is None)
         finally:
             self._unlock()
 

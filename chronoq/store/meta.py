@@ -23,6 +23,7 @@ import crc32c
 
 from chronoq.errors import CorruptRecord
 from chronoq.model import MessageType, TopicConfig
+from chronoq.store import fsync
 
 CHECKPOINT_MAGIC = b"CQCKPT01"
 CHECKPOINT_VERSION = 1
@@ -34,19 +35,24 @@ TOPICS_HEADER_SIZE = TOPICS_HEADER.size  # 14
 
 
 def write_atomic(path: Path, data: bytes) -> None:
+    """Replace `path` with `data`: the old or the new version survives any crash. On any error
+    the temp file is removed and the old version stays; an fsync error raises FsyncFailed."""
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:  # a short write is retried; a full disk raises ENOSPC here
+                n = os.write(fd, view)
+                view = view[n:]
+            fsync.fsync(fd, tmp)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync.fsync_dir(path.parent)
 
 
 def encode_checkpoint(dispatched_position: int, written_ms: int) -> bytes:

@@ -100,6 +100,7 @@ from rocksdict import (
 
 from chronoq.errors import DataDirLocked, ServerError
 from chronoq.model import TimerStatus
+from chronoq.store import fsync
 from chronoq.timer.engine import IndexBatch, IndexPositionWentBack, TimerEntry
 from chronoq.timer.index_codec import (
     CF_COUNTERS,
@@ -295,7 +296,7 @@ class RocksTimerIndex:
                 raise TimerIndexCorrupt(path, "no index there (missing CURRENT file)")
             if path.exists() and any(path.iterdir()):
                 raise TimerIndexCorrupt(path, "directory holds files but no RocksDB CURRENT file")
-            path.mkdir(parents=True, exist_ok=True)
+            fsync.make_dirs(path)
         else:
             try:
                 families = set(Rdict.list_cf(str(path), Options(raw_mode=True)))

@@ -1,0 +1,262 @@
+"""fsync errors: any failed fsync fails the store for good, and nothing after it is acknowledged.
+
+Why "for good": after an fsync error the kernel may have dropped the dirty pages it could not
+write and marked them clean, so a second fsync returns 0 having written nothing (PostgreSQL's
+"fsyncgate", 2018). A broker that retries, or that fsyncs an empty set and calls it durable,
+acknowledges messages that a power loss then takes away.
+
+The faults are injected at the system-call boundary: `os.fsync` / `os.fdatasync` raise EIO for
+the files a test names (by path, read from /proc/self/fd). `test_real_eio_under_strace` injects
+the same fault into a real `chronoq serve` with `strace -e inject=`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from chronoq.broker import Broker
+from chronoq.clock import FakeClock
+from chronoq.config import Config
+from chronoq.errors import BrokerClosed, ChronoqError, FlushFailed
+from chronoq.model import OutgoingMessage
+from chronoq.store import files
+from chronoq.store.meta import read_checkpoint
+
+
+@pytest.fixture
+def eio(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Callable[[str], bool]], list[str]]]:
+    """`eio(match, syscalls)`: from now on fsync/fdatasync (or only the ones named) of a file whose
+    path satisfies `match` fails with EIO. Returns the list of paths that failed, as it happens."""
+    real_fsync, real_fdatasync = os.fsync, os.fdatasync
+
+    def arm(match: Callable[[str], bool], syscalls: tuple[str, ...] = ("fsync", "fdatasync")) -> list[str]:
+        failed: list[str] = []
+
+        def wrap(real: Callable[[int], None]) -> Callable[[int], None]:
+            def call(fd: int) -> None:
+                try:
+                    path = os.readlink(f"/proc/self/fd/{fd}")
+                except OSError:
+                    path = ""
+                if real.__name__ in syscalls and match(path):
+                    failed.append(path)
+                    raise OSError(errno.EIO, os.strerror(errno.EIO))
+                real(fd)
+            return call
+
+        monkeypatch.setattr(os, "fsync", wrap(real_fsync))
+        monkeypatch.setattr(os, "fdatasync", wrap(real_fdatasync))
+        return failed
+
+    yield arm
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    monkeypatch.setattr(os, "fdatasync", real_fdatasync)
+
+
+def _config(tmp_path: Path, **overrides: object) -> Config:
+    settings: dict[str, object] = {"segment_size_bytes": 4096, "max_message_size_bytes": 2048,
+                                   "default_queue_count": 1, **overrides}
+    return Config(data_dir=tmp_path / "data", **settings)  # type: ignore[arg-type]
+
+
+async def _refused(broker: Broker, body: bytes) -> ChronoqError:
+    with pytest.raises((FlushFailed, BrokerClosed)) as info:
+        await asyncio.wait_for(broker.send(OutgoingMessage("t", body)), 5)
+    return info.value
+
+
+def test_an_fsync_error_at_segment_roll_fails_the_log_for_good(tmp_path: Path, eio) -> None:
+    async def body() -> None:
+        broker = await Broker.open(_config(tmp_path), clock=FakeClock(), background=False)
+        acked = []
+        # Group commits fdatasync the active segment; a roll fsyncs the full one before the next is
+        # made. If the roll stopped using fsync, `failed` stays empty and the test says so.
+        failed = eio(lambda p: p.endswith(files.SEGMENT_SUFFIX), ("fsync",))
+        for i in range(100):
+            try:
+                acked.append((await broker.send(OutgoingMessage("t", b"x" * 300, message_id=f"m{i}"))).message_id)
+            except ChronoqError:
+                break
+        assert failed, "no segment fsync was attempted: the test did not reach a roll"
+        assert broker.fatal is not None, "an fsync error must stop the broker (fatal), not only fail one sender"
+        eio(lambda p: False)  # the disk "recovers": a retry would now return 0 on dropped pages
+        await _refused(broker, b"after the error")
+        await broker.close()
+        # What was acknowledged before the error is all there after a restart.
+        broker = await Broker.open(_config(tmp_path), clock=FakeClock(), background=False)
+        got = [m.message.message_id for m in await broker.receive("g", "t", batch_size=64)]
+        got += [m.message.message_id for m in await broker.receive("g", "t", batch_size=64)]
+        assert set(acked) <= set(got)
+        await broker.close()
+
+    asyncio.run(body())
+
+
+def test_after_a_failed_group_commit_nothing_is_checkpointed_past_it(tmp_path: Path, eio) -> None:
+    async def body() -> None:
+        broker = await Broker.open(_config(tmp_path, segment_size_bytes=1 << 20), clock=FakeClock(),
+                                   background=False)
+        first = await broker.send(OutgoingMessage("t", b"durable"))
+        durable_end = broker.store.log.flushed_position
+        broker.store.checkpoint()
+        failed = eio(lambda p: p.endswith(files.SEGMENT_SUFFIX))
+        with pytest.raises(FlushFailed):
+            await asyncio.wait_for(broker.send(OutgoingMessage("t", b"not durable")), 5)
+        assert failed
+        assert broker.fatal is not None, "a failed fsync must set broker.fatal"
+        eio(lambda p: False)
+        await _refused(broker, b"later")
+        await broker.close()  # must not "sync" an empty fd set and checkpoint past the failure
+        checkpoint = read_checkpoint(tmp_path / "data" / files.CHECKPOINT)
+        assert checkpoint is not None and checkpoint <= durable_end, (checkpoint, durable_end)
+        assert not (tmp_path / "data" / (files.CHECKPOINT + ".tmp")).exists()
+        del first
+
+    asyncio.run(body())
+
+
+def test_a_consume_queue_fsync_error_stops_checkpoints_and_sends(tmp_path: Path, eio) -> None:
+    async def body() -> None:
+        broker = await Broker.open(_config(tmp_path, segment_size_bytes=1 << 20), clock=FakeClock(),
+                                   background=False)
+        await broker.send(OutgoingMessage("t", b"one"))
+        broker.store.checkpoint()
+        before = read_checkpoint(tmp_path / "data" / files.CHECKPOINT)
+        await broker.send(OutgoingMessage("t", b"two"))
+        failed = eio(lambda p: p.endswith(files.CQ_SUFFIX))
+        with pytest.raises(FlushFailed):
+            broker.store.checkpoint()
+        assert failed
+        assert read_checkpoint(tmp_path / "data" / files.CHECKPOINT) == before
+        assert broker.fatal is not None
+        eio(lambda p: False)
+        await _refused(broker, b"three")
+        await broker.close()
+        assert read_checkpoint(tmp_path / "data" / files.CHECKPOINT) == before
+        broker = await Broker.open(_config(tmp_path), clock=FakeClock(), background=False)
+        got = [m.message.body for m in await broker.receive("g", "t", batch_size=8)]
+        assert got == [b"one", b"two"]
+        await broker.close()
+
+    asyncio.run(body())
+
+
+def test_a_failed_directory_fsync_at_roll_fails_the_log(tmp_path: Path, eio) -> None:
+    async def body() -> None:
+        broker = await Broker.open(_config(tmp_path), clock=FakeClock(), background=False)
+        log_dir = str(tmp_path / "data" / files.COMMITLOG_DIR)
+        failed = eio(lambda p: p == log_dir)
+        for i in range(100):
+            try:
+                await broker.send(OutgoingMessage("t", b"y" * 300, message_id=f"d{i}"))
+            except ChronoqError:
+                break
+        assert failed, "no directory fsync was attempted"
+        assert broker.fatal is not None
+        eio(lambda p: False)
+        await _refused(broker, b"after")
+        await broker.close()
+
+    asyncio.run(body())
+
+
+# --- a real fault in a real server ----------------------------------------------------------
+
+
+def _serve(data: Path, port: int, *, strace_inject: str | None = None,
+           strace_path: Path | None = None) -> subprocess.Popen[bytes]:
+    cmd = [str(Path(sys.executable).with_name("chronoq")), "serve", "--data-dir", str(data), "--port", str(port),
+           "--log-level", "WARNING"]
+    if strace_inject is not None:
+        only = ["-P", str(strace_path)] if strace_path is not None else []
+        cmd = ["strace", "-f", "-qq", "-o", "/dev/null", *only, "-e", "trace=fdatasync", "-e", strace_inject, *cmd]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if b"serving on" in line:
+            return
+        if not line and proc.poll() is not None:
+            raise AssertionError(f"server exited: {proc.stderr.read().decode() if proc.stderr else ''}")
+    raise AssertionError("server did not become ready")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace (apt-get install strace)")
+def test_real_eio_under_strace(tmp_path: Path) -> None:
+    """`strace -e inject=fdatasync:error=EIO:when=K` makes the K-th fdatasync fail, once (the disk
+    "recovers": the shape of fsyncgate, where a retry returns 0 on pages the kernel dropped)
+    in a real `chronoq serve`. Every send acknowledged before the fault is there after a restart;
+    no send is acknowledged after it; the server exits with status 1."""
+    from chronoq.client import Producer
+
+    data = tmp_path / "data"
+    port = _free_port()
+    # -P: only the first segment's fdatasyncs count (the group commits of the first sends).
+    proc = _serve(data, port, strace_inject="inject=fdatasync:error=EIO:when=20",
+                  strace_path=data / files.COMMITLOG_DIR / files.segment_name(0))
+    acked: list[str] = []
+    refused_after_first = 0
+    try:
+        _wait_ready(proc)
+        with Producer(f"127.0.0.1:{port}", send_attempts=1) as producer:
+            failed = False
+            for i in range(400):
+                try:
+                    acked.append(producer.send("orders", f"m{i}".encode(), message_id=f"id{i:04d}").message_id)
+                    assert not failed, f"send {i} was acknowledged after an fsync error"
+                except ChronoqError:
+                    if failed:
+                        refused_after_first += 1
+                    failed = True
+                    if refused_after_first >= 3:
+                        break
+        assert failed, "the injected EIO never reached a send"
+        assert proc.wait(timeout=30) == 1, "a broker whose fsync failed must exit with status 1"
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+    assert acked, "nothing was acknowledged before the fault"
+    port = _free_port()
+    proc = _serve(data, port)
+    try:
+        _wait_ready(proc)
+        from chronoq.client import Consumer
+
+        got: set[str] = set()
+        with Consumer("g", "orders", server=f"127.0.0.1:{port}") as consumer:
+            for _ in range(40):
+                batch = consumer.receive(32, wait=200)
+                if not batch and set(acked) <= got:
+                    break
+                for m in batch:
+                    got.add(m.message_id)
+                    consumer.ack(m)
+        assert set(acked) <= got, f"lost: {sorted(set(acked) - got)[:10]}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
