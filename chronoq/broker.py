@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Coroutine, Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 from chronoq.clock import Clock, SystemClock
@@ -89,6 +88,9 @@ class Broker:
         """(topic, id) being written -> (its batch's future, its index in the batch's results): a
         concurrent send of the same id waits for the first. One future per batch, not per message."""
         self.fatal: BaseException | None = None
+        self._index_damaged: TimerIndexCorrupt | None = None
+        """Set when the timer index failed while running: the timer loop rebuilds it."""
+        self.index_rebuilds = 0
         self.trace: TraceJournal | None = TraceJournal(config.data_dir) if config.trace_enable else None
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -97,30 +99,23 @@ class Broker:
     async def open(cls, config: Config, *, clock: Clock | None = None, background: bool = True) -> Broker:
         clock = clock or SystemClock()
         store, report = MessageStore.open(config)
-        groups = engine = None
+        groups = timer = None
         try:
-            groups = GroupStore(config.data_dir / files.GROUPS_DIR, block_cache_bytes=config.groups_block_cache_bytes,
-                                write_buffer_bytes=config.groups_write_buffer_bytes)
-            engine = _open_timer_index(config.data_dir / files.TIMER_DIR, store, config)
+            groups, report.groups_reset = GroupStore.open_or_reset(
+                config.data_dir / files.GROUPS_DIR, block_cache_bytes=config.groups_block_cache_bytes,
+                write_buffer_bytes=config.groups_write_buffer_bytes)
+            groups.clamp(lambda topic, queue_id: store.queue(topic, queue_id).next_offset)
             broker_ref: list[Broker] = []
 
             async def append(msgs: list[PreparedMessage]) -> list[StoredMessage]:
                 return await broker_ref[0]._append(msgs)
 
-            timer = TimerService(config, store, engine, groups, append)
-            try:
-                timer.recover()
-            except ValueError:  # the index is ahead of the log (power loss): rebuild it
-                engine.close()
-                RocksTimerIndex.destroy(config.data_dir / files.TIMER_DIR)
-                engine = RocksTimerIndex.open(config.data_dir / files.TIMER_DIR, **_index_memory(config))
-                timer = TimerService(config, store, engine, groups, append)
-                timer.recover()
+            timer = _open_timer_service(config, store, append)
             broker = cls(config, clock, store, groups, timer, report)
             broker_ref.append(broker)
         except BaseException:
-            if engine is not None:
-                engine.close()
+            if timer is not None:
+                timer.engine.close()
             if groups is not None:
                 groups.close()
             store.close()
@@ -204,11 +199,31 @@ class Broker:
         if self.trace is not None:
             self.trace.flush()
 
+    def _rebuild_timer_index(self, reason: TimerIndexCorrupt) -> None:
+        """Replace a timer index found damaged while running by one rebuilt from the log (up to
+        what has been dispatched; later records arrive through dispatch as usual). Runs in one
+        step on the loop, so no fire, cancel or roll sees a half-built index."""
+        log.error("%s: rebuilding it from the commit log while running", reason.message)
+        path = self.config.data_dir / files.TIMER_DIR
+        with contextlib.suppress(Exception):
+            self.timer.engine.close()
+        RocksTimerIndex.destroy(path)
+        self.timer.engine = RocksTimerIndex.open(path, **_index_memory(self.config))
+        self.timer.recover(self.store.dispatched_position)
+        self._index_damaged = None
+        self.index_rebuilds += 1
+
     async def _timer_loop(self) -> None:
         while True:
+            if self._index_damaged is not None:
+                self._rebuild_timer_index(self._index_damaged)
             now = self.clock.now_ms()
             self._timer_wakeup.clear()
-            fired = await self.timer.fire_due(now)
+            try:
+                fired = await self.timer.fire_due(now)
+            except TimerIndexCorrupt as e:
+                self._index_damaged = e
+                continue
             if fired >= self.config.timer_fire_batch:
                 continue
             deadline = self.timer.next_deadline_ms()
@@ -243,6 +258,11 @@ class Broker:
         if limit <= self.store.log.start_position:
             return
         await self.timer.roll_before(limit, now_ms)
+        if self.timer.pending_below(limit):
+            # A timer the roll skipped (it was being fired or cancelled) is still pending there,
+            # or one failed to roll: keep the segments; the next tick tries again.
+            log.info("retention: pending timers remain below position %d; deleting nothing this time", limit)
+            return
         self.store.checkpoint()
         self.store.delete_before(limit)
         self.timer.engine.prune_history(now_ms - self.config.retention_ms)
@@ -251,7 +271,14 @@ class Broker:
         await self._retention(self.clock.now_ms())
 
     def _on_dispatch(self, msgs: list[StoredMessage]) -> None:
-        self.timer.on_dispatch(msgs, self.clock.now_ms())
+        if self._index_damaged is None:
+            try:
+                self.timer.on_dispatch(msgs, self.clock.now_ms())
+            except TimerIndexCorrupt as e:
+                # The records are durable in the log; only the derived index is hurt. The timer
+                # loop rebuilds it (from the log, these records included); senders go on.
+                self._index_damaged = e
+                self._timer_wakeup.set()
         if self.trace is not None:
             self._trace_dispatch(msgs)
         topics = {m.topic for m in msgs}
@@ -493,7 +520,7 @@ class Broker:
     async def forward_to_dlq(self, group: str, topic: str, receipt_handle: str) -> None:
         self._check_open()
         entry = self.groups.lookup_handle(group, topic, receipt_handle)
-        msg = self.store.read_at(entry.position, entry.size)
+        msg = self.store.readable(entry.position, entry.size)
         if msg is None:
             self.consumers.drop([entry])
             return
@@ -530,7 +557,7 @@ class Broker:
             if not entries:
                 break
             for off, position, size, _ in entries:
-                msg = self.store.read_at(position, size)
+                msg = self.store.readable(position, size)
                 if msg is not None:
                     out.append(msg)
                 offset = off + 1
@@ -551,6 +578,9 @@ class Broker:
         if topic is None or message_id is None:
             raise InvalidRecallHandle("give a recall handle, or both topic and message id")
         await self.timer.cancel(topic, message_id, self.clock.now_ms(), deliver_at_ms=deliver_at_ms)
+        # Forget the id's first send: sent again now, it is a new timer to store, not a retry
+        # to answer with the cancelled one's result (stored nowhere, it would never fire).
+        self._recent.discard((topic, message_id))
         self._timer_wakeup.set()
         return message_id
 
@@ -572,7 +602,9 @@ class Broker:
             "now_ms": now,
             "topics": len(self.list_topics()),
             "commitlog": {"start_position": log_.start_position, "end_position": log_.end_position,
-                          "segments": len(log_.segments()), "fsyncs": log_.fsync_count},
+                          "segments": len(log_.segments()), "fsyncs": log_.fsync_count,
+                          "damaged_ranges": len(log_.damage), "damaged": [d.to_dict() for d in log_.damage.ranges()],
+                          "reads_skipped_damaged": self.store.skipped_damaged},
             "timer": self.timer.stats(now),
         }
 
@@ -602,17 +634,30 @@ def _index_memory(config: Config) -> dict[str, int]:
             "write_buffer_bytes": config.timer_index_write_buffer_bytes}
 
 
-def _open_timer_index(path: Path, store: MessageStore, config: Config) -> RocksTimerIndex:
+def _open_timer_service(config: Config, store: MessageStore, append: Any) -> TimerService:
+    """Open the timer index and bring it up to the log's end. It is derived state: missing,
+    damaged (at open or while replaying), of another format version, or ahead of the log (files
+    restored from different times), it is destroyed and rebuilt from the commit log."""
+    path = config.data_dir / files.TIMER_DIR
+    index: RocksTimerIndex | None = None
     try:
         index = RocksTimerIndex.open(path, **_index_memory(config))
+        if index.indexed_position > store.log.end_position:
+            raise TimerIndexCorrupt(path, f"it covers the log up to {index.indexed_position}, past the log's "
+                                          f"end {store.log.end_position}")
+        timer = TimerService(config, store, index, append)
+        timer.recover()
+        return timer
     except TimerIndexCorrupt as e:
-        log.warning("timer index unusable (%s): rebuilding it from the commit log", e)
-        RocksTimerIndex.destroy(path)
-        return RocksTimerIndex.open(path, **_index_memory(config))
-    if index.indexed_position > store.log.end_position:
-        log.warning("timer index is ahead of the commit log: rebuilding it")
-        index.close()
-        RocksTimerIndex.destroy(path)
-        return RocksTimerIndex.open(path, **_index_memory(config))
-    return index
+        log.warning("%s: rebuilding it from the commit log", e.message)
+        if index is not None:
+            index.close()
+    RocksTimerIndex.destroy(path)
+    timer = TimerService(config, store, RocksTimerIndex.open(path, **_index_memory(config)), append)
+    try:
+        timer.recover()
+    except BaseException:
+        timer.engine.close()
+        raise
+    return timer
 

@@ -82,6 +82,8 @@ class Config:
     """Most messages due within one second; 0 means unlimited."""
     timer_fire_batch: int = 2048
     """Timers fired per step; the loop steps again at once while due timers remain."""
+    timer_roll_batch: int = 1024
+    """Timers rolled forward per step before retention (their bodies are in memory meanwhile)."""
     timer_index_block_cache_bytes: int = 32 * MiB
     """RocksDB block cache of the timer index, holding its index and filter blocks as well: with
     the memtables below, what bounds the index's memory at any backlog."""
@@ -121,7 +123,7 @@ class Config:
             "default_queue_count", "max_queue_count", "consume_queue_entries_per_file",
             "checkpoint_interval_ms", "max_delivery_attempts", "default_invisible_duration_ms",
             "min_invisible_duration_ms", "max_invisible_duration_ms", "max_receive_batch",
-            "timer_precision_ms", "timer_max_delay_ms", "timer_fire_batch", "retention_ms",
+            "timer_precision_ms", "timer_max_delay_ms", "timer_fire_batch", "timer_roll_batch", "retention_ms",
             "retention_check_interval_ms", "max_send_batch", "max_message_id_length",
             "timer_spark_backstop_ms", "dedupe_window_max_entries",
             "timer_index_block_cache_bytes", "timer_index_write_buffer_bytes", "groups_block_cache_bytes",

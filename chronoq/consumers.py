@@ -100,8 +100,8 @@ class ConsumerGroups:
                 break
             if queue_id is not None and old.queue_id != queue_id:
                 continue
-            msg = self.store.read_at(old.position, old.size)
-            if msg is None:  # removed by retention while in flight
+            msg = self.store.readable(old.position, old.size)
+            if msg is None:  # removed by retention while in flight, or lost to damage since
                 removes.append(old)
                 continue
             if old.attempt >= self.config.max_delivery_attempts:
@@ -144,9 +144,11 @@ class ConsumerGroups:
                     if want <= 0:
                         break
                     new_offset = off + 1
-                    if hashes is not None and th not in hashes:
-                        continue
-                    msg = self.store.read_at(position, size)
+                    if size == 0 or (hashes is not None and th not in hashes):
+                        continue  # a hole (a record lost to damage), or filtered out by tag
+                    # None: expired, or damaged (quarantined and reported; the queue moves on
+                    # rather than failing every receive on it forever).
+                    msg = self.store.readable(position, size)
                     if msg is None or not tag_filter.matches(msg.tag):
                         continue
                     entry = InFlight(group, topic.name, qid, off, 1, visible_ms, new_nonce(), position, size, now_ms)

@@ -15,13 +15,18 @@ OrderedDict node). The recall handle is not stored: it is a pure function of (to
 id), rebuilt when a duplicate is answered. Insertion order is expiry order, so the deque of
 keys is consumed from the left; the dict alone could not pop its oldest entry cheaply.
 
+A cancelled timer's id is forgotten (`discard`): sent again, it is a new timer to store, not a
+retry to answer with the cancelled one's result. Its deque slot stays, counted in `_stale`, and
+is skipped when it reaches the left end (the older slots of a key are always the stale ones);
+the deque is compacted once stale slots outnumber the bound, so it stays within twice the bound.
+
 Owned by the broker's event loop (no locks); it never reads the clock (`now_ms` is passed in).
 """
 
 from __future__ import annotations
 
 import struct
-from collections import deque
+from collections import Counter, deque
 
 from chronoq.model import SendResult
 from chronoq.timer.service import encode_recall_handle
@@ -38,6 +43,9 @@ class DedupeWindow:
         self.max_entries = max_entries
         self._entries: dict[str, bytes] = {}
         self._order: deque[str] = deque()
+        self._stale: Counter[str] = Counter()
+        """Deque slots of discarded keys not yet consumed, per key."""
+        self._stale_slots = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -62,15 +70,46 @@ class DedupeWindow:
         name = f"{key[0]}\x00{key[1]}"
         if name in self._entries:
             # Never reached from send_batch (a known key is answered, not stored again); kept
-            # correct anyway: the deque must hold each key once, in insertion order.
-            self._order.remove(name)
+            # correct anyway: the old slot becomes stale, as after a discard.
+            self._stale[name] += 1
+            self._stale_slots += 1
         deliver_at_ms = _NO_DELIVER_AT if result.deliver_at_ms is None else result.deliver_at_ms
         flags = _HAS_HANDLE if result.recall_handle is not None else 0
         self._entries[name] = _ENTRY.pack(now_ms, result.position, result.queue_offset, deliver_at_ms,
                                           result.queue_id, flags)
         self._order.append(name)
-        while len(self._order) > self.max_entries:
-            del self._entries[self._order.popleft()]
+        while len(self._entries) > self.max_entries:
+            del self._entries[self._pop_oldest()]
+
+    def _pop_oldest(self) -> str:
+        """The oldest live key, taken off the deque (stale slots before it are dropped)."""
+        while True:
+            name = self._order.popleft()
+            if not self._skip_stale(name):
+                return name
+
+    def _skip_stale(self, name: str) -> bool:
+        count = self._stale.get(name)
+        if not count:
+            return False
+        self._stale_slots -= 1
+        if count == 1:
+            del self._stale[name]
+        else:
+            self._stale[name] = count - 1
+        return True
+
+    def discard(self, key: tuple[str, str]) -> None:
+        """Forget `key` (its timer was cancelled: a new send of the id must be stored)."""
+        name = f"{key[0]}\x00{key[1]}"
+        if self._entries.pop(name, None) is None:
+            return
+        self._stale[name] += 1
+        self._stale_slots += 1
+        if self._stale_slots > self.max_entries:
+            stale = self._stale
+            self._order = deque(n for n in self._order if not self._skip_stale(n))
+            assert not stale, "every stale count is matched by a deque slot"
 
     def expire(self, now_ms: int) -> None:
         """Forget entries added before `now_ms - window_ms`."""
@@ -78,6 +117,9 @@ class DedupeWindow:
         order, entries = self._order, self._entries
         while order:
             name = order[0]
+            if self._stale and self._skip_stale(name):
+                order.popleft()
+                continue
             if _ENTRY.unpack_from(entries[name])[0] >= horizon:
                 break
             order.popleft()

@@ -275,11 +275,16 @@ class TimerDisabled(BadRequest):
         super().__init__("timer messages are disabled on this broker (timer_wheel_enable=false)")
 
 
-class TimerSlotCongested(ChronoqError):
-    """More than `timer_congest_num_each_slot` messages are already due in that second."""
+class Throttled(ChronoqError):
+    """The broker refuses for now (RocketMQ's TOO_MANY_REQUESTS): nothing was stored; the same
+    request may succeed later, and RocketMQ clients back off and retry it."""
 
     code = 42900
     retriable = True
+
+
+class TimerSlotCongested(Throttled):
+    """More than `timer_congest_num_each_slot` messages are already due in that second."""
 
     def __init__(self, slot_s: int, count: int, limit: int) -> None:
         super().__init__(
@@ -354,13 +359,10 @@ class FsyncFailed(FlushFailed):
                               reason=f"fsync of {path}: {strerror}", path=path, errno=errno)
 
 
-class DiskFull(ServerError):
+class DiskFull(Throttled):
     """The data directory's file system has less free space than `disk_min_free_bytes` (or a
     write ran out of space). Nothing was stored; reads, acks and timer firing go on; retry once
-    space is freed. Code 42900 (TOO_MANY_REQUESTS), which RocketMQ clients back off and retry."""
-
-    code = 42900
-    retriable = True
+    space is freed."""
 
     def __init__(self, path: str, free_bytes: int, min_free_bytes: int) -> None:
         super().__init__(

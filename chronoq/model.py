@@ -179,6 +179,9 @@ class TimerState(enum.Enum):
     PENDING = "pending"
     DELIVERED = "delivered"
     CANCELLED = "cancelled"
+    DAMAGED = "damaged"
+    """Its commit-log record failed its checks when it was due: it cannot be delivered. The
+    broker quarantined and reported it rather than stop (`store/damage.py`)."""
 
 
 @dataclass(frozen=True, slots=True)

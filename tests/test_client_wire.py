@@ -139,8 +139,10 @@ def test_status_codes_map_to_chronoq_classes() -> None:
     # ...unless the admin service names the class.
     named = from_status(42800, "already fired", error="TimerAlreadyFired", retriable=False)
     assert type(named) is core.TimerAlreadyFired
+    # 42900 (TOO_MANY_REQUESTS) is shared by a congested timer slot and a full disk: both back off.
     congested = from_status(42900, "slot full")
-    assert isinstance(congested, core.TimerSlotCongested) and congested.retriable
+    assert type(congested) is core.Throttled and congested.retriable
+    assert type(from_status(42900, "slot full", error="TimerSlotCongested")) is core.TimerSlotCongested
     unknown = from_status(59999, "odd", retriable=True)
     assert isinstance(unknown, RemoteError) and unknown.code == 59999 and unknown.retriable
 

@@ -137,7 +137,7 @@ def test_truncate_last_segment_at_every_offset(template: tuple[Path, list], scra
         cut_position = last_base + cut - SEGMENT_HEADER_SIZE
         on_boundary = any(r.position + r.size == cut_position for r in records)
         if not on_boundary:
-            assert any("torn tail" in p for p in before.problems), (cut, before.problems)
+            assert any("torn tail" in r for r in before.repairs) and not before.problems, (cut, before.problems)
             torn_seen += 1
         _reopen_and_verify(data, records, cut_position, assert_queues_match_log)
         shutil.rmtree(data)

@@ -666,28 +666,25 @@ def test_fired_copy_records_where_it_came_from(tmp_path: Path) -> None:
 
 
 def test_crash_between_level_progress_and_index_write_does_not_fire_twice(tmp_path: Path) -> None:
-    """A crash image taken at the moment the delay-level progress is about to be committed (the
-    fired copy durable in the log). Reopened, the broker must not fire that level message again:
-    the progress and the index position are written in the order that makes replay repair it."""
+    """A crash image taken at the moment the delay-level progress is about to be written to the
+    timer index (the fired copy durable in the log). Reopened, the broker must not fire that level
+    message again: the progress is derived from the log and replayed with the index."""
 
     async def body() -> None:
         import shutil
-
-        from chronoq.timer.service import SCHEDULE_GROUP
 
         clock = FakeClock(START_MS)
         data, image = tmp_path / "data", tmp_path / "crash-image"
         b = await open_broker(data, clock)
         r = await b.send(OutgoingMessage("orders", b"lvl", delay_level=1))
-        real_commit = b.groups.commit
+        real_apply = b.timer.engine.apply
 
-        def commit_after_crash_image(*args, **kwargs):  # type: ignore[no-untyped-def]
-            offsets = kwargs.get("offsets") or []
-            if any(o[0] == SCHEDULE_GROUP for o in offsets) and not image.exists():
+        def apply_after_crash_image(batch):  # type: ignore[no-untyped-def]
+            if batch.level_progress and not image.exists():
                 shutil.copytree(data, image)  # what a SIGKILL right here would leave on disk
-            return real_commit(*args, **kwargs)
+            return real_apply(batch)
 
-        b.groups.commit = commit_after_crash_image  # type: ignore[method-assign]
+        b.timer.engine.apply = apply_after_crash_image  # type: ignore[method-assign]
         clock.advance(1000)
         assert await b.run_due() == 1
         await b.close()

@@ -69,10 +69,14 @@ class Log:
         return entries
 
     def apply(self, **parts: object) -> None:
-        # A fired copy, tombstone or rolled copy is itself a record: it takes a log position.
-        for _ in range(len(parts.get("fired", ())) + len(parts.get("cancels", ())) + len(parts.get("rolled", ()))):
+        # A fired copy, tombstone or rolled copy is itself a record: it takes a log position. A
+        # cancel given as (topic, id, ms) gets its tombstone's position here, after every timer
+        # the test made before it.
+        parts["cancels"] = [c if len(c) == 4 else (*c, self.position())  # type: ignore[union-attr]
+                            for c in parts.get("cancels", ())]  # type: ignore[union-attr]
+        for _ in range(len(parts.get("fired", ())) + len(parts.get("rolled", ()))):  # type: ignore[arg-type]
             self.position()
-        self.engine.apply(IndexBatch(indexed_position=self.next, **parts))
+        self.engine.apply(IndexBatch(indexed_position=self.next, **parts))  # type: ignore[arg-type]
         self.applied = self.next
 
     def fire(self, now_ms: int, limit: int = 1_000_000, fired_ms: int | None = None) -> list[TimerEntry]:
@@ -622,7 +626,7 @@ def test_byte_layouts_match_the_module_documentation(tmp_path: Path) -> None:
             b"h" + struct.pack(">Q", second // 3600): struct.pack(">q", 1),
             b"ttp": struct.pack(">q", 1),
         }
-        assert dict(cf[CF_META].items()) == {META_FORMAT_VERSION: struct.pack(">I", 1),
+        assert dict(cf[CF_META].items()) == {META_FORMAT_VERSION: struct.pack(">I", 2),
                                               b"indexed_position": struct.pack(">Q", 400), b"head_floor": tk}
         index.apply(IndexBatch(fired=[(300, T0 + 61_502)], indexed_position=500))
         assert list(cf[CF_ID].items()) == [(ik, facts)]  # facts stay; the state moved to `pos`

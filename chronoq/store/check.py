@@ -2,12 +2,20 @@
 
 Theory of operation: check never writes (it does not even take the broker's lock, so it can
 look at a live directory, where a tail still being written may show as not yet dispatched).
-It reads each file the way recovery would and reports, per file, what recovery would have to do
-(truncate a torn tail, rebuild a consume queue) and what it cannot fix (a damaged segment before
-the tail). Magic, version and checksum failures are reported apart, as bbolt's check does.
-The consume queues are checked against the log in one pass over the log: every record must have
-its entry (position, size, tag hash) at its queue offset, and no queue may hold entries past
-the last record of its queue.
+It reads each file the way recovery would and sorts what it finds in three:
+- *problems*: damage that costs data, or that needs a person: records quarantined because they
+  fail their checks with valid (possibly acknowledged) records after them, a damaged record at
+  the end that is whole (so it may have been acknowledged), a broken chain of segments, a
+  damaged topic table. Exit status 1 (DAMAGED).
+- *repairs*: what a restart repairs without losing anything acknowledged: a torn tail (a record
+  cut short, with nothing valid after it), a consume queue to rebuild, a missing or damaged
+  checkpoint. Exit status 3 (REPAIRABLE), when there are no problems.
+- *notes*: facts, not findings (records a restart will dispatch).
+A torn tail and damage are told apart as recovery does (`store/damage.py`): by whether a valid
+record follows the bad one. Magic, version and checksum failures are named apart, as bbolt's
+check does. The consume queues are checked against the log in one pass over the log: every
+record must have its entry (position, size, tag hash) at its queue offset, and no queue may hold
+entries past the last record of its queue. A hole entry (size 0) marks a record lost to damage.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from chronoq.errors import CorruptRecord
 from chronoq.store import files
 from chronoq.store.commitlog import SEGMENT_HEADER_SIZE, check_frame, decode_segment_header
 from chronoq.store.consumequeue import CQ_HEADER_SIZE, ENTRY_SIZE, decode_cq_header, decode_entry, tag_hash
+from chronoq.store.damage import DAMAGED, classify
 from chronoq.store.meta import decode_checkpoint, decode_topics
 from chronoq.store.record import decode_record
 
@@ -27,7 +36,9 @@ from chronoq.store.record import decode_record
 @dataclass
 class CheckReport:
     problems: list[str] = field(default_factory=list)
-    """Damage: the exit code is non-zero when there is any."""
+    """Damage that costs data or needs a person (exit status 1)."""
+    repairs: list[str] = field(default_factory=list)
+    """What a restart repairs without losing anything acknowledged (exit status 3)."""
     notes: list[str] = field(default_factory=list)
     """Facts worth knowing that are not damage (e.g. records a restart will dispatch)."""
     records: int = 0
@@ -39,7 +50,16 @@ class CheckReport:
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        """Nothing to repair and nothing damaged."""
+        return not self.problems and not self.repairs
+
+    @property
+    def damaged(self) -> bool:
+        return bool(self.problems)
+
+    @property
+    def exit_status(self) -> int:
+        return 1 if self.problems else 3 if self.repairs else 0
 
 
 @dataclass
@@ -62,10 +82,15 @@ def check_data_dir(data_dir: str | Path) -> CheckReport:
     _check_log(data_dir, report, queues, checkpoint)
     for (topic, qid), q in sorted(queues.items()):
         # Entries past the queue's last record in the log, ignoring ones retention left behind.
-        extra = sum(1 for j, (position, _, _) in enumerate(q.entries)
-                    if q.first_offset + j > q.seen_max and position >= report.log_start)
-        if extra:
-            report.problems.append(f"{q.path}: {extra} entries past the last record of {topic}/{qid} in the log")
+        extra = [position for j, (position, _, _) in enumerate(q.entries)
+                 if q.first_offset + j > q.seen_max and position >= report.log_start]
+        past_end = sum(1 for position in extra if position >= report.log_end)
+        if past_end:
+            report.repairs.append(f"{q.path}: {past_end} entries point past the log's end {report.log_end} "
+                                  f"(a restart drops them)")
+        if len(extra) > past_end:
+            report.problems.append(f"{q.path}: {len(extra) - past_end} entries past the last record of "
+                                   f"{topic}/{qid} in the log")
     return report
 
 
@@ -77,7 +102,8 @@ def _check_topics(data_dir: Path, report: CheckReport) -> None:
     try:
         decode_topics(path.read_bytes())
     except CorruptRecord as e:
-        report.problems.append(f"{path}: {e.reason}")
+        report.problems.append(f"{path}: {e.reason} (a restart rebuilds the table from the queues and the log; "
+                               "queue counts of empty queues and accepted message types are lost)")
 
 
 def _check_checkpoint(data_dir: Path, report: CheckReport) -> int | None:
@@ -88,7 +114,7 @@ def _check_checkpoint(data_dir: Path, report: CheckReport) -> int | None:
     try:
         return decode_checkpoint(path.read_bytes())
     except CorruptRecord as e:
-        report.problems.append(f"{path}: {e.reason} (a restart replays the whole log)")
+        report.repairs.append(f"{path}: {e.reason} (a restart replays the whole log)")
         return None
 
 
@@ -120,21 +146,23 @@ def _load_queue(qdir: Path, report: CheckReport) -> _Queue | None:
         try:
             first = decode_cq_header(data)
         except CorruptRecord as e:
-            report.problems.append(f"{path}: {e.reason} (a restart rebuilds this queue)")
+            report.repairs.append(f"{path}: {e.reason} (a restart rebuilds this queue)")
             return None
         if first_offset is None:
             first_offset = first
         elif first != first_offset + len(entries):
-            report.problems.append(f"{path}: starts at {first}, expected {first_offset + len(entries)}")
+            report.repairs.append(f"{path}: starts at {first}, expected {first_offset + len(entries)} "
+                                  "(a restart rebuilds this queue)")
             return None
         body = data[CQ_HEADER_SIZE:]
         if len(body) % ENTRY_SIZE:
-            report.problems.append(f"{path}: {len(body) % ENTRY_SIZE} trailing bytes after the last whole entry")
+            report.repairs.append(f"{path}: {len(body) % ENTRY_SIZE} trailing bytes after the last whole entry "
+                                  "(a restart rebuilds this queue)")
         for j in range(len(body) // ENTRY_SIZE):
             try:
                 entries.append(decode_entry(body, j * ENTRY_SIZE))
             except CorruptRecord as e:
-                report.problems.append(f"{path}: entry {j}: {e.reason} (a restart rebuilds this queue)")
+                report.repairs.append(f"{path}: entry {j}: {e.reason} (a restart rebuilds this queue)")
                 return None
     report.cq_entries += len(entries)
     return _Queue(qdir, entries, first_offset or 0)
@@ -153,33 +181,63 @@ def _check_log(data_dir: Path, report: CheckReport, queues: dict[tuple[str, int]
         is_last = i == len(names) - 1
         data = path.read_bytes()
         report.segments += 1
+        base = files.parse_numbered(name, files.SEGMENT_SUFFIX) or 0
         try:
-            base = decode_segment_header(data)
+            if decode_segment_header(data) != base:
+                raise CorruptRecord("the base in the header differs from the file name")
         except CorruptRecord as e:
-            report.problems.append(f"{path}: {e.reason}")
-            return
+            report.problems.append(f"{path}: damaged segment header: {e.reason} (the records are read by the "
+                                   "base the file name gives)")
         if expected_base is None:
             report.log_start = base
         elif base != expected_base:
-            report.problems.append(f"{path}: base {base}, but the previous segment ends at {expected_base}")
+            report.problems.append(f"{path}: base {base}, but the previous segment ends at {expected_base}: "
+                                   "a segment is missing or misnamed; the broker refuses to start")
+        end = base + max(0, len(data) - SEGMENT_HEADER_SIZE)
         position = base
-        offset = SEGMENT_HEADER_SIZE
-        while offset < len(data):
+        while position < end:
+            offset = position - base + SEGMENT_HEADER_SIZE
             try:
                 size = check_frame(data, offset, position)
                 msg = decode_record(data, offset, expected_position=position)
             except CorruptRecord as e:
-                what = "torn tail (a restart truncates it)" if is_last else "damaged record"
-                report.problems.append(f"{path}: {what} at position {position}: {e.reason}; "
-                                       f"{len(data) - offset} bytes from there")
-                break
+                resume = _bad_record(report, path, data, base, position, end, e.reason, is_last)
+                if resume is None:  # a torn tail: the log a restart keeps ends here
+                    end = position
+                    break
+                position = resume
+                continue
             report.records += 1
             _check_entry(report, queues, msg.topic, msg.queue_id, msg.queue_offset, position, size,
                          tag_hash(msg.tag), checkpoint)
             position += size
-            offset += size
-        expected_base = position
+        expected_base = end
     report.log_end = expected_base or 0
+
+
+def _bad_record(report: CheckReport, path: Path, data: bytes, base: int, position: int, end: int, reason: str,
+                is_last: bool) -> int | None:
+    """Report the record at `position` that failed its checks; return where to read on (None:
+    a torn tail, where the log ends once a restart has truncated it)."""
+
+    def pread(at: int, size: int) -> bytes:
+        offset = at - base + SEGMENT_HEADER_SIZE
+        return data[offset:offset + size]
+
+    verdict, resume = classify(pread, check_frame, position, end)
+    if verdict == DAMAGED:
+        after = "valid records follow and are kept" if resume < end else "it is whole, so it may have been acknowledged"
+        report.problems.append(f"{path}: damaged bytes at positions [{position}, {resume}) "
+                               f"({resume - position} bytes): {reason}; {after}. A restart quarantines them "
+                               "(skips and reports them), it does not cut anything after them")
+        return resume
+    if is_last:
+        report.repairs.append(f"{path}: torn tail at position {position} ({end - position} bytes): {reason}; no valid "
+                              "record follows, so nothing acknowledged is in it. A restart truncates it")
+        return None
+    else:
+        report.problems.append(f"{path}: damaged bytes at positions [{position}, {end}) to the segment's end: {reason}")
+    return end
 
 
 def _check_entry(report: CheckReport, queues: dict[tuple[str, int], _Queue], topic: str, qid: int, qoff: int,
@@ -210,6 +268,14 @@ def format_report(report: CheckReport, data_dir: str | Path) -> str:
     lines += [f"  note: {n}" for n in report.notes[:20]]
     if len(report.notes) > 20:
         lines.append(f"  note: ... and {len(report.notes) - 20} more")
+    lines += [f"  REPAIR: {r}" for r in report.repairs]
     lines += [f"  PROBLEM: {p}" for p in report.problems]
-    lines.append("  OK" if report.ok else f"  DAMAGED: {len(report.problems)} problems")
+    if report.problems:
+        lines.append(f"  DAMAGED: {len(report.problems)} problems" +
+                     (f", {len(report.repairs)} repairs" if report.repairs else ""))
+    elif report.repairs:
+        lines.append(f"  REPAIRABLE: {len(report.repairs)} findings a restart repairs without losing "
+                     "anything acknowledged")
+    else:
+        lines.append("  OK")
     return "\n".join(lines)

@@ -10,8 +10,12 @@ Theory of operation:
   worker thread, each covering everything written so far: concurrent producers share one fsync
   (group commit). With `flush="async"` the flusher runs every `flush_interval_ms` instead.
 - Before rolling, the old segment is fsynced, so only the last segment can hold a torn tail.
-  `open()` scans the last segment from the checkpoint (or its start) and truncates at the first
-  record that fails its checks. Damage anywhere else is reported, never silently cut.
+  `open()` scans the last segment from the checkpoint (or its start); at a record that fails its
+  checks it asks `store/damage.py` whether that is a torn tail (truncated: nothing acknowledged
+  is in it) or damage (quarantined: the bad bytes are skipped and reported, every valid record
+  after them is kept). Damage found later, by a scan or a read, is quarantined the same way.
+  A segment whose header is damaged is read by the base its name gives; only a broken chain (a
+  segment missing or misnamed) refuses to open (`LogDamaged`).
 - `on_durable(end)` lets the broker dispatch what is now durable: visibility follows durability.
 - Any fsync error fails the log for good (`store/fsync.py` says why): every waiting sender gets
   `FlushFailed`, every later write is refused, nothing more is called durable, and `on_failed`
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import logging
 import os
 import struct
 from collections.abc import Callable, Iterator
@@ -37,6 +42,7 @@ import crc32c
 from chronoq.errors import BrokerClosed, CorruptRecord, FlushFailed, FsyncFailed, ServerError
 from chronoq.model import StoredMessage
 from chronoq.store import files, fsync
+from chronoq.store.damage import DAMAGED, Damage, DamageRegistry, classify
 from chronoq.store.record import HEADER, HEADER_SIZE, RECORD_MAGIC, RECORD_VERSION, decode_record
 
 SEGMENT_MAGIC = b"CHRONOQL"
@@ -44,6 +50,7 @@ SEGMENT_VERSION = 1
 SEGMENT_HEADER = struct.Struct(">8sIQI")
 SEGMENT_HEADER_SIZE = SEGMENT_HEADER.size  # 24
 SCAN_CHUNK_BYTES = 4 * 1024 * 1024
+log = logging.getLogger("chronoq.store")
 
 
 class LogDamaged(ServerError):
@@ -110,6 +117,10 @@ class RecoveryReport:
     truncated_at: int | None = None
     reason: str = ""
     removed_files: list[str] = field(default_factory=list)
+    damaged: list[Damage] = field(default_factory=list)
+    """Quarantined ranges found in the last segment (kept, not truncated)."""
+    damaged_headers: list[str] = field(default_factory=list)
+    """Segments whose header failed its checks; read by the base their name gives."""
 
 
 class CommitLog:
@@ -132,6 +143,7 @@ class CommitLog:
         self.on_failed: Callable[[str], None] | None = None
         """Called once, with the reason, when the log fails for good."""
         self.fsync_count = 0
+        self.damage = DamageRegistry()
 
     # -- opening and recovery ---------------------------------------------------------------
 
@@ -156,18 +168,22 @@ class CommitLog:
             is_last = i == len(names) - 1
             with open(path, "rb") as f:
                 head = f.read(SEGMENT_HEADER_SIZE)
+            base = base_from_name
             try:
-                base = decode_segment_header(head)
-                if base != base_from_name:
-                    raise CorruptRecord(f"header base {base} differs from the file name")
+                if decode_segment_header(head) != base_from_name:
+                    raise CorruptRecord("the base in the header differs from the file name")
             except CorruptRecord as e:
                 if is_last and len(head) < SEGMENT_HEADER_SIZE:
                     # A roll interrupted before its header reached the disk: nothing in it.
                     path.unlink()
                     report.removed_files.append(name)
                     continue
-                raise LogDamaged(str(path), e.message) from None
-            size = path.stat().st_size - SEGMENT_HEADER_SIZE
+                # Records name their own positions, so the name's base is checked record by
+                # record; the header is only a label. Reported, not fatal.
+                report.damaged_headers.append(f"{path}: {e.reason}")
+                log.error("commit-log segment %s: damaged header (%s); reading it by its name's base %d",
+                          path, e.reason, base)
+            size = max(0, path.stat().st_size - SEGMENT_HEADER_SIZE)
             if self._segments and self._segments[-1].end != base:
                 raise LogDamaged(str(path), f"base {base} does not follow the previous segment's end "
                                             f"{self._segments[-1].end}")
@@ -176,25 +192,68 @@ class CommitLog:
         if not self._segments:
             self._new_segment(0)
             return report
-        self._truncate_torn_tail(scan_from, report)
+        self._recover_tail(scan_from, report)
         return report
 
-    def _truncate_torn_tail(self, scan_from: int, report: RecoveryReport) -> None:
+    def _recover_tail(self, scan_from: int, report: RecoveryReport) -> None:
+        """Walk the last segment from `scan_from`: quarantine damage, truncate a torn tail."""
         seg = self._segments[-1]
-        start = scan_from if seg.base <= scan_from <= seg.end else seg.base
-        valid_end = start
-        for position, size, err in self._frames(seg, start):
-            if err is not None:
-                report.truncated_at = position
-                report.reason = err
-                break
-            valid_end = position + size
-        else:
+        position = scan_from if seg.base <= scan_from <= seg.end else seg.base
+        while True:
+            bad: tuple[int, str] | None = None
+            for frame_position, size, err in self._frames(seg, position):
+                if err is not None:
+                    bad = (frame_position, err)
+                    break
+                position = frame_position + size
+            if bad is None:
+                return
+            bad_position, reason = bad
+            verdict, resume = classify(self._pread(seg), check_frame, bad_position, seg.end)
+            if verdict == DAMAGED:
+                damage = Damage(bad_position, resume, reason, str(seg.path))
+                self.damage.add(damage)
+                report.damaged.append(damage)
+                log.error("commit log: quarantined damaged bytes [%d, %d) in %s (%s); the %s after them are kept",
+                          damage.start, damage.end, seg.path, reason,
+                          "records" if resume < seg.end else "bytes")
+                position = resume
+                continue
+            report.truncated_at = bad_position
+            report.reason = reason
+            report.truncated_bytes = seg.end - bad_position
+            os.ftruncate(seg.fd, bad_position - seg.base + SEGMENT_HEADER_SIZE)
+            fsync.fsync(seg.fd, seg.path)
+            seg.data_size = bad_position - seg.base
             return
-        report.truncated_bytes = seg.end - valid_end
-        os.ftruncate(seg.fd, valid_end - seg.base + SEGMENT_HEADER_SIZE)
-        fsync.fsync(seg.fd, seg.path)
-        seg.data_size = valid_end - seg.base
+
+    @staticmethod
+    def _pread(seg: Segment) -> Callable[[int, int], bytes]:
+        def pread(position: int, size: int) -> bytes:
+            return os.pread(seg.fd, size, position - seg.base + SEGMENT_HEADER_SIZE)
+        return pread
+
+    def quarantine(self, position: int, reason: str) -> Damage:
+        """The record at `position` failed its checks on a read or scan: find where valid records
+        resume, remember the range (once), and return it. Never truncates: this is not recovery.
+        A record whose frame is sound (length, position, CRC32C) but that does not decode is
+        quarantined alone."""
+        seg = self._segment_for(position)
+        known = self.damage.known(position)
+        if known is not None:
+            return known
+        pread = self._pread(seg)
+        size = _sound_frame_size(pread, position, seg.end)
+        if size is not None:
+            end = position + size
+        else:
+            verdict, resume = classify(pread, check_frame, position, seg.end)
+            end = resume if verdict == DAMAGED else seg.end
+        damage = Damage(position, end, reason, str(seg.path))
+        if self.damage.add(damage):
+            log.error("commit log: quarantined damaged bytes [%d, %d) in %s (%s)",
+                      damage.start, damage.end, seg.path, reason)
+        return damage
 
     def _frames(self, seg: Segment, start: int) -> Iterator[tuple[int, int, str | None]]:
         """(position, size, error) for each record of `seg` from `start`; stops after an error."""
@@ -417,31 +476,55 @@ class CommitLog:
         return os.pread(seg.fd, size, position - seg.base + SEGMENT_HEADER_SIZE)
 
     def read(self, position: int, size: int) -> StoredMessage:
+        """The record at `position`, `size` bytes as an index says. CorruptRecord if it fails
+        its checks (`is_damaged` tells a damaged record from an index that is wrong about it)."""
         msg = decode_record(self.read_bytes(position, size), expected_position=position)
         if msg.size != size:  # the index that gave `size` disagrees with the log
             raise CorruptRecord(f"record is {msg.size} bytes, the caller's index says {size}", position)
         return msg
 
+    def is_damaged(self, position: int) -> bool:
+        """Whether the record starting at `position` fails its own checks (read by the size it
+        states, not by any index's)."""
+        seg = self._segment_for(position)
+        pread = self._pread(seg)
+        size = _sound_frame_size(pread, position, seg.end)
+        if size is None:
+            return True
+        try:
+            decode_record(pread(position, size), expected_position=position)
+        except CorruptRecord:
+            return True
+        return False
+
     def contains(self, position: int) -> bool:
         return self.start_position <= position < self.end_position
 
     def scan(self, start: int, end: int | None = None) -> Iterator[StoredMessage]:
-        """Decode records from `start` (a record boundary) up to `end` (default: the log's end)."""
+        """Decode records from `start` (a record boundary) up to `end` (default: the log's end),
+        stepping over damage (quarantined, see `quarantine`)."""
         stop = self.end_position if end is None else min(end, self.end_position)
         position = max(start, self.start_position)
         while position < stop:
             seg = self._segment_for(position)
-            for pos, buf, offset in _record_buffers(seg, position, min(stop, seg.end)):
-                msg = decode_record(buf, offset, expected_position=pos)
+            seg_stop = min(stop, seg.end)
+            for pos, buf, offset in _record_buffers(seg, position, seg_stop):
+                try:
+                    msg = decode_record(buf, offset, expected_position=pos)
+                except CorruptRecord as e:
+                    position = self.quarantine(pos, e.reason).end
+                    break
                 position = pos + msg.size
                 yield msg
-            position = max(position, min(stop, seg.end))
+            else:
+                position = max(position, seg_stop)
 
     # -- retention --------------------------------------------------------------------------
 
     def delete_segments_before(self, position: int) -> list[Path]:
         """Delete whole segments that end at or before `position` (never the active one)."""
         removed: list[Path] = []
+        self.damage.drop_before(min(position, self._segments[-1].base))
         while len(self._segments) > 1 and self._segments[0].end <= position:
             seg = self._segments.pop(0)
             self._bases.pop(0)
@@ -498,6 +581,21 @@ def _record_buffers(seg: Segment, start: int, stop: int) -> Iterator[tuple[int, 
         if size < HEADER_SIZE:
             return  # the consumer raised or stopped on a bad record; nothing sane follows
         position += size
+
+
+def _sound_frame_size(pread: Callable[[int, int], bytes], position: int, end: int) -> int | None:
+    """The size of the record at `position` if its frame passes `check_frame` (read by the size
+    it states), else None."""
+    head = pread(position, HEADER_SIZE)
+    if len(head) < HEADER_SIZE:
+        return None
+    total = int.from_bytes(head[:4], "big")
+    if total < HEADER_SIZE or position + total > end:
+        return None
+    try:
+        return check_frame(pread(position, total), 0, position)
+    except CorruptRecord:
+        return None
 
 
 def _fsync_all(fds: list[tuple[int, Path]]) -> None:

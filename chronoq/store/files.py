@@ -9,12 +9,16 @@
       groups/                       consumer-group state (RocksDB)
       timer/                        the timer index (RocksDB)
       trace/                        delivery trace journal (when tracing is on)
+      topics.damaged-<ms>, groups.damaged-<ms>   a damaged topic table or consumer-group store,
+                                    moved aside (kept for inspection) when the broker started
+                                    without it; chronoq never reads them again
 
 `docs/disk-format.md` gives each file's byte layout.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 LOCK = "LOCK"
@@ -27,6 +31,12 @@ CQ_SUFFIX = ".cq"
 GROUPS_DIR = "groups"
 TIMER_DIR = "timer"
 TRACE_DIR = "trace"
+
+
+def damaged_name(path: Path) -> Path:
+    """Where a damaged file or directory is moved aside: `<name>.damaged-<wall-clock ms>` (the
+    time only tells a person when; nothing reads it back)."""
+    return path.with_name(f"{path.name}.damaged-{time.time_ns() // 1_000_000}")
 
 
 def segment_name(base_position: int) -> str:

@@ -20,26 +20,39 @@ and finding the next due entry then means skipping those tombstones on every rec
 costs nothing per ack (stale heap items are dropped when they surface, or by a rebuild).
 In-flight value, version 1: version u8 | attempt u16 | visible_ms u64 | nonce u32 | position u64 |
 size u32 | first_delivery_ms u64.
+
+Damage and restored files. This store is durable state, not derived: nothing rebuilds it. If it
+cannot be opened or read (a damaged file, a half-copied directory), `open_or_reset` moves it
+aside as `groups.damaged-<ms>` (kept for inspection) and starts empty: every group then receives
+the retained log again from its start. At least once, so nothing is lost; the alternative, a
+broker that cannot start, serves nobody. And offsets can be ahead of the consume queues (the
+store restored from a later copy than the log, a log cut back by recovery): `clamp` brings each
+back to its queue's end and drops in-flight entries past it, so the group receives what is
+appended there next instead of skipping it.
 """
 
 from __future__ import annotations
 
 import base64
 import heapq
+import logging
 import os
 import shutil
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import crc32c
 from rocksdict import BlockBasedOptions, Cache, Options, Rdict, WriteBatch, WriteOptions
 
-from chronoq.errors import CorruptRecord, InvalidReceiptHandle
-from chronoq.store import fsync
+from chronoq.errors import CorruptRecord, DataDirLocked, InvalidReceiptHandle, UnsupportedVersion
+from chronoq.store import files, fsync
 
 GROUPS_FORMAT_VERSION = 1
+LEGACY_SCHEDULE_GROUP = "%SCHEDULE%"
+"""Delay-level progress lived here as this group's offsets before the timer index kept it."""
+log = logging.getLogger("chronoq.store")
 _INFLIGHT = struct.Struct(">BHQIQIQ")
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
@@ -123,21 +136,31 @@ class GroupStore:
         fsync.make_dirs(directory)  # the store is durable state: its name must survive a power loss
         opts = _db_options(block_cache_bytes, write_buffer_bytes)
         self.directory = directory
-        self._db = Rdict(str(directory), opts)
+        try:
+            self._db = Rdict(str(directory), opts)
+        except Exception as exc:
+            if "LOCK:" in str(exc) or "lock hold" in str(exc):
+                raise DataDirLocked(str(directory)) from exc
+            raise
         self._wo = WriteOptions()
         self._wo.sync = False
-        version = self._db.get(b"meta:version")
-        if version is None:
-            self._db.put(b"meta:version", _U32.pack(GROUPS_FORMAT_VERSION), self._wo)
-        elif _U32.unpack(version)[0] != GROUPS_FORMAT_VERSION:
-            from chronoq.errors import UnsupportedVersion
-            raise UnsupportedVersion("groups store", _U32.unpack(version)[0], GROUPS_FORMAT_VERSION)
-        self._offsets: dict[tuple[str, str, int], int | None] = {}
+        self._offsets: dict[tuple[str, str, int], int] = {}
         self._inflight: dict[tuple[str, str], dict[tuple[int, int], InFlight]] = {}
         self._heaps: dict[tuple[str, str], list[tuple[int, int, int, int]]] = {}
-        self._load()
+        try:
+            version = self._db.get(b"meta:version")
+            if version is None:
+                self._db.put(b"meta:version", _U32.pack(GROUPS_FORMAT_VERSION), self._wo)
+            elif len(version) != 4 or _U32.unpack(version)[0] != GROUPS_FORMAT_VERSION:
+                raise UnsupportedVersion("groups store", int.from_bytes(version, "big"), GROUPS_FORMAT_VERSION)
+            self._load()
+        except BaseException:
+            self._db.close()
+            raise
 
     def _load(self) -> None:
+        """Read every offset and in-flight entry now, so damage shows at open (where it can be
+        handled) rather than in the middle of a receive."""
         for key, raw in self._db.items(from_key=b"i"):
             if not key.startswith(b"i"):
                 break
@@ -145,6 +168,57 @@ class GroupStore:
             qid, offset = _QO.unpack(rest)
             e = _decode_inflight(group_b.decode(), topic_b.decode(), qid, offset, raw)
             self._remember(e)
+        for key, raw in self._db.items(from_key=b"o"):
+            if not key.startswith(b"o"):
+                break
+            group_b, topic_b, rest = key[1:].split(b"\x00", 2)
+            if len(rest) != 4 or len(raw) != 8:
+                raise CorruptRecord(f"offset entry {key!r} -> {raw!r}")
+            self._offsets[(group_b.decode(), topic_b.decode(), _U32.unpack(rest)[0])] = _U64.unpack(raw)[0]
+
+    @classmethod
+    def open_or_reset(cls, directory: Path, *, block_cache_bytes: int = BLOCK_CACHE_BYTES,
+                      write_buffer_bytes: int = WRITE_BUFFER_BYTES) -> tuple[GroupStore, str | None]:
+        """Open the store; if it is damaged, move it aside and start empty. Returns the store and,
+        after a reset, what was wrong and where the damaged copy is."""
+        try:
+            return cls(directory, block_cache_bytes=block_cache_bytes, write_buffer_bytes=write_buffer_bytes), None
+        except (DataDirLocked, UnsupportedVersion):
+            raise  # not damage: another broker holds it, or a newer chronoq wrote it
+        except Exception as exc:  # RocksDB reports damage as a plain exception; so does a bad value
+            aside = files.damaged_name(directory)
+            os.rename(directory, aside)
+            fsync.fsync_dir(directory.parent)
+            reason = f"consumer-group store {directory} is damaged ({exc}); moved to {aside}, starting empty: " \
+                     "every group receives the retained log again (at least once)"
+            log.error("%s", reason)
+            store = cls(directory, block_cache_bytes=block_cache_bytes, write_buffer_bytes=write_buffer_bytes)
+            return store, reason
+
+    def clamp(self, queue_end: Callable[[str, int], int]) -> int:
+        """Bring every offset past its queue's end (`queue_end(topic, queue_id)`) back to it, and
+        drop in-flight entries at or past it; returns how many were changed. Also drops the
+        delay-level progress that older versions kept here (the timer index keeps it now)."""
+        offsets: list[tuple[str, str, int, int]] = []
+        remove: list[InFlight] = []
+        for (group, topic, qid), offset in list(self._offsets.items()):
+            if offset is not None and offset > queue_end(topic, qid):
+                offsets.append((group, topic, qid, queue_end(topic, qid)))
+        for entries in self._inflight.values():
+            remove.extend(e for e in entries.values() if e.offset >= queue_end(e.topic, e.queue_id))
+        legacy = [key for key in self._offsets if key[0] == LEGACY_SCHEDULE_GROUP]
+        if offsets or remove:
+            log.warning("consumer-group offsets ahead of their queues (files restored from different times?): "
+                        "%d offsets moved back to their queue's end, %d in-flight entries dropped",
+                        len(offsets), len(remove))
+            self.commit(offsets=offsets, remove=remove)
+        if legacy:
+            wb = WriteBatch(raw_mode=True)
+            for group, topic, qid in legacy:
+                wb.delete(b"o" + _gt(group, topic) + _U32.pack(qid))
+                del self._offsets[(group, topic, qid)]
+            self._db.write(wb, self._wo)
+        return len(offsets) + len(remove)
 
     def close(self) -> None:
         self._db.close()
@@ -157,23 +231,11 @@ class GroupStore:
     # -- offsets ----------------------------------------------------------------------------
 
     def offset(self, group: str, topic: str, queue_id: int) -> int | None:
-        key = (group, topic, queue_id)
-        if key not in self._offsets:
-            raw = self._db.get(b"o" + _gt(group, topic) + _U32.pack(queue_id))
-            self._offsets[key] = None if raw is None else _U64.unpack(raw)[0]
-        return self._offsets[key]
+        return self._offsets.get((group, topic, queue_id))  # every stored offset is loaded at open
 
     def groups(self) -> Iterator[tuple[str, str]]:
         """(group, topic) pairs with stored offsets."""
-        seen: set[tuple[str, str]] = set()
-        for key in self._db.keys(from_key=b"o"):
-            if not key.startswith(b"o"):
-                break
-            group, topic, _ = key[1:].split(b"\x00", 2)
-            pair = (group.decode(), topic.decode())
-            if pair not in seen:
-                seen.add(pair)
-                yield pair
+        yield from sorted({(group, topic) for group, topic, _ in self._offsets})
 
     # -- in flight --------------------------------------------------------------------------
 

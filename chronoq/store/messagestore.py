@@ -7,16 +7,24 @@ records: appends their consume-queue entries and hands them to the dispatch list
 engine, long-polling receivers). So nothing is visible to a consumer before it is durable.
 
 Recovery (`open`) in order: lock the directory; read the topic table; open the log, truncating a
-torn tail; load each consume queue, dropping entries past the log's end and marking damaged ones
-for rebuild; replay the log from the checkpoint's dispatched position (idempotent: an entry is
-appended only where the queue is missing it); rebuild damaged queues from the whole log.
+torn tail and quarantining damage (`store/damage.py`); load each consume queue, dropping entries
+past the log's end and marking damaged ones for rebuild; replay the log from the checkpoint's
+dispatched position (idempotent: an entry is appended only where the queue is missing it);
+rebuild damaged queues from the whole log. A queue offset whose record was lost to damage gets a
+*hole* entry (size 0) so the queue stays dense and readers step over it.
 The store knows nothing of consumers or timers: listeners and the broker own those meanings.
+
+Reads (`read_at`) return None for a record retention removed or a hole, and raise
+`CorruptRecord` for a damaged one, after quarantining it: each caller decides what a lost
+record means to it (skip it, drop an in-flight entry, mark a timer damaged). `readable` is the
+same read for callers to whom damage means "skip".
 """
 
 from __future__ import annotations
 
 import fcntl
 import itertools
+import logging
 import os
 import shutil
 from collections import deque
@@ -25,7 +33,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from chronoq.config import Config
-from chronoq.errors import DataDirLocked, FlushFailed, FsyncFailed, InvalidQueueId, TopicExists, TopicNotFound
+from chronoq.errors import (
+    CorruptRecord,
+    DataDirLocked,
+    FlushFailed,
+    FsyncFailed,
+    InvalidQueueId,
+    TopicExists,
+    TopicNotFound,
+)
 from chronoq.model import MessageType, StoredMessage, TopicConfig
 from chronoq.store import files, fsync
 from chronoq.store.commitlog import CommitLog, RecoveryReport
@@ -34,6 +50,7 @@ from chronoq.store.meta import decode_topics, encode_checkpoint, encode_topics, 
 from chronoq.store.record import encode_record
 
 DispatchListener = Callable[[list[StoredMessage]], None]
+log = logging.getLogger("chronoq.store")
 
 
 @dataclass(slots=True)
@@ -61,6 +78,12 @@ class OpenReport:
     rebuilt_queues: list[str] = field(default_factory=list)
     truncated_cq_entries: int = 0
     checkpoint: int | None = None
+    hole_entries: int = 0
+    """Queue offsets whose records were lost to damage (hole entries written by a rebuild)."""
+    groups_reset: str | None = None
+    """Set (by the broker) when the consumer-group store was damaged and started empty."""
+    topics_damaged: str | None = None
+    """Set when the topic table was damaged and rebuilt (what was lost, and where the old one is)."""
 
 
 class MessageStore:
@@ -74,6 +97,8 @@ class MessageStore:
         self._undispatched: deque[StoredMessage] = deque()
         self.dispatched_position = 0
         self.listeners: list[DispatchListener] = []
+        self.skipped_damaged = 0
+        """Reads that stepped over a damaged record (each range is logged once, when found)."""
         self._lock_fd: int | None = None
         self.log: CommitLog
 
@@ -106,16 +131,14 @@ class MessageStore:
             self._lock_fd = None
 
     def _recover(self) -> OpenReport:
-        topics_path = self.dir / files.TOPICS
-        if topics_path.exists():
-            self.topics = {t.name: t for t in decode_topics(topics_path.read_bytes())}
+        topics_damaged = self._load_topics()
         checkpoint = read_checkpoint(self.dir / files.CHECKPOINT)
         self.log, log_report = CommitLog.open(
             self.dir / files.COMMITLOG_DIR, segment_size_bytes=self.config.segment_size_bytes,
             flush=self.config.flush, flush_interval_ms=self.config.flush_interval_ms,
             scan_from=checkpoint or 0,
         )
-        report = OpenReport(log=log_report, checkpoint=checkpoint)
+        report = OpenReport(log=log_report, checkpoint=checkpoint, topics_damaged=topics_damaged)
         damaged: set[tuple[str, int]] = set()
         queues_root = self.dir / files.QUEUES_DIR
         if queues_root.exists():
@@ -159,7 +182,7 @@ class MessageStore:
                 continue
             cq.append(msg.position, msg.size, tag_hash(msg.tag))
         if damaged:
-            self._rebuild(damaged)
+            report.hole_entries = self._rebuild(damaged)
             for key in damaged:
                 self._cqs[key].ensure_file()
             report.rebuilt_queues = sorted(f"{t}/{q}" for t, q in damaged)
@@ -170,8 +193,37 @@ class MessageStore:
         self.checkpoint()
         return report
 
-    def _rebuild(self, keys: set[tuple[str, int]]) -> None:
-        """Rebuild the named consume queues from the whole retained log."""
+    def _load_topics(self) -> str | None:
+        """Read the topic table. A damaged one is moved aside (`topics.damaged-<n>`) and rebuilt
+        from what else says which topics exist: the queue directories (one per queue, made when
+        the topic was created) here, the log's records during replay. What only the table knew
+        is lost and said so: the accepted message types (all are accepted again) and the
+        creation time (0). Returns the reason, or None when the table was sound."""
+        path = self.dir / files.TOPICS
+        if not path.exists():
+            return None
+        try:
+            self.topics = {t.name: t for t in decode_topics(path.read_bytes())}
+            return None
+        except CorruptRecord as e:
+            reason = e.reason
+        aside = files.damaged_name(path)
+        os.rename(path, aside)
+        queues_root = self.dir / files.QUEUES_DIR
+        for name in sorted(os.listdir(queues_root)) if queues_root.is_dir() else []:
+            qids = [int(q) for q in os.listdir(queues_root / name) if q.isdigit()]
+            if qids:
+                self.topics[name] = TopicConfig(name, max(qids) + 1, frozenset(MessageType), 0)
+        self._save_topics()
+        message = (f"topic table {path} is damaged ({reason}); moved to {aside.name} and rebuilt from the queues: "
+                   f"{len(self.topics)} topics, every message type accepted again")
+        log.error("%s", message)
+        return message
+
+    def _rebuild(self, keys: set[tuple[str, int]]) -> int:
+        """Rebuild the named consume queues from the whole retained log; returns the hole
+        entries written (queue offsets whose records the scan stepped over as damaged)."""
+        holes = 0
         for msg in self.log.scan(self.log.start_position):
             key = (msg.topic, msg.queue_id)
             if key not in keys:
@@ -179,8 +231,14 @@ class MessageStore:
             cq = self._cqs[key]
             if cq.is_empty and msg.queue_offset > cq.next_offset:
                 cq.set_start(msg.queue_offset)  # earlier records were removed by retention
+            while msg.queue_offset > cq.next_offset:
+                # A gap inside the retained log: those records were lost to damage. A hole keeps
+                # the queue dense (entry i is offset i) and tells readers to step over it.
+                cq.append(msg.position, 0, 0)
+                holes += 1
             if msg.queue_offset == cq.next_offset:
                 cq.append(msg.position, msg.size, tag_hash(msg.tag))
+        return holes
 
     def _ensure_topic_for(self, msg: StoredMessage) -> None:
         topic = self.topics.get(msg.topic)
@@ -324,10 +382,26 @@ class MessageStore:
         return list(self._cqs)
 
     def read_at(self, position: int, size: int) -> StoredMessage | None:
-        """The record at `position`, or None when retention has removed it."""
-        if position < self.log.start_position:
+        """The record at `position`; None when retention has removed it or the queue entry is a
+        hole (size 0: lost to damage). Raises CorruptRecord when the record is damaged, after
+        quarantining the bytes (`CommitLog.quarantine`)."""
+        if position < self.log.start_position or size == 0:
             return None
-        return self.log.read(position, size)
+        try:
+            return self.log.read(position, size)
+        except CorruptRecord as e:
+            if self.log.contains(position) and self.log.is_damaged(position):
+                self.log.quarantine(position, e.reason)
+            raise
+
+    def readable(self, position: int, size: int) -> StoredMessage | None:
+        """`read_at` for callers to whom a damaged record means "skip it" (it is quarantined and
+        reported once; the reader goes on with the next record)."""
+        try:
+            return self.read_at(position, size)
+        except CorruptRecord:
+            self.skipped_damaged += 1
+            return None
 
     def scan(self, start: int, end: int | None = None) -> Iterator[StoredMessage]:
         return self.log.scan(start, end)

@@ -20,13 +20,21 @@ Within one batch the engine applies adds, then rolls, then fired marks, then can
 the order the log imposes on records about the *same* timer (a timer record precedes anything
 that refers to it), and where a cancel and a fired copy for one timer meet in the same batch the
 fired copy wins: it is in the log, so consumers can see the message, and calling it cancelled
-would lie.
+would lie. A cancel carries its tombstone's log position and reaches only timers recorded before
+it (a rolled copy counts from its original's position): a timer resent with the same id after
+a cancel, in the same batch, is a new timer the cancel must not touch.
+
+Delay-level progress (the next offset of each level's queue to fire) is derived state too, and
+lives in the engine with `indexed_position`, written in the same atomic batch: the fired copies
+that move it are in the log, so a replay restores it, and it can never be ahead of or behind the
+position it was derived up to (two stores with separate write-ahead logs could disagree after a
+power loss, and a delay-level message would fire twice).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from chronoq.errors import ServerError
@@ -60,12 +68,18 @@ class IndexBatch:
     """Log records to apply atomically, with the log position they bring the index to."""
 
     adds: Sequence[TimerEntry] = ()
-    cancels: Sequence[tuple[str, str, int]] = ()
-    """(topic, message_id, cancelled_ms). Cancels every pending timer with that id on that topic."""
+    cancels: Sequence[tuple[str, str, int, int]] = ()
+    """(topic, message_id, cancelled_ms, tombstone position). Cancels every pending timer with that
+    id on that topic recorded before the tombstone."""
     fired: Sequence[tuple[int, int]] = ()
     """(timer record position, fired_ms): the fired copy became visible at fired_ms."""
     rolled: Sequence[tuple[int, TimerEntry]] = ()
     """(old position, entry at its new position; same message id, topic and due time)."""
+    damaged: Sequence[tuple[int, int]] = ()
+    """(timer record position, when): pending timers whose record is damaged in the log. They
+    leave the pending set as DAMAGED instead of firing (they cannot be read)."""
+    level_progress: Mapping[int, int] = field(default_factory=dict)
+    """Delay level -> the next offset of its queue to fire (only moves forward)."""
     indexed_position: int = 0
     """Exclusive end of the log range this batch covers. Must not be below the engine's."""
     applied_ms: int | None = None
@@ -123,9 +137,13 @@ class TimerEngine(Protocol):
         """Pending timers due within second `slot_s` (deliver_at_ms // 1000 == slot_s)."""
         ...
 
-    def pending_in(self, start_position: int, end_position: int) -> list[TimerEntry]:
+    def pending_in(self, start_position: int, end_position: int, limit: int | None = None) -> list[TimerEntry]:
         """Pending entries whose timer record lies in [start_position, end_position), in log
-        order: what must be rolled forward before that stretch of log is deleted."""
+        order, at most `limit`: what must be rolled forward before that stretch of log is deleted."""
+        ...
+
+    def level_progress(self, level: int) -> int | None:
+        """The next offset of delay level `level`'s queue to fire; None if none has fired."""
         ...
 
     def metrics(self, now_ms: int) -> TimerMetricsSnapshot: ...

@@ -42,7 +42,7 @@ This module owns the database, its lifecycle and the queries; `index_txn.py` tur
 into one WriteBatch; `index_codec.py` holds the encoders for the layouts below. Only the
 broker's timer task calls in (single-threaded; nothing here takes a lock or reads the clock).
 
-Byte layouts (format version 1; all integers big-endian; str = u16 length + UTF-8 bytes)
+Byte layouts (format version 2; all integers big-endian; str = u16 length + UTF-8 bytes)
 ------------------------------------------------------------------------------------------
 column family `time` (pending timers only):
     key   = deliver_at_ms u64 | position u64                                  (16 bytes)
@@ -59,7 +59,7 @@ column family `pos` (log position -> what became of the timer recorded there, un
     key   = position u64
     value = kind u8 = 1 (pending)     | deliver_at_ms i64 | the `id` key (rest of the value)
           | kind u8 = 2 (rolled away) | new position u64 | deliver_at_ms i64
-          | kind u8 = 3 (done)        | state u8 (2 delivered, 3 cancelled) | done_ms i64
+          | kind u8 = 3 (done)        | state u8 (2 delivered, 3 cancelled, 4 damaged) | done_ms i64
 column family `history` (what `prune_history` may forget, in time order):
     key   = done_ms u64 | position u64      (done_ms = fired/cancelled ms; due time for kind 2)
     value = kind u8 = 1 (finished timer: its `id`, `key` and `pos` rows go) | the `id` key
@@ -71,8 +71,9 @@ column family `counters`:
     b"t" | topic UTF-8 -> i64 pending on that topic
     (a counter, or a minute of zeros, that reaches 0 is deleted)
 column family `meta`:
-    b"format_version"   -> u32 (=1)
+    b"format_version"   -> u32 (=2; version 1 kept delay-level progress elsewhere: rebuilt)
     b"indexed_position" -> u64
+    b"level:" | level u16 -> u64: the next offset of that delay level's queue to fire
     b"head_floor"       -> a `time` key at or below every pending timer (empty: none pending);
                            open seeks the head from there, not through fired timers' tombstones
 (RocksDB's own `default` column family exists and stays empty.)
@@ -119,10 +120,12 @@ from chronoq.timer.index_codec import (
     META_FORMAT_VERSION,
     META_HEAD_FLOOR,
     META_INDEXED_POSITION,
+    META_LEVEL_PREFIX,
     POS_DONE,
     POS_PENDING,
     POS_ROLLED,
     TIME_KEY,
+    U16,
     U32,
     U64,
     MalformedValue,
@@ -140,7 +143,7 @@ from chronoq.timer.index_codec import (
 from chronoq.timer.index_txn import IndexTxn
 from chronoq.timer.metrics import TimerLatencies, TimerMetricsSnapshot, pending_by_due
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 _PRUNE_CHUNK = 10_000
@@ -274,6 +277,8 @@ class RocksTimerIndex:
         """minute -> pending per second of it (60 counts); only minutes with a pending timer."""
         self._hour_counts: dict[int, int] = {}
         self._head: bytes | None = None
+        self._levels: dict[int, int] = {}
+        """Delay level -> next offset to fire (mirror of the `level:` meta keys)."""
         self._latencies = TimerLatencies()
         self._handed: dict[int, tuple[bytes, bytes]] = {}
         """position -> (`time` key, value) of what `due()` has handed out and not yet seen
@@ -364,6 +369,11 @@ class RocksTimerIndex:
                     self._minute_slots[U64.unpack_from(key, 1)[0]] = decode_minute_slots(value)
             for key, value in counters.items(from_key=b"t", read_opt=_read_bounded(b"u")):
                 self._topic_counts[key[1:].decode()] = self._counter_value(value)
+            for key, value in meta.items(from_key=META_LEVEL_PREFIX,
+                                         read_opt=_read_bounded(prefix_end(META_LEVEL_PREFIX))):
+                if len(key) != len(META_LEVEL_PREFIX) + 2 or len(value) != 8:
+                    raise MalformedValue(f"level progress {key!r} -> {value!r}")
+                self._levels[U16.unpack_from(key, len(META_LEVEL_PREFIX))[0]] = U64.unpack(value)[0]
             floor = meta.get(META_HEAD_FLOOR)
             if floor is None or len(floor) not in (0, TIME_KEY.size):
                 raise MalformedValue(f"head floor {floor!r}")
@@ -412,6 +422,13 @@ class RocksTimerIndex:
             yield
         except (MalformedValue, struct.error, UnicodeDecodeError) as exc:
             raise TimerIndexCorrupt(self._path, f"undecodable value: {exc}") from exc
+        except TimerIndexCorrupt:
+            raise
+        except Exception as exc:
+            # RocksDB reports a bad block or file as an exception whose text starts "Corruption".
+            if "Corruption" in str(exc) or "corruption" in str(exc):
+                raise TimerIndexCorrupt(self._path, str(exc)) from exc
+            raise
 
     @property
     def path(self) -> Path:
@@ -446,20 +463,35 @@ class RocksTimerIndex:
             if type(position) is not int or type(fired_ms) is not int or not (
                     0 <= position < _LIMIT_63 and 0 <= fired_ms < _LIMIT_63):
                 raise ValueError(f"fired mark ({position!r}, {fired_ms!r}) must be two ints in [0, 2**63)")
-        for topic, message_id, cancelled_ms in batch.cancels:
+        for topic, message_id, cancelled_ms, tombstone_position in batch.cancels:
             _check_u63("cancelled_ms", cancelled_ms)
+            _check_u63("tombstone position", tombstone_position)
             id_prefix(message_id, topic)  # refuses ids and topics the layout cannot hold
+        for position, damaged_ms in batch.damaged:
+            _check_u63("damaged position", position)
+            _check_u63("damaged_ms", damaged_ms)
+        for level, offset in batch.level_progress.items():
+            if type(level) is not int or not 0 < level < 1 << 16:
+                raise ValueError(f"delay level {level!r} must be an int in [1, 65535]")
+            _check_u63("level offset", offset)
         with self._guard():
             txn = IndexTxn(self)
             txn.add_all(batch.adds)
             for old_position, entry in batch.rolled:
                 txn.roll(old_position, entry)
             txn.fire_all(batch.fired)
-            for topic, message_id, cancelled_ms in batch.cancels:
-                txn.cancel(topic, message_id, cancelled_ms)
+            for topic, message_id, cancelled_ms, tombstone_position in batch.cancels:
+                txn.cancel(topic, message_id, cancelled_ms, tombstone_position)
+            for position, damaged_ms in batch.damaged:
+                txn.damage(position, damaged_ms)
+            levels = {level: offset for level, offset in batch.level_progress.items()
+                      if offset > self._levels.get(level, -1)}
+            for level, offset in levels.items():
+                txn.wb.put(META_LEVEL_PREFIX + U16.pack(level), U64.pack(offset), self._handle[CF_META])
             txn.finish(batch.indexed_position)
             self._db.write(txn.wb, self._write_opt)
             self._commit(txn, batch)
+            self._levels.update(levels)
 
     def _commit(self, txn: IndexTxn, batch: IndexBatch) -> None:
         """Bring the in-memory mirrors in line with what was just written."""
@@ -570,16 +602,21 @@ class RocksTimerIndex:
         slots = self._minute_slots.get(slot_s // 60)
         return 0 if slots is None else slots[slot_s % 60]
 
-    def pending_in(self, start_position: int, end_position: int) -> list[TimerEntry]:
-        if end_position <= start_position:
+    def level_progress(self, level: int) -> int | None:
+        return self._levels.get(level)
+
+    def pending_in(self, start_position: int, end_position: int, limit: int | None = None) -> list[TimerEntry]:
+        if end_position <= start_position or (limit is not None and limit <= 0):
             return []
         with self._guard():
             time_keys = []
-            for pk, pv in self._scan_range(CF_POS, U64.pack(max(start_position, 0)),
-                                           U64.pack(min(end_position, (1 << 64) - 1))):
+            read_opt = _read_bounded(U64.pack(min(end_position, (1 << 64) - 1)))
+            for pk, pv in self._cf[CF_POS].items(from_key=U64.pack(max(start_position, 0)), read_opt=read_opt):
                 if pv[0] == POS_PENDING:
                     deliver_at_ms, _ = decode_pos_pending(pv)
                     time_keys.append(time_key(deliver_at_ms, U64.unpack(pk)[0]))
+                    if limit is not None and len(time_keys) >= limit:
+                        break
             values = self._cf[CF_TIME].get(time_keys) if time_keys else []
             out = []
             for tk, value in zip(time_keys, values, strict=True):

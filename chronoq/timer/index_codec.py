@@ -29,10 +29,12 @@ COLUMN_FAMILIES = (CF_TIME, CF_ID, CF_KEY, CF_POS, CF_HISTORY, CF_COUNTERS, CF_M
 META_FORMAT_VERSION = b"format_version"
 META_INDEXED_POSITION = b"indexed_position"
 META_HEAD_FLOOR = b"head_floor"
+META_LEVEL_PREFIX = b"level:"
+"""`level:` + level u16 -> u64: the next offset of that delay level's queue to fire."""
 
-STATE_PENDING, STATE_DELIVERED, STATE_CANCELLED = 1, 2, 3
+STATE_PENDING, STATE_DELIVERED, STATE_CANCELLED, STATE_DAMAGED = 1, 2, 3, 4
 CODE_STATE = {STATE_PENDING: TimerState.PENDING, STATE_DELIVERED: TimerState.DELIVERED,
-              STATE_CANCELLED: TimerState.CANCELLED}
+              STATE_CANCELLED: TimerState.CANCELLED, STATE_DAMAGED: TimerState.DAMAGED}
 POS_PENDING, POS_ROLLED, POS_DONE = 1, 2, 3
 HIST_STATUS, HIST_REDIRECT = 1, 2
 
@@ -223,7 +225,7 @@ def decode_status(ik: bytes, facts: bytes, pos_value: bytes | None) -> TimerStat
     state, done_ms = STATE_PENDING, None
     if pos_value[0] == POS_DONE:
         _, state, done_ms = POS_DONE_VALUE.unpack(pos_value)
-        if state not in (STATE_DELIVERED, STATE_CANCELLED):
+        if state not in (STATE_DELIVERED, STATE_CANCELLED, STATE_DAMAGED):
             raise MalformedValue(f"timer at position {position} is done in state {state}")
     return TimerStatus(
         message_id=message_id, topic=topic, state=CODE_STATE[state], deliver_at_ms=deliver_at_ms,

@@ -39,6 +39,7 @@ from chronoq.timer.index_codec import (
     POS_ROLLED,
     POS_ROLLED_VALUE,
     STATE_CANCELLED,
+    STATE_DAMAGED,
     STATE_DELIVERED,
     TIME_KEY,
     U32_ARRAY,
@@ -90,6 +91,8 @@ class IndexTxn:
         self.new_hours: dict[int, int] = {}
         self.new_topics: dict[str, int] = {}
         self._topic_str: dict[str, bytes] = {}
+        self.rolled_from: dict[int, int] = {}
+        """New position -> the original position of a timer rolled in this batch (for cancels)."""
 
     # -- reads through the overlay -----------------------------------------------------------
 
@@ -198,21 +201,34 @@ class IndexTxn:
             wb_put(pack_history(fired_ms, position), _HISTORY_STATUS_KIND + ik, h_history)
             fired_times.append((deliver_at_ms, fired_ms))
 
-    def fire(self, position: int, fired_ms: int) -> None:
-        """Mark the timer recorded at `position` delivered, reading what it is through `pos`."""
+    def _follow(self, position: int) -> tuple[int, bytes | None]:
+        """Where the timer first recorded at `position` lives now (roll redirects followed)."""
         pos_value = self.get_pos(position)
         hops = 0
         while pos_value is not None and pos_value[0] == POS_ROLLED and hops < _MAX_ROLL_HOPS:
-            # Fired from the old copy while a roll raced it: the timer now lives at the new one.
             _, position, _ = POS_ROLLED_VALUE.unpack(pos_value)
             pos_value = self.get_pos(position)
             hops += 1
+        return position, pos_value
+
+    def fire(self, position: int, fired_ms: int) -> None:
+        """Mark the timer recorded at `position` delivered, reading what it is through `pos`.
+        Fired from an old copy that a roll moved: the timer now lives at the new one."""
+        position, pos_value = self._follow(position)
         if pos_value is None or pos_value[0] != POS_PENDING:
             return  # unknown, or already fired or cancelled: replay or a lost race
         deliver_at_ms = self._finish(position, pos_value, STATE_DELIVERED, fired_ms)
         self.fired_times.append((deliver_at_ms, fired_ms))
 
-    def cancel(self, topic: str, message_id: str, cancelled_ms: int) -> None:
+    def damage(self, position: int, damaged_ms: int) -> None:
+        """Take the pending timer recorded at `position` out of the time order as DAMAGED."""
+        position, pos_value = self._follow(position)
+        if pos_value is not None and pos_value[0] == POS_PENDING:
+            self._finish(position, pos_value, STATE_DAMAGED, damaged_ms)
+
+    def cancel(self, topic: str, message_id: str, cancelled_ms: int, tombstone_position: int) -> None:
+        """Cancel every pending timer with this id on this topic that was recorded before the
+        tombstone (a rolled copy counts from its original)."""
         prefix = id_prefix(message_id, topic)
         id_keys = {ik for ik, _ in self.index._scan(CF_ID, prefix)}
         id_keys.update(ik for ik in self.added_ids if ik[:-8] == prefix)
@@ -220,6 +236,8 @@ class IndexTxn:
             if self.get_facts(ik) is None:
                 continue  # rolled away earlier in this batch
             position = U64.unpack(ik[-8:])[0]
+            if self.rolled_from.get(position, position) >= tombstone_position:
+                continue  # sent (again) after the cancel: a timer of its own
             pos_value = self.get_pos(position)
             if pos_value is None:
                 raise MalformedValue(f"timer at position {position} has an `id` row but no `pos` row")
@@ -230,11 +248,21 @@ class IndexTxn:
         new_ik = id_key(entry.message_id, entry.topic, entry.position)
         if self.get_pos(entry.position) is not None:
             return  # the copy was applied before
+        self.rolled_from[entry.position] = self.rolled_from.get(old_position, old_position)
         old_value = self.get_pos(old_position)
         if old_value is None:
             # The original lies in log the index never saw (a rebuild that starts after its
-            # segment was deleted): the copy is the timer.
+            # segment was deleted): the copy is the timer. The old position still redirects to
+            # it, so a fired copy written from the old one (it raced the roll, so it follows the
+            # copy in the log) finds the timer, and a rebuild cannot fire it twice. (A fired copy
+            # or a cancel *before* the roll copy cannot exist: the roll skips timers being fired
+            # or cancelled, and the index has them done before that.)
             self._insert(entry, new_ik)
+            redirect = POS_ROLLED_VALUE.pack(POS_ROLLED, entry.position, entry.deliver_at_ms)
+            self.wb.put(U64.pack(old_position), redirect, self.h[CF_POS])
+            self.pos[old_position] = redirect
+            self.wb.put(HISTORY_KEY.pack(entry.deliver_at_ms, old_position), bytes((HIST_REDIRECT,)),
+                        self.h[CF_HISTORY])
             return
         if old_value[0] != POS_PENDING:
             return  # fired or cancelled first (the copy must not revive it), or rolled already

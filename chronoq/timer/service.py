@@ -12,17 +12,23 @@ Theory of operation (RocketMQ 5's shape, with RocksDB in place of the timer log 
    waits for durability; the copy's own dispatch marks the timer fired. A crash between the two
    cannot fire twice: replay sees the fired copy. Delay-level queues are scanned at their heads
    (all entries of one level share one delay, so each queue is already in due order); their
-   progress is the group offset of `%SCHEDULE%`, committed when the fired copies dispatch.
+   progress is kept by the engine, in the same atomic batch as its log position, moved by the
+   fired copies' dispatch. A timer whose record is damaged is marked DAMAGED, not fired.
 4. Cancel: a tombstone record in the timer topic (RocketMQ 5's delete). While it is being made
-   durable the fire loop holds the timer back, so a cancel racing the fire has one winner.
+   durable the fire loop holds the timer back, so a cancel racing the fire has one winner; a
+   cancel of a timer whose fired copy is being made durable is refused (it has fired).
 5. Roll: before retention deletes a segment, pending timers in it are re-appended (rolled) so a
-   timer due in 30 days outlives 72-hour segments, and the index moves to the new copy.
+   timer due in 30 days outlives 72-hour segments, and the index moves to the new copy. A roll
+   decides and writes one chunk (`timer_roll_batch`) at a time, in one step, skipping timers
+   being fired or cancelled: so in the log a roll copy never follows the fired copy or the
+   tombstone of its timer, and an index rebuilt from the log cannot bring either back.
 The service never reads the clock: every entry point takes `now_ms`.
 """
 
 from __future__ import annotations
 
 import base64
+import logging
 import struct
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
@@ -33,6 +39,7 @@ import crc32c
 
 from chronoq.config import Config
 from chronoq.errors import (
+    CorruptRecord,
     InvalidRecallHandle,
     TimerAlreadyCancelled,
     TimerAlreadyFired,
@@ -59,12 +66,11 @@ from chronoq.model import (
     TimerState,
     TimerStatus,
 )
-from chronoq.store.groups import GroupStore
 from chronoq.store.messagestore import MessageStore, PreparedMessage
 from chronoq.timer.engine import IndexBatch, TimerEngine, TimerEntry
 from chronoq.timer.levels import DelayLevels
 
-SCHEDULE_GROUP = "%SCHEDULE%"
+log = logging.getLogger("chronoq.timer")
 Append = Callable[[list[PreparedMessage]], Awaitable[list[StoredMessage]]]
 _RECALL = struct.Struct(">BQ")
 RECALL_VERSION = 1
@@ -101,18 +107,20 @@ def decode_recall_handle(handle: str) -> tuple[str, int, str]:
 
 
 class TimerService:
-    def __init__(self, config: Config, store: MessageStore, engine: TimerEngine, groups: GroupStore,
-                 append: Append) -> None:
+    def __init__(self, config: Config, store: MessageStore, engine: TimerEngine, append: Append) -> None:
         self.config = config
         self.store = store
         self.engine = engine
-        self.groups = groups
         self.levels = DelayLevels(config.delay_levels_ms)
         self._append = append
-        self._holding: set[int] = set()
-        """Positions with a cancel being made durable: the fire loop leaves them alone."""
+        self._holding: set[tuple[str, str]] = set()
+        """(topic, message id) with a cancel being made durable: fire and roll leave them alone."""
         self._firing: set[int] = set()
         """Positions whose fired copies are being made durable: no second fire picks them."""
+        self._firing_ids: set[tuple[str, str]] = set()
+        """(topic, message id) of the timers in `_firing`: a cancel of one is refused."""
+        self.damaged_timers = 0
+        """Timers marked DAMAGED since start (their records failed their checks when due)."""
         self._reserved: Counter[int] = Counter()
         """Per-second count of timers accepted but not yet indexed (for slot congestion)."""
         self._level_head_cache: dict[int, int | None] = {}
@@ -166,24 +174,17 @@ class TimerService:
     # -- index ------------------------------------------------------------------------------
 
     def on_dispatch(self, msgs: list[StoredMessage], now_ms: int | None) -> None:
-        batch, level_offsets = self._batch_for(msgs, now_ms)
+        batch = self._batch_for(msgs, now_ms)
         end = msgs[-1].position + msgs[-1].size if msgs else self.engine.indexed_position
-        if level_offsets:
-            # Level progress first, the index's position second: a crash between the two then
-            # leaves the index behind, and replay commits the same offsets again (idempotent).
-            # The other order could persist a position past fired copies whose level progress
-            # was lost, and the restart would fire those delay-level messages a second time.
-            self.groups.commit(offsets=[(SCHEDULE_GROUP, SCHEDULE_TOPIC, lvl - 1, off)
-                                        for lvl, off in level_offsets.items()])
-            self._level_head_cache.clear()
-        if batch.adds or batch.cancels or batch.fired or batch.rolled or end > self.engine.indexed_position:
+        if batch.adds or batch.cancels or batch.fired or batch.rolled or batch.level_progress \
+                or end > self.engine.indexed_position:
             self.engine.apply(replace(batch, indexed_position=max(end, self.engine.indexed_position)))
-        if any(m.topic == SCHEDULE_TOPIC for m in msgs):
+        if batch.level_progress or any(m.topic == SCHEDULE_TOPIC for m in msgs):
             self._level_head_cache.clear()
 
-    def _batch_for(self, msgs: list[StoredMessage], now_ms: int | None) -> tuple[IndexBatch, dict[int, int]]:
+    def _batch_for(self, msgs: list[StoredMessage], now_ms: int | None) -> IndexBatch:
         adds: list[TimerEntry] = []
-        cancels: list[tuple[str, str, int]] = []
+        cancels: list[tuple[str, str, int, int]] = []
         fired: list[tuple[int, int]] = []
         rolled: list[tuple[int, TimerEntry]] = []
         level_offsets: dict[int, int] = {}
@@ -191,7 +192,7 @@ class TimerService:
             sp = m.system_properties
             if m.topic == TIMER_TOPIC:
                 if SYS_TIMER_DEL_UNIQKEY in sp:
-                    cancels.append((sp[SYS_REAL_TOPIC], sp[SYS_TIMER_DEL_UNIQKEY], m.store_ms))
+                    cancels.append((sp[SYS_REAL_TOPIC], sp[SYS_TIMER_DEL_UNIQKEY], m.store_ms, m.position))
                     continue
                 due = int(sp[SYS_TIMER_OUT_MS])
                 entry = TimerEntry(due, m.position, m.size, m.message_id, sp[SYS_REAL_TOPIC],
@@ -208,18 +209,19 @@ class TimerService:
                     level_offsets[level] = max(level_offsets.get(level, 0), int(sp[SYS_FIRED_OFFSET]) + 1)
                 else:
                     fired.append((int(sp[SYS_FIRED_FROM]), m.store_ms))
-        return IndexBatch(adds=adds, cancels=cancels, fired=fired, rolled=rolled, applied_ms=now_ms), level_offsets
+        return IndexBatch(adds=adds, cancels=cancels, fired=fired, rolled=rolled, applied_ms=now_ms,
+                          level_progress=level_offsets)
 
-    def recover(self) -> int:
-        """Replay the log into the engine from its indexed position; return records replayed.
-        Nothing fires here."""
+    def recover(self, end: int | None = None) -> int:
+        """Replay the log into the engine from its indexed position up to `end` (the log's end);
+        return records replayed. Nothing fires here."""
         start = self.engine.indexed_position
         if start > self.store.log.end_position:
             raise ValueError("timer index is ahead of the log")  # caller rebuilds the index
         start = max(start, self.store.log.start_position)
         n = 0
         chunk: list[StoredMessage] = []
-        for msg in self.store.scan(start):
+        for msg in self.store.scan(start, end):
             chunk.append(msg)
             if len(chunk) >= 1024:
                 self.on_dispatch(chunk, None)
@@ -253,16 +255,31 @@ class TimerService:
                 best = due
         return best
 
+    def _level_next_offset(self, level: int) -> int:
+        cq = self.store.queue(SCHEDULE_TOPIC, level - 1)
+        progress = self.engine.level_progress(level)
+        return max(progress if progress is not None else cq.min_offset, cq.min_offset)
+
     def _level_head(self, level: int, limit: int) -> Iterator[tuple[int, StoredMessage]]:
         """Up to `limit` (queue offset, record) from the head of a delay level's queue, lazily:
-        the caller stops at the first one not yet due."""
+        the caller stops at the first one not yet due. Entries whose records are gone (expired
+        before any progress was known, holes, damage: quarantined and reported) are stepped
+        over: none of them can be fired."""
         cq = self.store.queue(SCHEDULE_TOPIC, level - 1)
-        stored = self.groups.offset(SCHEDULE_GROUP, SCHEDULE_TOPIC, level - 1)
-        offset = max(stored if stored is not None else cq.min_offset, cq.min_offset)
-        for off, position, size, _ in cq.read_range(offset, limit):
-            msg = self.store.read_at(position, size)
-            if msg is not None:
-                yield off, msg
+        offset = self._level_next_offset(level)
+        found = 0
+        while found < limit and offset < cq.next_offset:
+            entries = cq.read_range(offset, max(limit - found, 16))
+            if not entries:
+                return
+            for off, position, size, _ in entries:
+                offset = off + 1
+                msg = self.store.readable(position, size)
+                if msg is not None:
+                    found += 1
+                    yield off, msg
+                    if found >= limit:
+                        return
 
     async def fire_due(self, now_ms: int) -> int:
         """Fire what is due at `now_ms`, up to `timer_fire_batch`; return how many fired."""
@@ -272,12 +289,14 @@ class TimerService:
         # backstop, firing what is overdue by more than `timer_spark_backstop_ms` (a job that is
         # down, or dropped a timer), so no timer waits forever. FireTimers skips what fired.
         horizon_ms = now_ms - self.config.timer_spark_backstop_ms if self.config.timer_engine == "spark" else now_ms
+        damaged: list[TimerEntry] = []
         for entry in self.engine.due(horizon_ms, batch):
-            if entry.position in self._holding or entry.position in self._firing:
+            if entry.position in self._firing or (entry.topic, entry.message_id) in self._holding:
                 continue
-            rec = self.store.read_at(entry.position, entry.size)
+            rec = self._read_timer(entry, damaged)
             if rec is not None:
                 copies.append(self.delivered_copy(rec))
+        self._mark_damaged(damaged, now_ms)
         for level in range(1, self.levels.max_level + 1):
             if len(copies) >= batch:
                 break
@@ -289,7 +308,27 @@ class TimerService:
                 copies.append(self.delivered_copy(rec, {SYS_FIRED_OFFSET: str(off), SYS_DELAY_LEVEL: str(level)}))
                 self.fires_by_level[level] += 1
         await self._append_fired(copies)
-        return len(copies)
+        return len(copies) + len(damaged)
+
+    def _read_timer(self, entry: TimerEntry, damaged: list[TimerEntry]) -> StoredMessage | None:
+        """The timer record of a pending `entry`; None (and `entry` added to `damaged`) when the
+        record fails its checks."""
+        try:
+            return self.store.read_at(entry.position, entry.size)
+        except CorruptRecord as e:
+            log.error("timer message %r on topic %r due at %d cannot be delivered: its commit-log record "
+                      "at position %d is damaged (%s); it is marked damaged", entry.message_id, entry.topic,
+                      entry.deliver_at_ms, entry.position, e.reason)
+            damaged.append(entry)
+            return None
+
+    def _mark_damaged(self, entries: list[TimerEntry], now_ms: int) -> None:
+        """Take damaged timers out of the pending set (one index batch), so the loop does not try
+        them forever and a restart does not crash on them."""
+        if entries:
+            self.engine.apply(IndexBatch(damaged=[(e.position, now_ms) for e in entries],
+                                         indexed_position=self.engine.indexed_position))
+            self.damaged_timers += len(entries)
 
     async def _append_fired(self, copies: list[PreparedMessage]) -> None:
         """Append fired copies; until their dispatch has marked them fired, their timers count as
@@ -298,30 +337,35 @@ class TimerService:
         if not copies:
             return
         positions = {int(c.system_properties[SYS_FIRED_FROM]) for c in copies}
+        ids = {(c.topic, c.message_id) for c in copies if SYS_DELAY_LEVEL not in c.system_properties}
         self._firing |= positions
+        self._firing_ids |= ids
         try:
             await self._append(copies)
         finally:
             self._firing -= positions
+            self._firing_ids -= ids
 
     async def fire_positions(self, positions: list[int], now_ms: int) -> tuple[int, int]:
         """Fire the pending timers at these positions (the Spark engine decides when).
         Returns (fired, skipped): a position not pending (fired, cancelled, unknown) is skipped,
         so a retried call fires nothing twice."""
         copies = []
+        damaged: list[TimerEntry] = []
         for position in dict.fromkeys(positions):
             entry = self._pending_at(position)
-            if entry is None or position in self._holding or position in self._firing \
+            if entry is None or position in self._firing or (entry.topic, entry.message_id) in self._holding \
                     or entry.deliver_at_ms > now_ms:
                 continue
-            rec = self.store.read_at(entry.position, entry.size)
+            rec = self._read_timer(entry, damaged)
             if rec is not None:
                 copies.append(self.delivered_copy(rec))
+        self._mark_damaged(damaged, now_ms)
         await self._append_fired(copies)
         return len(copies), len(positions) - len(copies)
 
     def _pending_at(self, position: int) -> TimerEntry | None:
-        for entry in self.engine.pending_in(position, position + 1):
+        for entry in self.engine.pending_in(position, position + 1, 1):
             return entry
         return None
 
@@ -354,7 +398,11 @@ class TimerService:
             raise InvalidRecallHandle("its delivery time does not match the stored timer message")
         if status.state is TimerState.CANCELLED:
             raise TimerAlreadyCancelled(message_id)
-        if status.state is TimerState.DELIVERED or status.deliver_at_ms <= now_ms:
+        # Its fired copy may be on its way to the disk while the index still says pending: that
+        # copy will be delivered, so the cancel must not be acknowledged. (Checked apart from the
+        # due time: a clock that disagrees with the one that fired it must not matter.)
+        if status.state is not TimerState.PENDING or status.deliver_at_ms <= now_ms \
+                or (topic, message_id) in self._firing_ids:
             raise TimerAlreadyFired(message_id, status.deliver_at_ms)
         tombstone = PreparedMessage(
             topic=TIMER_TOPIC, message_id=message_id, message_type=MessageType.DELAY, body=b"",
@@ -364,11 +412,12 @@ class TimerService:
             system_properties={SYS_REAL_TOPIC: topic, SYS_TIMER_DEL_UNIQKEY: message_id,
                                SYS_TIMER_OUT_MS: str(status.deliver_at_ms)},
             queue_id=0)
-        self._holding.add(status.position)
+        key = (topic, message_id)
+        self._holding.add(key)
         try:
             await self._append([tombstone])
         finally:
-            self._holding.discard(status.position)
+            self._holding.discard(key)
 
     def query(self, message_id: str, topic: str | None = None) -> list[TimerStatus]:
         if topic is not None:
@@ -379,24 +428,44 @@ class TimerService:
     # -- roll -------------------------------------------------------------------------------
 
     async def roll_before(self, position: int, now_ms: int) -> int:
-        """Re-append pending timers whose records lie below `position`; return how many."""
+        """Re-append pending timers whose records lie below `position`; return how many.
+
+        One chunk of `timer_roll_batch` timers at a time, so memory holds one chunk's bodies
+        however many timers cross the retention horizon; each chunk is read from the index and
+        written to the log in one step (no await between), and timers being fired or cancelled
+        are left alone: the fired copy or tombstone already in the log settles them, and a roll
+        copy after it would bring the timer back when the index is rebuilt from the log. What
+        is left pending below `position` (skipped, or fired/cancelled after all) keeps its
+        segment: `pending_below` says so, and retention waits."""
+        rolled = 0
         start = self.store.log.start_position
-        entries = self.engine.pending_in(start, position)
-        copies = []
-        for entry in entries:
-            rec = self.store.read_at(entry.position, entry.size)
-            if rec is None:
-                continue
-            sp = dict(rec.system_properties)
-            sp[SYS_TIMER_ROLLED_FROM] = str(rec.position)
-            sp[SYS_TIMER_ROLL_TIMES] = str(int(sp.get(SYS_TIMER_ROLL_TIMES, "0")) + 1)
-            copies.append(PreparedMessage(
-                topic=TIMER_TOPIC, message_id=rec.message_id, message_type=rec.message_type, body=rec.body,
-                born_ms=rec.born_ms, tag=rec.tag, keys=rec.keys, properties=rec.properties,
-                system_properties=sp, queue_id=0))
-        for i in range(0, len(copies), 1024):
-            await self._append(copies[i:i + 1024])
-        return len(copies)
+        while True:
+            entries = self.engine.pending_in(start, position, self.config.timer_roll_batch)
+            if not entries:
+                return rolled
+            start = entries[-1].position + 1
+            copies, damaged = [], []
+            for entry in entries:
+                if entry.position in self._firing or (entry.topic, entry.message_id) in self._holding:
+                    continue
+                rec = self._read_timer(entry, damaged)
+                if rec is None:
+                    continue
+                sp = dict(rec.system_properties)
+                sp[SYS_TIMER_ROLLED_FROM] = str(rec.position)
+                sp[SYS_TIMER_ROLL_TIMES] = str(int(sp.get(SYS_TIMER_ROLL_TIMES, "0")) + 1)
+                copies.append(PreparedMessage(
+                    topic=TIMER_TOPIC, message_id=rec.message_id, message_type=rec.message_type, body=rec.body,
+                    born_ms=rec.born_ms, tag=rec.tag, keys=rec.keys, properties=rec.properties,
+                    system_properties=sp, queue_id=0))
+            self._mark_damaged(damaged, now_ms)
+            if copies:
+                await self._append(copies)
+                rolled += len(copies)
+
+    def pending_below(self, position: int) -> bool:
+        """Whether a pending timer's record still lies below `position` (retention must wait)."""
+        return bool(self.engine.pending_in(self.store.log.start_position, position, 1))
 
     def min_level_position(self) -> int | None:
         """Lowest log position a delay-level queue still needs (retention keeps it)."""
@@ -412,10 +481,9 @@ class TimerService:
         out = self.engine.metrics(now_ms).to_dict()
         pending_levels = {}
         for level in range(1, self.levels.max_level + 1):
-            cq = self.store.queue(SCHEDULE_TOPIC, level - 1)
-            stored = self.groups.offset(SCHEDULE_GROUP, SCHEDULE_TOPIC, level - 1)
-            n = cq.next_offset - max(stored if stored is not None else cq.min_offset, cq.min_offset)
+            n = self.store.queue(SCHEDULE_TOPIC, level - 1).next_offset - self._level_next_offset(level)
             if n:
                 pending_levels[str(level)] = n
         out["pending_by_delay_level"] = pending_levels
+        out["damaged"] = self.damaged_timers
         return out
