@@ -1,0 +1,232 @@
+"""Timers under races and restored state: fired once, cancelled for good, resent when asked.
+
+Each test runs a real in-process broker (commit log, consume queues, RocksDB index) on a
+FakeClock. Races are made by running two broker operations concurrently on one event loop (the
+order in which they reach the log is then fixed by the code, not by luck); power loss and
+restores are made by putting back copies of a store's directory taken earlier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+from timer_helpers import START_MS, drain, run
+
+from chronoq.broker import Broker
+from chronoq.clock import FakeClock
+from chronoq.config import DAY_MS, HOUR_MS, Config
+from chronoq.model import SYS_FIRED_FROM, OutgoingMessage, StoredMessage, TimerState
+from chronoq.store import files
+from chronoq.timer.engine import IndexBatch, TimerEntry
+from chronoq.timer.index import RocksTimerIndex
+
+
+def _config(data: Path, **overrides: object) -> Config:
+    return Config(data_dir=data, **overrides)  # type: ignore[arg-type]
+
+
+async def _open(data: Path, clock: FakeClock, **overrides: object) -> Broker:
+    return await Broker.open(_config(data, **overrides), clock=clock, background=False)
+
+
+def _fired_copies(broker: Broker, topic: str) -> list[StoredMessage]:
+    """Every fired copy on `topic` in the log (what consumers of any group would get)."""
+    return [m for m in broker.store.scan(broker.store.log.start_position)
+            if m.topic == topic and SYS_FIRED_FROM in m.system_properties]
+
+
+def _copy(src: Path, dst: Path) -> None:
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst)
+
+
+# --- item 6: delay-level progress and the index, restored independently -----------------------
+
+
+def test_a_delay_level_message_fires_once_whatever_store_a_power_loss_rolls_back(tmp_path: Path) -> None:
+    """A power loss can lose the last writes of each RocksDB store (no fsync per write), each
+    by a different amount. Put back a pre-fire copy of the consumer-group store, of the timer
+    index, or of both: the delay-level message is fired once in every case."""
+
+    async def body() -> None:
+        for restore in (["groups"], ["timer"], ["groups", "timer"]):
+            clock = FakeClock(START_MS)
+            case = tmp_path / "-".join(restore)
+            data = case / "data"
+            broker = await _open(data, clock)
+            sent = await broker.send(OutgoingMessage("orders", b"level", message_id="lvl", delay_level=1))
+            await broker.close()
+            for name in restore:  # the stores as they were before the fire
+                _copy(data / name, case / f"before-{name}")
+            broker = await _open(data, clock)
+            clock.advance(1_000)
+            assert await broker.run_due() == 1
+            assert [m.message_id for m in await drain(broker, "orders")] == [sent.message_id]
+            await broker.close()
+            for name in restore:
+                _copy(case / f"before-{name}", data / name)
+            broker = await _open(data, clock)
+            try:
+                clock.advance(DAY_MS)
+                await broker.run_due()
+                assert len(_fired_copies(broker, "orders")) == 1, f"fired twice after restoring {restore}"
+            finally:
+                await broker.close()
+
+    run(body())
+
+
+# --- item 7: a roll racing a fire or a cancel, then an index rebuilt from the log ---------------
+
+
+async def _rolling_setup(data: Path, clock: FakeClock, n: int, due_ms: int) -> tuple[Broker, list[str]]:
+    """`n` timers in the first segments, then enough other traffic that those segments expire."""
+    broker = await _open(data, clock, segment_size_bytes=64 * 1024, max_message_size_bytes=4096,
+                         retention_ms=HOUR_MS, timer_roll_batch=100)
+    ids = []
+    for start in range(0, n, 200):
+        batch = [OutgoingMessage("orders", b"t", message_id=f"t{i:05d}", deliver_at_ms=due_ms)
+                 for i in range(start, min(n, start + 200))]
+        ids += [r.message_id for r in await broker.send_batch(batch)]
+    clock.advance(2 * HOUR_MS)  # the timers' segments are now past retention
+    for i in range(400):
+        await broker.send(OutgoingMessage("filler", b"f" * 600, message_id=f"f{i}"))
+    return broker, ids
+
+
+async def _rebuild_index_and_fire(data: Path, clock: FakeClock) -> Broker:
+    """Reopen with the timer index destroyed: rebuilt from the (retained) log alone."""
+    shutil.rmtree(data / files.TIMER_DIR)
+    broker = await _open(data, clock, segment_size_bytes=64 * 1024, max_message_size_bytes=4096,
+                         retention_ms=HOUR_MS, timer_roll_batch=100)
+    clock.advance(DAY_MS)
+    await broker.run_due()
+    return broker
+
+
+def test_a_roll_racing_a_fire_then_an_index_rebuild_fires_each_timer_once(tmp_path: Path) -> None:
+    async def body() -> None:
+        clock = FakeClock(START_MS)
+        data = tmp_path / "data"
+        broker, ids = await _rolling_setup(data, clock, 350, START_MS + HOUR_MS)  # due by now
+        start = broker.store.log.start_position
+        # Retention rolls the due timers forward while the timer loop fires them.
+        await asyncio.gather(broker.enforce_retention(), broker.run_due())
+        await broker.run_due()
+        assert broker.store.log.start_position > start, "the timers' segments were not deleted"
+        fired = sorted(m.message_id for m in _fired_copies(broker, "orders"))
+        assert fired == ids
+        await broker.close()
+        broker = await _rebuild_index_and_fire(data, clock)
+        try:
+            fired = sorted(m.message_id for m in _fired_copies(broker, "orders"))
+            assert fired == ids, f"{len(fired) - len(ids)} timers fired again after the index was rebuilt"
+        finally:
+            await broker.close()
+
+    run(body())
+
+
+def test_a_roll_racing_a_cancel_then_an_index_rebuild_does_not_bring_the_timer_back(tmp_path: Path) -> None:
+    async def body() -> None:
+        clock = FakeClock(START_MS)
+        data = tmp_path / "data"
+        # More than one roll chunk, whatever the chunk (here 100; an older build rolled 1,024).
+        broker, ids = await _rolling_setup(data, clock, 2_000, START_MS + 10 * DAY_MS)  # not due yet
+        victims = [ids[5], ids[1_050], ids[1_500]]
+        await asyncio.gather(broker.enforce_retention(), *(broker.cancel(topic="orders", message_id=v)
+                                                           for v in victims))
+        for v in victims:
+            assert broker.query(v, "orders")[0].state is TimerState.CANCELLED
+        await broker.close()
+        broker = await _rebuild_index_and_fire(data, clock)  # and ten days later
+        try:
+            clock.advance(10 * DAY_MS)
+            await broker.run_due()
+            fired = sorted(m.message_id for m in _fired_copies(broker, "orders"))
+            assert sorted(set(ids) - set(victims)) == fired, \
+                f"came back: {sorted(set(fired) & set(victims))}; twice: {len(fired) - len(set(fired))}"
+        finally:
+            await broker.close()
+
+    run(body())
+
+
+# --- item 8: cancel, then send the same id again ----------------------------------------------
+
+
+def test_a_timer_resent_with_its_id_after_a_cancel_is_stored_and_fires(tmp_path: Path) -> None:
+    async def body() -> None:
+        clock = FakeClock(START_MS)
+        broker = await _open(tmp_path / "data", clock)
+        try:
+            first = await broker.send(OutgoingMessage("orders", b"v1", message_id="order-7", delay_ms=HOUR_MS))
+            await broker.cancel(recall_handle=first.recall_handle)
+            again = await broker.send(OutgoingMessage("orders", b"v2", message_id="order-7", delay_ms=2 * HOUR_MS))
+            assert not again.duplicate and again.deliver_at_ms == START_MS + 2 * HOUR_MS
+            assert again.position != first.position
+            [status] = broker.query("order-7", "orders")
+            assert status.state is TimerState.PENDING and status.deliver_at_ms == again.deliver_at_ms
+            retry = await broker.send(OutgoingMessage("orders", b"v2", message_id="order-7", delay_ms=2 * HOUR_MS))
+            assert retry.duplicate and retry.position == again.position  # a retry of the new send is still one
+            clock.advance(2 * HOUR_MS)
+            assert await broker.run_due() == 1
+            [m] = await drain(broker, "orders")
+            assert m.body == b"v2"
+        finally:
+            await broker.close()
+
+    run(body())
+
+
+def test_a_cancel_reaches_only_timers_recorded_before_its_tombstone(tmp_path: Path) -> None:
+    """In one index batch (as after a replay), a tombstone and a resend of the same id: the
+    resend is after the tombstone in the log, so it stays pending."""
+    with RocksTimerIndex.open(tmp_path / "index") as index:
+        old = TimerEntry(START_MS + 1_000, 100, 80, "same", "orders", START_MS)
+        new = TimerEntry(START_MS + 2_000, 300, 80, "same", "orders", START_MS)
+        index.apply(IndexBatch(adds=[old, new], cancels=[("orders", "same", START_MS + 5, 200)], indexed_position=400))
+        assert index.lookup("orders", "same").position == 300
+        assert index.lookup("orders", "same").state is TimerState.PENDING
+        assert [e.position for e in index.due(START_MS + 10_000, 10)] == [300]
+
+
+# --- item 12: rolling holds one chunk of timers, not all of them --------------------------------
+
+
+def test_a_roll_reads_and_writes_one_chunk_at_a_time(tmp_path: Path) -> None:
+    async def body() -> None:
+        clock = FakeClock(START_MS)
+        data = tmp_path / "data"
+        broker, ids = await _rolling_setup(data, clock, 1_000, START_MS + 30 * DAY_MS)
+        sizes: list[int] = []
+        real_append = broker.timer._append
+
+        async def watch(msgs):  # type: ignore[no-untyped-def]
+            sizes.append(len(msgs))
+            return await real_append(msgs)
+
+        broker.timer._append = watch  # type: ignore[method-assign]
+        limits: list[int | None] = []
+        real_pending_in = broker.timer.engine.pending_in
+
+        def pending_in(start: int, end: int, limit: int | None = None) -> list[TimerEntry]:
+            limits.append(limit)
+            return real_pending_in(start, end, limit)
+
+        broker.timer.engine.pending_in = pending_in  # type: ignore[method-assign]
+        try:
+            await broker.enforce_retention()
+            # Several chunks (the timers sharing a segment with newer traffic stay where they are).
+            assert sum(sizes) >= 500 and max(sizes) <= 100, sizes
+            assert limits and all(limit is not None and limit <= 100 for limit in limits), limits
+            clock.advance(30 * DAY_MS)
+            await broker.run_due()
+            assert sorted(m.message_id for m in _fired_copies(broker, "orders")) == ids
+        finally:
+            await broker.close()
+
+    run(body())
