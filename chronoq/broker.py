@@ -101,7 +101,7 @@ class Broker:
     @classmethod
     async def open(cls, config: Config, *, clock: Clock | None = None, background: bool = True) -> Broker:
         clock = clock or SystemClock(catchup_ppm=config.clock_catchup_ppm)
-        store, report = MessageStore.open(config)
+        store, report = MessageStore.open(config, opened_ms=clock.now_ms())
         groups = timer = None
         try:
             groups, report.groups_reset = GroupStore.open_or_reset(
@@ -254,7 +254,7 @@ class Broker:
                 return total
 
     async def _retention(self, now_ms: int) -> None:
-        limit = self.store.expired_before(now_ms)
+        limit = await self.store.expired_before(now_ms)
         for pin in (self.groups.min_inflight_position(), self.timer.min_level_position()):
             if pin is not None:
                 limit = min(limit, pin)
