@@ -209,6 +209,25 @@ def test_a_step_is_logged_once_not_at_every_reading(caplog: pytest.LogCaptureFix
         assert [r.levelno for r in caplog.records] == [logging.WARNING, logging.INFO, logging.WARNING]
 
 
+def test_the_real_wait_for_a_broker_deadline_never_lets_it_pass_unseen() -> None:
+    m = Machine()
+    clock = m.clock()
+    now = clock.now_ms()
+    assert clock.real_wait_ms(now) == 0 and clock.real_wait_ms(now - 5) == 0
+    assert clock.real_wait_ms(now + 250) == 250  # in step: broker time runs at the real rate
+    m.step(-2)  # paused for 2 ms: the pause ends by itself sooner than the 20 ms poll
+    assert clock.real_wait_ms(now + 5) == 7
+    m.step(-HOUR_MS)  # paused for an hour: look every 20 ms (a correction may end it at any time)
+    assert clock.real_wait_ms(now + 1) == 20
+    assert clock.real_wait_ms(now + 250) == 250  # a longer wait is never too long: B runs no faster
+    m2 = Machine()
+    fast = m2.clock(catchup_ppm=250_000)
+    fast_now = fast.now_ms()
+    assert fast.real_wait_ms(fast_now + 1000) == 1000  # in step: no catch-up
+    m2.step(HOUR_MS)
+    assert fast.real_wait_ms(fast_now + 1000) == 800  # catching up: 25 % faster than real time
+
+
 def test_a_sleeper_on_a_paused_clock_neither_wakes_early_nor_spins() -> None:
     """The one real wait among the clock tests: 150 ms of a paused clock (the wall clock stepped
     back an hour), during which the sleeper must look at the clock only a few times."""
