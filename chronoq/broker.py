@@ -12,6 +12,9 @@ Background work belongs to the broker and stops with it: the flusher, the timer 
 until the engine's next deadline, woken early by new timers), the checkpoint loop and retention.
 With `background=False` only the flusher runs, and a test moves a `FakeClock` and calls
 `run_due()`, so two days of timers run in milliseconds, deterministically.
+
+Every decision by time uses `clock` (broker time, which a wall-clock step cannot move back or
+jump forward: `clock.py`); a long poll's `wait_ms` is a real-time wait on the loop's clock.
 """
 
 from __future__ import annotations
@@ -97,8 +100,8 @@ class Broker:
 
     @classmethod
     async def open(cls, config: Config, *, clock: Clock | None = None, background: bool = True) -> Broker:
-        clock = clock or SystemClock()
-        store, report = MessageStore.open(config)
+        clock = clock or SystemClock(catchup_ppm=config.clock_catchup_ppm)
+        store, report = MessageStore.open(config, opened_ms=clock.now_ms())
         groups = timer = None
         try:
             groups, report.groups_reset = GroupStore.open_or_reset(
@@ -251,7 +254,7 @@ class Broker:
                 return total
 
     async def _retention(self, now_ms: int) -> None:
-        limit = self.store.expired_before(now_ms)
+        limit = await self.store.expired_before(now_ms)
         for pin in (self.groups.min_inflight_position(), self.timer.min_level_position()):
             if pin is not None:
                 limit = min(limit, pin)
@@ -460,8 +463,10 @@ class Broker:
         tag_filter = TagFilter.parse(filter_expression)
         invisible = invisible_duration_ms  # None: the broker's retry backoff (consumers.invisible_for)
         wait_ms = max(0, min(wait_ms, self.config.max_long_poll_ms))
-        deadline = self.clock.now_ms() + wait_ms
         loop = asyncio.get_running_loop()
+        # A long poll is a real-time wait, not a timer: it ends on the loop's monotonic clock even
+        # while broker time is paused (a wall-clock step back). Visibility stays in broker time.
+        deadline_s = loop.time() + wait_ms / 1000
         while True:
             # Registered before looking, so a dispatch between the look and the wait still wakes us.
             waiter: asyncio.Future[None] = loop.create_future()
@@ -473,7 +478,8 @@ class Broker:
             outcome = self.consumers.receive(group, tcfg, tag_filter, batch_size, invisible, now, queue_id)
             if outcome.exhausted:
                 await self._dead_letter(group, outcome.exhausted)
-            if outcome.delivered or now >= deadline:
+            remaining_s = deadline_s - loop.time()
+            if outcome.delivered or remaining_s <= 0:
                 waiter.cancel()  # done, so the next registration's pruning drops it
                 if self.trace is not None:
                     for rm in outcome.delivered:
@@ -481,13 +487,15 @@ class Broker:
                         if due is not None and rm.delivery_attempt == 1:
                             self.trace.received(rm.message.topic, rm.message.message_id, now, due)
                 return outcome.delivered
-            wake = deadline
+            wake_s = remaining_s
             next_visible = self.groups.next_visible_ms(group, topic)
             if next_visible is not None:
-                wake = min(wake, max(next_visible, now + 1))
+                # The clock says how long in real time until broker time can reach it (a paused
+                # clock is looked at every few ms, not spun on).
+                wake_s = min(wake_s, max(self.clock.real_wait_ms(next_visible), 1) / 1000)
             # A bare future and a timer, not wait_for(event.wait()): that wakes through two extra
             # tasks, each a loop turn, and a busy loop's turn is a millisecond.
-            timer = loop.call_later((wake - now) / 1000, _wake, waiter)
+            timer = loop.call_later(wake_s, _wake, waiter)
             try:
                 await waiter
             finally:
@@ -606,7 +614,14 @@ class Broker:
                           "damaged_ranges": len(log_.damage), "damaged": [d.to_dict() for d in log_.damage.ranges()],
                           "reads_skipped_damaged": self.store.skipped_damaged},
             "timer": self.timer.stats(now),
+            "clock": {"behind_wall_ms": self._behind_wall_ms()},
         }
+
+    def _behind_wall_ms(self) -> int:
+        """How far broker time is behind the wall clock (< 0: ahead, paused after a step back);
+        0 for a clock without a wall clock behind it (FakeClock)."""
+        behind = getattr(self.clock, "behind_wall_ms", None)
+        return int(behind()) if behind is not None else 0
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

@@ -98,6 +98,13 @@ class Config:
     groups_write_buffer_bytes: int = 8 * MiB
     """All memtables of the consumer-group store together."""
 
+    clock_catchup_ppm: int = 0
+    """After the wall clock was stepped forward, broker time (which follows the monotonic clock,
+    so nothing fires early) is behind it; it closes the gap by running this many millionths
+    faster than real time. Every delay running meanwhile is shortened by the same fraction, so
+    the default 0 never catches up (until a restart) and is never early in real time. At most
+    1,000,000 (twice the real rate). See "Time" in docs/design.md."""
+
     trace_enable: bool = False
     """Journal accepted/fired/first-received times of timer messages (`chronoq trace export`)."""
 
@@ -133,6 +140,9 @@ class Config:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, not {value!r}")
+        if isinstance(self.clock_catchup_ppm, bool) or not isinstance(self.clock_catchup_ppm, int) \
+                or not 0 <= self.clock_catchup_ppm <= 1_000_000:
+            raise ConfigError(f"clock_catchup_ppm must be an integer in 0..1000000, not {self.clock_catchup_ppm!r}")
         if self.timer_congest_num_each_slot < 0:
             raise ConfigError("timer_congest_num_each_slot must be >= 0 (0 = unlimited)")
         if self.max_message_size_bytes > self.segment_size_bytes:

@@ -152,7 +152,7 @@ def test_write_after_close_is_refused(tmp_path: Path, arun: Callable) -> None:
     append(log)
     log.close()
     with pytest.raises(BrokerClosed):
-        log.write(blob(log.end_position))
+        log.write(blob(log.end_position), 0)
 
 
 def test_a_damaged_segment_header_is_reported_and_a_missing_segment_stops_the_open(tmp_path: Path) -> None:

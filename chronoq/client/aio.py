@@ -12,7 +12,8 @@ module only makes calls, so every gRPC failure is translated at one point (`_tra
 The channel is opened lazily on first use, inside the running loop (grpc.aio binds a channel to
 the loop that created it), and closed by `close()` / `async with`. A client holds no background
 tasks: nothing outlives a call. The SDK, unlike the broker core, may read the real clock: it
-stamps born and received times, as any client does.
+stamps born and received times with the wall clock as it is (`WallClock`), as any client does
+(the step-proof `SystemClock` is for the broker's decisions; its timeouts are gRPC deadlines).
 
 Sends are retried (same message id, so the server's dedupe window makes a retry idempotent)
 when the failure is retriable: the connection, a deadline, or a retriable server code.
@@ -52,7 +53,7 @@ from chronoq.client.types import (
     TopicDescription,
     TopicInfo,
 )
-from chronoq.clock import SystemClock
+from chronoq.clock import WallClock
 from chronoq.model import OutgoingMessage
 from chronoq.protocol.v2 import SERVICE_NAME
 from chronoq.protocol.v2 import definition as pb
@@ -107,7 +108,7 @@ class AsyncAdmin:
         self._root_certificates = root_certificates
         self._channel: grpc.aio.Channel | None = None
         self._calls: dict[str, Any] = {}
-        self._clock = SystemClock()
+        self._clock = WallClock()
         self._metadata = (
             ("x-mq-client-id", f"{socket.gethostname()}@{os.getpid()}@{next(_client_seq)}@chronoq"),
             ("x-mq-language", "PYTHON"),

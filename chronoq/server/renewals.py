@@ -125,6 +125,8 @@ class Renewals:
     async def run(self) -> None:
         """Renew until cancelled (the server's task group owns this loop)."""
         while True:
+            # Broker time, not real time: what it renews against (`invisible_until_ms`) is broker
+            # time, so while broker time is paused (a wall-clock step back) nothing comes due.
             await self._clock.sleep_until(self._clock.now_ms() + CHECK_INTERVAL_MS)
             try:
                 await self.renew_due()

@@ -17,6 +17,10 @@ Theory of operation:
   A segment whose header is damaged is read by the base its name gives; only a broken chain (a
   segment missing or misnamed) refuses to open (`LogDamaged`).
 - `on_durable(end)` lets the broker dispatch what is now durable: visibility follows durability.
+- Retention asks how old a segment is by the store times inside it, never by file times (a
+  directory restored from a backup has old mtimes). `Segment.last_store_ms` is the youngest
+  store time written in this run; the records a segment held at open are read once, lazily,
+  the first time retention asks (`opened_youngest_store_ms`): only the oldest segments ever are.
 - Any fsync error fails the log for good (`store/fsync.py` says why): every waiting sender gets
   `FlushFailed`, every later write is refused, nothing more is called durable, and `on_failed`
   tells the owner, which stops the broker. Only a restart (recovery from disk) clears it.
@@ -43,13 +47,24 @@ from chronoq.errors import BrokerClosed, CorruptRecord, FlushFailed, FsyncFailed
 from chronoq.model import StoredMessage
 from chronoq.store import files, fsync
 from chronoq.store.damage import DAMAGED, Damage, DamageRegistry, classify
-from chronoq.store.record import HEADER, HEADER_SIZE, RECORD_MAGIC, RECORD_VERSION, decode_record
+from chronoq.store.record import (
+    HEADER,
+    HEADER_SIZE,
+    RECORD_MAGIC,
+    RECORD_VERSION,
+    STORE_MS,
+    STORE_MS_OFFSET,
+    decode_record,
+)
 
 SEGMENT_MAGIC = b"CHRONOQL"
 SEGMENT_VERSION = 1
 SEGMENT_HEADER = struct.Struct(">8sIQI")
 SEGMENT_HEADER_SIZE = SEGMENT_HEADER.size  # 24
 SCAN_CHUNK_BYTES = 4 * 1024 * 1024
+STORE_TIMES_YIELD_RECORDS = 1024
+"""Reading a segment's store times runs on the event loop; it lets other work run after this
+many records (a few ms), so a 256 MiB segment of small records does not stall fires for seconds."""
 log = logging.getLogger("chronoq.store")
 
 
@@ -105,6 +120,13 @@ class Segment:
     fd: int
     data_size: int
     last_store_ms: int = 0
+    """The youngest store time among the records written to it in this run (0: none): `write`
+    keeps the max, whatever order callers pass them in."""
+    opened_size: int = 0
+    """Bytes of records it held when the log was opened: written by an earlier run, immutable."""
+    opened_youngest_ms: int | None = None
+    """The youngest store time among those, once `opened_youngest_store_ms` has read them."""
+    opened_read: bool = False
 
     @property
     def end(self) -> int:
@@ -193,6 +215,8 @@ class CommitLog:
             self._new_segment(0)
             return report
         self._recover_tail(scan_from, report)
+        for seg in self._segments:
+            seg.opened_size = seg.data_size  # after the tail's truncation
         return report
 
     def _recover_tail(self, scan_from: int, report: RecoveryReport) -> None:
@@ -325,9 +349,10 @@ class CommitLog:
         if self._closed:
             raise BrokerClosed()
 
-    def write(self, blob: bytes, store_ms: int = 0) -> int:
-        """Append one or more whole records encoded for `end_position`; return the new end.
-        The caller rolls first (`roll_if_needed`) so the blob fits the active segment."""
+    def write(self, blob: bytes, store_ms: int) -> int:
+        """Append one or more whole records encoded for `end_position`, the youngest of them
+        stored at `store_ms` (retention judges the segment by it); return the new end. The caller
+        rolls first (`roll_if_needed`) so the blob fits the active segment."""
         self._check_writable()
         seg = self._segments[-1]
         # pwrite at the segment's end, never the fd's file offset: a segment reopened at start has
@@ -520,6 +545,49 @@ class CommitLog:
                 position = max(position, seg_stop)
 
     # -- retention --------------------------------------------------------------------------
+
+    async def opened_youngest_store_ms(self, seg: Segment) -> int | None:
+        """The youngest store time among the records `seg` held when the log was opened; None if
+        it held none that pass their checks. Read once, the first time retention asks, and kept
+        on the segment (those bytes never change). A record that fails its checks is quarantined
+        and stepped over, as `scan` does: its store time is not trusted, the records after it
+        count. None, not cached, if the segment is deleted or the log closed meanwhile.
+
+        Why frames (`check_frame`: size, magic, position, CRC32C) and not `scan` or the bare
+        headers: measured on one 64 MB segment on this shared 2-core machine, two runs, bodies
+        of 100 B / 1 KB / 16 KB (310 k / 60 k / 4 k records): `scan` took 4.4-5.1 s /
+        0.6-1.2 s / 0.07-0.13 s (it decodes every field into a message), this walk 1.1-1.7 s /
+        0.18-0.28 s / 0.03-0.06 s, a walk reading only the 72-byte headers (one pread each)
+        0.75-1.0 s / 0.19 s / 0.01-0.02 s. The per-record Python step dominates, so the bare
+        headers save little where it matters (small records), and they would trust store times
+        no checksum has vouched for: one flipped bit could make a segment look old and have it
+        deleted. Runs on the loop, yielding every `STORE_TIMES_YIELD_RECORDS`."""
+        if seg.opened_read:
+            return seg.opened_youngest_ms
+        youngest: int | None = None
+        position, stop = seg.base, seg.base + seg.opened_size
+        walked = 0
+        while position < stop:
+            for pos, buf, offset in _record_buffers(seg, position, stop):
+                try:
+                    size = check_frame(buf, offset, pos)
+                except CorruptRecord as e:
+                    position = self.quarantine(pos, e.reason).end
+                    break
+                store_ms = int(STORE_MS.unpack_from(buf, offset + STORE_MS_OFFSET)[0])
+                youngest = store_ms if youngest is None else max(youngest, store_ms)
+                position = pos + size
+                walked += 1
+                if walked % STORE_TIMES_YIELD_RECORDS == 0:
+                    await asyncio.sleep(0)
+                    # Only retention deletes segments, oldest first; close closes them all.
+                    if self._closed or seg.base < self.start_position:
+                        return None
+            else:
+                position = max(position, stop)
+        seg.opened_youngest_ms = youngest
+        seg.opened_read = True
+        return youngest
 
     def delete_segments_before(self, position: int) -> list[Path]:
         """Delete whole segments that end at or before `position` (never the active one)."""

@@ -14,6 +14,12 @@ rebuild damaged queues from the whole log. A queue offset whose record was lost 
 *hole* entry (size 0) so the queue stays dense and readers step over it.
 The store knows nothing of consumers or timers: listeners and the broker own those meanings.
 
+Retention (`expired_before`) deletes whole segments, oldest first, once the youngest store time
+inside one is older than `retention_ms`: store times, never file times (a directory restored from
+a backup has old mtimes). Records already in the log at open were stored before it, so a store
+time later than the broker time at open (a clock that was wrong) counts as the open time
+(`_stored_ms`), and such a segment cannot hold retention back past `retention_ms` after the open.
+
 Reads (`read_at`) return None for a record retention removed or a hole, and raise
 `CorruptRecord` for a damaged one, after quarantining it: each caller decides what a lost
 record means to it (skip it, drop an in-flight entry, mark a timer damaged). `readable` is the
@@ -44,7 +50,7 @@ from chronoq.errors import (
 )
 from chronoq.model import MessageType, StoredMessage, TopicConfig
 from chronoq.store import files, fsync
-from chronoq.store.commitlog import CommitLog, RecoveryReport
+from chronoq.store.commitlog import CommitLog, RecoveryReport, Segment
 from chronoq.store.consumequeue import ConsumeQueue, tag_hash
 from chronoq.store.meta import decode_topics, encode_checkpoint, encode_topics, read_checkpoint, write_atomic
 from chronoq.store.record import encode_record
@@ -101,12 +107,19 @@ class MessageStore:
         """Reads that stepped over a damaged record (each range is logged once, when found)."""
         self._lock_fd: int | None = None
         self.log: CommitLog
+        self.first_seen_ms: int | None = None
+        """Broker time when this store was opened (`open(opened_ms=...)`, else the first
+        retention check's): records already in the log were stored no later than this."""
 
     # -- opening ----------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, config: Config) -> tuple[MessageStore, OpenReport]:
+    def open(cls, config: Config, *, opened_ms: int | None = None) -> tuple[MessageStore, OpenReport]:
+        """Open (recover) the store. `opened_ms`: the broker's time now, which retention gives to
+        records that claim to be stored later (`_stored_ms`); tools that never run retention
+        leave it out."""
         store = cls(config)
+        store.first_seen_ms = opened_ms
         fsync.make_dirs(store.dir)
         store._lock()
         try:
@@ -424,16 +437,32 @@ class MessageStore:
             raise
         return position
 
-    def expired_before(self, now_ms: int) -> int:
-        """The position below which whole segments are older than the retention period."""
+    async def expired_before(self, now_ms: int) -> int:
+        """The position below which whole segments are older than the retention period, judged
+        by the store times inside them (`_stored_ms`), never by file times."""
+        if self.first_seen_ms is None:
+            self.first_seen_ms = now_ms
         cutoff_ms = now_ms - self.config.retention_ms
         limit = self.log.start_position
         for seg in self.log.segments()[:-1]:
-            last_ms = seg.last_store_ms or int(os.stat(seg.path).st_mtime * 1000)
-            if last_ms >= cutoff_ms:
+            if await self._stored_ms(seg) >= cutoff_ms:
                 break
             limit = seg.end
         return min(limit, self.dispatched_position)
+
+    async def _stored_ms(self, seg: Segment) -> int:
+        """When retention counts `seg` as stored: the store time of its youngest record. A
+        record from an earlier run was stored before this run began, so a store time after
+        `first_seen_ms` (in the future when the broker opened) was written by a wrong clock: it
+        counts as `first_seen_ms`, so that segment expires `retention_ms` after the broker first
+        saw it instead of blocking retention (which deletes a prefix) until its false date. A
+        segment none of whose earlier-run records pass their checks counts as first seen too."""
+        stored = seg.last_store_ms
+        if seg.opened_size:
+            assert self.first_seen_ms is not None
+            opened = await self.log.opened_youngest_store_ms(seg)
+            stored = max(stored, self.first_seen_ms if opened is None else min(opened, self.first_seen_ms))
+        return stored
 
     def delete_before(self, position: int) -> int:
         removed = self.log.delete_segments_before(position)

@@ -56,7 +56,12 @@ _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
 MAX_U16 = 0xFFFF
 
+STORE_MS = struct.Struct(">Q")
+STORE_MS_OFFSET = struct.calcsize(">IIHBBB3xQQIQ")
+"""store_ms is read alone by retention (`CommitLog.opened_youngest_store_ms`), without decoding."""
+
 assert HEADER_SIZE == 72
+assert STORE_MS_OFFSET == 44
 assert _PREFIX.size + _HEADER_REST.size == HEADER_SIZE
 
 
