@@ -3,7 +3,7 @@
 Theory of operation (docs/design.md, "A full disk"): a full disk is back-pressure, not a
 failure. Two lines of defence, then graceful degradation:
 - The send reserve: `check_send` refuses a producer send (`DiskFull`, retriable) while the file
-  system has less than `disk_min_free_bytes` free (one `statvfs`, ~2.5 us, per send call). The
+  system has less than `disk_min_free_bytes` free (one `statvfs`, ~3 us, per send call). The
   broker's own writes never check it, so they have that much room to go on: fired timers,
   rolled timers (which retention needs before it can free whole segments), DLQ copies, cancel
   tombstones, consumer state, checkpoints.

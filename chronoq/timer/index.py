@@ -338,7 +338,12 @@ class RocksTimerIndex:
                 raise TimerIndexCorrupt(path, "no index there (missing CURRENT file)")
             if path.exists() and any(path.iterdir()):
                 raise TimerIndexCorrupt(path, "directory holds files but no RocksDB CURRENT file")
-            fsync.make_dirs(path)
+            try:
+                fsync.make_dirs(path)
+            except OSError as exc:
+                if is_disk_full(exc):
+                    raise disk.ran_out("making the timer index's directory", path) from exc
+                raise
         else:
             try:
                 families = set(Rdict.list_cf(str(path), Options(raw_mode=True)))
