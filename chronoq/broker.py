@@ -15,6 +15,12 @@ With `background=False` only the flusher runs, and a test moves a `FakeClock` an
 
 Every decision by time uses `clock` (broker time, which a wall-clock step cannot move back or
 jump forward: `clock.py`); a long poll's `wait_ms` is a real-time wait on the loop's clock.
+
+A full disk is back-pressure (docs/design.md, "A full disk"; `store/diskspace.py`): a producer
+send below `disk_min_free_bytes` is refused with `DiskFull` before anything is written; the
+broker's own writes use that reserve. A background step that runs out of space anyway (timer
+firing, retention, a checkpoint) waits `disk_full_retry_ms` and tries again, with one warning per
+episode; `close` completes whatever the disk says.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from chronoq.dedupe import DedupeWindow
 from chronoq.errors import (
     BrokerClosed,
     ChronoqError,
+    DiskFull,
     FlushFailed,
     InvalidRecallHandle,
     MessageTypeNotAccepted,
@@ -106,7 +113,7 @@ class Broker:
         try:
             groups, report.groups_reset = GroupStore.open_or_reset(
                 config.data_dir / files.GROUPS_DIR, block_cache_bytes=config.groups_block_cache_bytes,
-                write_buffer_bytes=config.groups_write_buffer_bytes)
+                write_buffer_bytes=config.groups_write_buffer_bytes, disk=store.disk)
             groups.clamp(lambda topic, queue_id: store.queue(topic, queue_id).next_offset)
             broker_ref: list[Broker] = []
 
@@ -131,8 +138,10 @@ class Broker:
         broker._spawn(store.log.flush_loop(), "flusher")
         if background:
             broker._spawn(broker._timer_loop(), "timer")
-            broker._spawn(broker._every(config.checkpoint_interval_ms, broker._checkpoint), "checkpoint")
-            broker._spawn(broker._every(config.retention_check_interval_ms, broker._retention), "retention")
+            broker._spawn(broker._every(config.checkpoint_interval_ms, broker._checkpoint, "checkpoint"),
+                          "checkpoint")
+            broker._spawn(broker._every(config.retention_check_interval_ms, broker._retention, "retention"),
+                          "retention")
         return broker
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
@@ -169,11 +178,18 @@ class Broker:
             await self.store.log.flush_now()
         except ChronoqError:
             pass
-        self.timer.engine.close()
-        self.groups.close()
-        self.store.close()
-        if self.trace is not None:
-            self.trace.close()
+        # Each part closes whatever the others did: a RocksDB that cannot flush on a full disk
+        # must not keep the store from writing its checkpoint and releasing the data directory.
+        for name, close in (("timer index", self.timer.engine.close), ("consumer-group store", self.groups.close)):
+            try:
+                close()
+            except Exception:
+                log.exception("closing the %s failed; closing the rest", name)
+        try:
+            self.store.close()
+        finally:
+            if self.trace is not None:
+                self.trace.close()
 
     async def __aenter__(self) -> Broker:
         return self
@@ -192,12 +208,25 @@ class Broker:
 
     # -- background -------------------------------------------------------------------------
 
-    async def _every(self, interval_ms: int, work: Any) -> None:
+    async def _every(self, interval_ms: int, work: Any, name: str) -> None:
+        """Run `work` every `interval_ms`; after one that found the disk full, again after
+        `disk_full_retry_ms` (if sooner), logging once per episode, never dying of it."""
+        delay_ms = interval_ms
         while True:
-            await asyncio.sleep(interval_ms / 1000)
-            await work(self.clock.now_ms())
+            await asyncio.sleep(delay_ms / 1000)
+            try:
+                await work(self.clock.now_ms())
+            except DiskFull as e:
+                self.store.disk.note_full(name, e)
+                delay_ms = min(interval_ms, self.config.disk_full_retry_ms)
+            else:
+                self.store.disk.note_ok(name)
+                delay_ms = interval_ms
 
     async def _checkpoint(self, now_ms: int) -> None:
+        """One checkpoint tick: the reserve file made again if space allows, the checkpoint
+        written (DiskFull on a full disk: the old one stays valid), the trace flushed."""
+        self.store.disk.tend()
         self.store.checkpoint()
         if self.trace is not None:
             self.trace.flush()
@@ -211,7 +240,7 @@ class Broker:
         with contextlib.suppress(Exception):
             self.timer.engine.close()
         RocksTimerIndex.destroy(path)
-        self.timer.engine = RocksTimerIndex.open(path, **_index_memory(self.config))
+        self.timer.engine = RocksTimerIndex.open(path, **_index_memory(self.config), disk=self.store.disk)
         self.timer.recover(self.store.dispatched_position)
         self._index_damaged = None
         self.index_rebuilds += 1
@@ -219,7 +248,12 @@ class Broker:
     async def _timer_loop(self) -> None:
         while True:
             if self._index_damaged is not None:
-                self._rebuild_timer_index(self._index_damaged)
+                try:
+                    self._rebuild_timer_index(self._index_damaged)
+                except DiskFull as e:  # destroyed, but no room to make it again yet
+                    self.store.disk.note_full("timer index rebuild", e)
+                    await asyncio.sleep(self.config.disk_full_retry_ms / 1000)
+                    continue
             now = self.clock.now_ms()
             self._timer_wakeup.clear()
             try:
@@ -227,6 +261,13 @@ class Broker:
             except TimerIndexCorrupt as e:
                 self._index_damaged = e
                 continue
+            except DiskFull as e:
+                # Fired copies (or the index) found no space: nothing fired; try again soon. The
+                # timers stay pending, so nothing is lost and nothing fires early.
+                self.store.disk.note_full("timer firing", e)
+                await asyncio.sleep(self.config.disk_full_retry_ms / 1000)
+                continue
+            self.store.disk.note_ok("timer firing")
             if fired >= self.config.timer_fire_batch:
                 continue
             deadline = self.timer.next_deadline_ms()
@@ -364,6 +405,9 @@ class Broker:
         if len(msgs) > self.config.max_send_batch:
             from chronoq.errors import InvalidBatchSize
             raise InvalidBatchSize(len(msgs), self.config.max_send_batch)
+        # One statvfs per call, not per message: below the send reserve nothing is written
+        # (duplicates of earlier sends included: they are answered again once there is room).
+        self.store.check_room_for_send()
         now = self.clock.now_ms()
         self._expire_recent(now)
         outcomes: list[Any] = [None] * len(msgs)
@@ -615,6 +659,7 @@ class Broker:
                           "reads_skipped_damaged": self.store.skipped_damaged},
             "timer": self.timer.stats(now),
             "clock": {"behind_wall_ms": self._behind_wall_ms()},
+            "disk": self.store.disk_stats(),
         }
 
     def _behind_wall_ms(self) -> int:
@@ -656,7 +701,7 @@ def _open_timer_service(config: Config, store: MessageStore, append: Any) -> Tim
     path = config.data_dir / files.TIMER_DIR
     index: RocksTimerIndex | None = None
     try:
-        index = RocksTimerIndex.open(path, **_index_memory(config))
+        index = RocksTimerIndex.open(path, **_index_memory(config), disk=store.disk)
         if index.indexed_position > store.log.end_position:
             raise TimerIndexCorrupt(path, f"it covers the log up to {index.indexed_position}, past the log's "
                                           f"end {store.log.end_position}")
@@ -667,8 +712,13 @@ def _open_timer_service(config: Config, store: MessageStore, append: Any) -> Tim
         log.warning("%s: rebuilding it from the commit log", e.message)
         if index is not None:
             index.close()
+    except BaseException:
+        # Not damage (a full disk, say): keep the index as it is for the next start.
+        if index is not None:
+            index.close()
+        raise
     RocksTimerIndex.destroy(path)
-    timer = TimerService(config, store, RocksTimerIndex.open(path, **_index_memory(config)), append)
+    timer = TimerService(config, store, RocksTimerIndex.open(path, **_index_memory(config), disk=store.disk), append)
     try:
         timer.recover()
     except BaseException:

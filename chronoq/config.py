@@ -50,6 +50,19 @@ class Config:
     retention_ms: int = 72 * HOUR_MS
     retention_check_interval_ms: int = 60 * SECOND_MS
 
+    # -- a full disk (docs/design.md, "A full disk") -------------------------------------------
+    disk_min_free_bytes: int = 64 * MiB
+    """Producer sends are refused (`DiskFull`, retriable) while the data directory's file system
+    has less free space than this; the broker's own writes (fired timers, rolls, DLQ copies,
+    cancels, consumer state, checkpoints) may use it. 0 disables the check."""
+    disk_reserve_file_bytes: int = 8 * MiB
+    """Size of `DATA_DIR/reserve`, space set aside while the disk has room and given up when the
+    broker starts on a disk with less than this free: RocksDB cannot open without writing (a new
+    MANIFEST at every open). 0: no reserve file."""
+    disk_full_retry_ms: int = 1000
+    """After a write ran out of space: how long dispatch, timer firing, retention and
+    checkpoints wait before trying again."""
+
     # -- topics and consumers ----------------------------------------------------------------
     auto_create_topics: bool = True
     default_queue_count: int = 4
@@ -134,7 +147,7 @@ class Config:
             "retention_check_interval_ms", "max_send_batch", "max_message_id_length",
             "timer_spark_backstop_ms", "dedupe_window_max_entries",
             "timer_index_block_cache_bytes", "timer_index_write_buffer_bytes", "groups_block_cache_bytes",
-            "groups_write_buffer_bytes",
+            "groups_write_buffer_bytes", "disk_full_retry_ms",
         ]
         for name in positive:
             value = getattr(self, name)
@@ -143,6 +156,10 @@ class Config:
         if isinstance(self.clock_catchup_ppm, bool) or not isinstance(self.clock_catchup_ppm, int) \
                 or not 0 <= self.clock_catchup_ppm <= 1_000_000:
             raise ConfigError(f"clock_catchup_ppm must be an integer in 0..1000000, not {self.clock_catchup_ppm!r}")
+        for name in ("disk_min_free_bytes", "disk_reserve_file_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be an integer >= 0 (0 disables it), not {value!r}")
         if self.timer_congest_num_each_slot < 0:
             raise ConfigError("timer_congest_num_each_slot must be >= 0 (0 = unlimited)")
         if self.max_message_size_bytes > self.segment_size_bytes:

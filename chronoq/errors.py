@@ -360,15 +360,25 @@ class FsyncFailed(FlushFailed):
 
 
 class DiskFull(Throttled):
-    """The data directory's file system has less free space than `disk_min_free_bytes` (or a
-    write ran out of space). Nothing was stored; reads, acks and timer firing go on; retry once
-    space is freed."""
+    """The data directory's file system is (nearly) full. Raised in two cases:
+    - a producer send finds less free space than `disk_min_free_bytes` (checked before anything
+      is written; `during` is None);
+    - a write ran out of space anyway (`during` names it: a commit-log write, a consume-queue
+      append, a RocksDB write, the checkpoint). The write was undone: nothing it would have
+      added is visible or acknowledged.
+    Not a failure of the store: reads, acks and timer firing go on as far as space allows, and
+    the same request may succeed once space is freed. (An fsync that fails, with ENOSPC or
+    anything else, is `FsyncFailed`, never this: see `store/fsync.py`.)"""
 
-    def __init__(self, path: str, free_bytes: int, min_free_bytes: int) -> None:
-        super().__init__(
-            f"disk full: {path} has {free_bytes} bytes free, below disk_min_free_bytes = {min_free_bytes}; "
-            "sends are refused until space is freed (reads and acks go on)",
-            path=path, free_bytes=free_bytes, min_free_bytes=min_free_bytes)
+    def __init__(self, path: str, free_bytes: int, min_free_bytes: int, during: str | None = None) -> None:
+        if during is None:
+            text = (f"disk full: {path} has {free_bytes} bytes free, below disk_min_free_bytes = {min_free_bytes}; "
+                    "sends are refused until space is freed (reads and acks go on)")
+        else:
+            text = (f"disk full: {during} in {path} ran out of space ({free_bytes} bytes free, "
+                    f"disk_min_free_bytes = {min_free_bytes}); nothing was acknowledged by it; retry once space "
+                    "is freed")
+        super().__init__(text, path=path, free_bytes=free_bytes, min_free_bytes=min_free_bytes, during=during)
 
 
 class CorruptRecord(ServerError):

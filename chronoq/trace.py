@@ -9,10 +9,13 @@ trace is a measurement, not a durable record, so it does not ride the commit log
 
 Event, 25 bytes + names: kind u8 (1 accepted, 2 fired, 3 received) | ts_ms u64 | due_ms u64 |
 topic_len u16 | id_len u16 | topic | message id. A truncated last event (crash) is ignored.
+On a full disk the journal stops for the rest of the run (one warning): it is a measurement,
+and a broker must not stall on it; what it wrote stays readable (a cut last event is ignored).
 """
 
 from __future__ import annotations
 
+import logging
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +26,7 @@ from chronoq.store import files
 ACCEPTED, FIRED, RECEIVED = 1, 2, 3
 _EVENT = struct.Struct(">BQQHH")
 TRACE_FILE = "events.bin"
+log = logging.getLogger("chronoq.trace")
 
 
 class TraceJournal:
@@ -31,11 +35,18 @@ class TraceJournal:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._f = open(self.dir / TRACE_FILE, "ab", buffering=1 << 20)  # noqa: SIM115 (owned, closed in close())
         self._received: set[tuple[str, str]] = set()
+        self.stopped: str | None = None
+        """Why the journal stopped recording (its disk was full), or None."""
 
     def record(self, kind: int, topic: str, message_id: str, ts_ms: int, due_ms: int) -> None:
+        if self.stopped is not None:
+            return
         t = topic.encode()
         m = message_id.encode()
-        self._f.write(_EVENT.pack(kind, ts_ms, due_ms, len(t), len(m)) + t + m)
+        try:
+            self._f.write(_EVENT.pack(kind, ts_ms, due_ms, len(t), len(m)) + t + m)
+        except OSError as e:
+            self._stop(e)
 
     def received(self, topic: str, message_id: str, ts_ms: int, due_ms: int) -> None:
         """A first delivery to any group (later ones are not the 'first received')."""
@@ -45,10 +56,26 @@ class TraceJournal:
             self.record(RECEIVED, topic, message_id, ts_ms, due_ms)
 
     def flush(self) -> None:
-        self._f.flush()
+        if self.stopped is None:
+            try:
+                self._f.flush()
+            except OSError as e:
+                self._stop(e)
+
+    def _stop(self, err: OSError) -> None:
+        self.stopped = str(err)
+        log.warning("delivery trace stopped for the rest of this run: %s", err)
+        try:
+            self._f.close()  # closes the file even when its last flush fails
+        except OSError:
+            pass
 
     def close(self) -> None:
-        self._f.close()
+        if self.stopped is None:
+            try:
+                self._f.close()
+            except OSError as e:
+                log.warning("delivery trace: last events lost at close: %s", e)
 
 
 def read_events(data_dir: Path) -> Iterator[tuple[int, int, int, str, str]]:

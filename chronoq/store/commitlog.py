@@ -17,10 +17,16 @@ Theory of operation:
   A segment whose header is damaged is read by the base its name gives; only a broken chain (a
   segment missing or misnamed) refuses to open (`LogDamaged`).
 - `on_durable(end)` lets the broker dispatch what is now durable: visibility follows durability.
+  A sender is released only once its records are durable *and* dispatched: when dispatch is held
+  back (it ran out of space writing derived state), `on_durable` says how far it got, the
+  senders beyond wait, and the flusher calls it again every `dispatch_retry_ms`.
 - Retention asks how old a segment is by the store times inside it, never by file times (a
   directory restored from a backup has old mtimes). `Segment.last_store_ms` is the youngest
   store time written in this run; the records a segment held at open are read once, lazily,
   the first time retention asks (`opened_youngest_store_ms`): only the oldest segments ever are.
+- A full disk is back-pressure, not a failure (`store/diskspace.py`): a write or a roll that
+  runs out of space is undone (the segment cut back to its last whole record, a half-made
+  segment removed) and raises `DiskFull`; the log stays usable.
 - Any fsync error fails the log for good (`store/fsync.py` says why): every waiting sender gets
   `FlushFailed`, every later write is refused, nothing more is called durable, and `on_failed`
   tells the owner, which stops the broker. Only a restart (recovery from disk) clears it.
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import errno
 import logging
 import os
 import struct
@@ -47,6 +54,7 @@ from chronoq.errors import BrokerClosed, CorruptRecord, FlushFailed, FsyncFailed
 from chronoq.model import StoredMessage
 from chronoq.store import files, fsync
 from chronoq.store.damage import DAMAGED, Damage, DamageRegistry, classify
+from chronoq.store.diskspace import DISK_FULL_ERRNOS, DiskSpace
 from chronoq.store.record import (
     HEADER,
     HEADER_SIZE,
@@ -147,21 +155,28 @@ class RecoveryReport:
 
 class CommitLog:
     def __init__(self, directory: Path, *, segment_size_bytes: int, flush: str = "sync",
-                 flush_interval_ms: int = 200) -> None:
+                 flush_interval_ms: int = 200, disk: DiskSpace | None = None,
+                 dispatch_retry_ms: int = 1000) -> None:
         self.directory = directory
         self.segment_size_bytes = segment_size_bytes
         self.flush_mode = flush
         self.flush_interval_ms = flush_interval_ms
+        self.disk = disk or DiskSpace(directory)
+        self.dispatch_retry_ms = dispatch_retry_ms
         self._segments: list[Segment] = []
         self._bases: list[int] = []
         self._flushed = 0
+        self._visible = 0
+        """Durable and dispatched up to here: senders at or below it are released."""
         self._unsynced_fds: set[int] = set()
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._kick = asyncio.Event()  # binds to a loop on first use, not here
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chronoq-fsync")
         self._failed: str | None = None
         self._closed = False
-        self.on_durable: Callable[[int], None] | None = None
+        self.on_durable: Callable[[int], int | None] | None = None
+        """Called with the durable end after each fsync (and again while it returns less):
+        returns how far everything is dispatched when that is short of `end`, else None."""
         self.on_failed: Callable[[str], None] | None = None
         """Called once, with the reason, when the log fails for good."""
         self.fsync_count = 0
@@ -171,12 +186,13 @@ class CommitLog:
 
     @classmethod
     def open(cls, directory: Path, *, segment_size_bytes: int, flush: str = "sync",
-             flush_interval_ms: int = 200, scan_from: int = 0) -> tuple[CommitLog, RecoveryReport]:
+             flush_interval_ms: int = 200, scan_from: int = 0, disk: DiskSpace | None = None,
+             dispatch_retry_ms: int = 1000) -> tuple[CommitLog, RecoveryReport]:
         fsync.make_dirs(directory)
         log = cls(directory, segment_size_bytes=segment_size_bytes, flush=flush,
-                  flush_interval_ms=flush_interval_ms)
+                  flush_interval_ms=flush_interval_ms, disk=disk, dispatch_retry_ms=dispatch_retry_ms)
         report = log._load(scan_from)
-        log._flushed = log.end_position
+        log._flushed = log._visible = log.end_position
         return log, report
 
     def _load(self, scan_from: int) -> RecoveryReport:
@@ -300,17 +316,22 @@ class CommitLog:
         # Header written under a temporary name, then renamed: a kill mid-roll leaves either no
         # new segment or a whole header, never a header-less file that `check` calls damage.
         tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = -1
         try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             header = encode_segment_header(base)
             if os.write(fd, header) != len(header):
-                raise OSError(28, "short write of a segment header")
+                raise OSError(errno.ENOSPC, "short write of a segment header")
             fsync.fsync(fd, tmp)
             os.rename(tmp, path)
             fsync.fsync_dir(self.directory)
-        except BaseException:
-            os.close(fd)
+        except BaseException as e:
+            if fd >= 0:
+                os.close(fd)
             tmp.unlink(missing_ok=True)
+            if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
+                # Nothing of the new segment is left; the log goes on in the old one.
+                raise self.disk.ran_out("making a new commit-log segment", tmp) from e
             raise
         seg = Segment(base, path, fd, 0)
         self._add_segment(seg)
@@ -352,19 +373,36 @@ class CommitLog:
     def write(self, blob: bytes, store_ms: int) -> int:
         """Append one or more whole records encoded for `end_position`, the youngest of them
         stored at `store_ms` (retention judges the segment by it); return the new end. The caller
-        rolls first (`roll_if_needed`) so the blob fits the active segment."""
+        rolls first (`roll_if_needed`) so the blob fits the active segment.
+        Out of space (a short write, or ENOSPC/EDQUOT): the segment is cut back to where it was
+        and `DiskFull` raised; nothing of `blob` stays and the log goes on."""
         self._check_writable()
         seg = self._segments[-1]
         # pwrite at the segment's end, never the fd's file offset: a segment reopened at start has
         # its offset at 0, and a plain write() there overwrote the header and first records.
-        n = os.pwrite(seg.fd, blob, seg.data_size + SEGMENT_HEADER_SIZE)
+        try:
+            n = os.pwrite(seg.fd, blob, seg.data_size + SEGMENT_HEADER_SIZE)
+        except OSError as e:
+            if e.errno not in DISK_FULL_ERRNOS:
+                raise
+            n = -1
         if n != len(blob):  # a short write on a regular file means the disk is full
-            os.ftruncate(seg.fd, seg.data_size + SEGMENT_HEADER_SIZE)
-            raise FlushFailed(f"short write ({n} of {len(blob)} bytes): disk full?")
+            self._cut_back(seg)
+            raise self.disk.ran_out(f"a commit-log write of {len(blob)} bytes ({max(n, 0)} written, undone)",
+                                    seg.path)
         seg.data_size += n
         seg.last_store_ms = max(seg.last_store_ms, store_ms)
         self._unsynced_fds.add(seg.fd)
         return seg.end
+
+    def _cut_back(self, seg: Segment) -> None:
+        """Drop whatever a failed write left past the segment's last whole record. Shrinking a
+        file needs no space; if even that fails the log cannot vouch for its tail: fail it."""
+        try:
+            os.ftruncate(seg.fd, seg.data_size + SEGMENT_HEADER_SIZE)
+        except OSError as e:
+            self.fail(f"cannot cut {seg.path} back after a failed write: {e}")
+            raise FlushFailed(self._failed or str(e)) from e
 
     def roll_if_needed(self, size: int) -> None:
         if self.fits_in_active(size) or self._segments[-1].data_size == 0:
@@ -381,9 +419,10 @@ class CommitLog:
             raise
 
     async def wait_durable(self, end: int) -> None:
+        """Return once everything below `end` is durable and dispatched."""
         if self._failed is not None:
             raise FlushFailed(self._failed)
-        if end <= self._flushed:
+        if end <= self._visible:
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append((end, fut))
@@ -398,11 +437,14 @@ class CommitLog:
         """The flusher task. Owned by the broker's task group; cancelled on close."""
         loop = asyncio.get_running_loop()
         while True:
-            if self.flush_mode == "sync":
+            timeout_ms: int | None = None if self.flush_mode == "sync" else self.flush_interval_ms
+            if self._visible < self._flushed:  # dispatch held back by a full disk: try it again
+                timeout_ms = min(timeout_ms or self.dispatch_retry_ms, self.dispatch_retry_ms)
+            if timeout_ms is None:
                 await self._kick.wait()
             else:
                 try:
-                    await asyncio.wait_for(self._kick.wait(), self.flush_interval_ms / 1000)
+                    await asyncio.wait_for(self._kick.wait(), timeout_ms / 1000)
                 except TimeoutError:
                     pass
             self._kick.clear()
@@ -419,7 +461,7 @@ class CommitLog:
             return
         target = self.end_position
         if target <= self._flushed:
-            self._release(target)
+            self._dispatch_and_release()
             return
         fds = list(self._unsynced_fds)
         self._unsynced_fds.clear()
@@ -433,9 +475,16 @@ class CommitLog:
             return
         self.fsync_count += 1
         self._flushed = max(self._flushed, target)
+        self._dispatch_and_release()
+
+    def _dispatch_and_release(self) -> None:
+        visible = self._flushed
         if self.on_durable is not None:
-            self.on_durable(self._flushed)
-        self._release(self._flushed)
+            dispatched = self.on_durable(self._flushed)
+            if dispatched is not None:
+                visible = min(visible, dispatched)
+        self._visible = max(self._visible, visible)
+        self._release(self._visible)
 
     def fail(self, reason: str) -> None:
         """Fail for good: refuse every later write, fail every sender still waiting for
@@ -466,8 +515,10 @@ class CommitLog:
             else:
                 keep.append((end, fut))
         self._waiters = keep
-        if keep:
-            self._kick.set()
+        if any(end > self._flushed for end, _ in keep):
+            self._kick.set()  # written after the last fsync began: another one is needed
+        # (Waiters below `_flushed` wait for a dispatch held back by a full disk: the flusher's
+        # retry timer, not a kick, brings them on.)
 
     def sync_blocking(self) -> None:
         """fsync everything now, in this thread (close, tests, recovery). Raises FlushFailed if

@@ -6,6 +6,9 @@ entry per durable record; entry i describes the record with queue offset i. File
 arithmetic and retention drops whole files from the front. Entries carry their own CRC32C so a
 torn or flipped entry is found by `load`; the caller (recovery) then re-dispatches from the commit
 log. Reads go through `os.pread` on the page cache; nothing is held in memory but file handles.
+A write that runs out of space (a short `pwrite`, ENOSPC at a new file) is undone: the file is
+cut back to its last whole entry, a half-made file removed, and the OSError (ENOSPC) raised; the
+dispatcher tries again later, and `append_many` skips entries an earlier try already wrote.
 
 File header, version 1 (big-endian, 24 bytes): magic b"CHRONOQQ" | version u32 |
 first_offset u64 | crc32c u32 of bytes [0, 20).
@@ -15,6 +18,7 @@ crc32c u32 of the entry's first 16 bytes.
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 from dataclasses import dataclass
@@ -197,25 +201,40 @@ class ConsumeQueue:
         f = self._files[-1] if self._files else None
         if f is None or f.count >= self.entries_per_file:
             f = self._new_file(offset)
-        os.pwrite(f.fd, encode_entry(position, size, tag_hash_value), CQ_HEADER_SIZE + f.count * ENTRY_SIZE)
+        self._write_entries(f, encode_entry(position, size, tag_hash_value))
         f.count += 1
         self._dirty.add(f.fd)
         return offset
 
-    def append_many(self, entries: list[tuple[int, int, int]]) -> None:
+    def append_many(self, entries: list[tuple[int, int, int]], first_offset: int | None = None) -> None:
         """Append (position, size, tag hash) entries in order: one pwrite per file they fill,
-        where `append` would make one per entry."""
-        i = 0
+        where `append` would make one per entry. With `first_offset` (the queue offset of
+        `entries[0]`), entries the queue already holds are skipped: a dispatch retried after
+        running out of space halfway appends only the rest."""
+        i = 0 if first_offset is None else max(0, self.next_offset - first_offset)
         while i < len(entries):
             f = self._files[-1] if self._files else None
             if f is None or f.count >= self.entries_per_file:
                 f = self._new_file(self.next_offset)
             take = min(len(entries) - i, self.entries_per_file - f.count)
             blob = b"".join([encode_entry(p, s, t) for p, s, t in entries[i:i + take]])
-            os.pwrite(f.fd, blob, CQ_HEADER_SIZE + f.count * ENTRY_SIZE)
+            self._write_entries(f, blob)
             f.count += take
             self._dirty.add(f.fd)
             i += take
+
+    def _write_entries(self, f: CQFile, blob: bytes) -> None:
+        """Write whole entries after the last one of `f`, or none (cut back, ENOSPC raised)."""
+        end = CQ_HEADER_SIZE + f.count * ENTRY_SIZE
+        try:
+            n = os.pwrite(f.fd, blob, end)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            n = -1
+        if n != len(blob):  # short: the disk is full; a part-entry must not stay at the end
+            os.ftruncate(f.fd, end)
+            raise OSError(errno.ENOSPC, f"consume-queue append of {len(blob)} bytes to {f.path} ran out of space")
 
     def _new_file(self, first_offset: int) -> CQFile:
         # A new queue's directories are made durable at once (rare: once per queue); the new
@@ -225,13 +244,18 @@ class ConsumeQueue:
         path = self.directory / files.cq_file_name(first_offset)
         # Renamed into place with its header: a kill never leaves a header-less queue file.
         tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        header = encode_cq_header(first_offset)
-        if os.write(fd, header) != len(header):
-            os.close(fd)
-            tmp.unlink(missing_ok=True)
-            raise OSError(28, "short write of a consume-queue header")
-        os.rename(tmp, path)
+        fd = -1
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            header = encode_cq_header(first_offset)
+            if os.write(fd, header) != len(header):
+                raise OSError(errno.ENOSPC, f"short write of a consume-queue header ({tmp})")
+            os.rename(tmp, path)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            tmp.unlink(missing_ok=True)  # a full disk leaves no half-made queue file behind
+            raise
         self._dirty.add(fd)
         self._dir_dirty = True
         f = CQFile(first_offset, path, fd, 0)

@@ -4,6 +4,8 @@
       LOCK                          flock'ed by the running broker
       topics                        topic table (magic CQTP, CRC32C, JSON)
       checkpoint                    dispatch checkpoint (magic CQCKPT01, CRC32C)
+      reserve                       space set aside for a start on a full disk (no data; see
+                                    `store/diskspace.py`)
       commitlog/<20-digit base>.log commit-log segments, named by their first position
       queues/<topic>/<qid>/<20-digit first offset>.cq   consume-queue files
       groups/                       consumer-group state (RocksDB)
@@ -24,6 +26,7 @@ from pathlib import Path
 LOCK = "LOCK"
 TOPICS = "topics"
 CHECKPOINT = "checkpoint"
+RESERVE = "reserve"
 COMMITLOG_DIR = "commitlog"
 SEGMENT_SUFFIX = ".log"
 QUEUES_DIR = "queues"

@@ -29,6 +29,15 @@ broker that cannot start, serves nobody. And offsets can be ahead of the consume
 store restored from a later copy than the log, a log cut back by recovery): `clamp` brings each
 back to its queue's end and drops in-flight entries past it, so the group receives what is
 appended there next instead of skipping it.
+
+A full disk. A write that finds no space raises `DiskFull` (retriable) and changes nothing (the
+mirror follows only a written batch). RocksDB then refuses every later write with the same error,
+even once space is back, until the database is reopened (measured with rocksdict 0.3.29 on a full
+tmpfs: "IO error: No space left on device: While appending to file: .../000004.log", then
+"Writer has previous error" on close); so the next write reopens it first, once the disk has room
+for that (`DiskSpace.room_for_rocksdb`). Reads never touch RocksDB after open (the mirror has
+everything), so receive-side lookups go on meanwhile. Opening on a full disk fails (RocksDB writes
+a new MANIFEST at every open): that is `DiskFull`, never damage, so the store is not moved aside.
 """
 
 from __future__ import annotations
@@ -46,8 +55,9 @@ from pathlib import Path
 import crc32c
 from rocksdict import BlockBasedOptions, Cache, Options, Rdict, WriteBatch, WriteOptions
 
-from chronoq.errors import CorruptRecord, DataDirLocked, InvalidReceiptHandle, UnsupportedVersion
+from chronoq.errors import CorruptRecord, DataDirLocked, DiskFull, InvalidReceiptHandle, UnsupportedVersion
 from chronoq.store import files, fsync
+from chronoq.store.diskspace import DiskSpace, is_disk_full
 
 GROUPS_FORMAT_VERSION = 1
 LEGACY_SCHEDULE_GROUP = "%SCHEDULE%"
@@ -132,16 +142,14 @@ def _db_options(block_cache_bytes: int, write_buffer_bytes: int) -> Options:
 
 class GroupStore:
     def __init__(self, directory: Path, *, block_cache_bytes: int = BLOCK_CACHE_BYTES,
-                 write_buffer_bytes: int = WRITE_BUFFER_BYTES) -> None:
+                 write_buffer_bytes: int = WRITE_BUFFER_BYTES, disk: DiskSpace | None = None) -> None:
         fsync.make_dirs(directory)  # the store is durable state: its name must survive a power loss
-        opts = _db_options(block_cache_bytes, write_buffer_bytes)
+        self._opts = _db_options(block_cache_bytes, write_buffer_bytes)
         self.directory = directory
-        try:
-            self._db = Rdict(str(directory), opts)
-        except Exception as exc:
-            if "LOCK:" in str(exc) or "lock hold" in str(exc):
-                raise DataDirLocked(str(directory)) from exc
-            raise
+        self.disk = disk or DiskSpace(directory)
+        self._db: Rdict | None = self._open_db()
+        self._stuck = False
+        """A write failed for space: RocksDB refuses writes until reopened (module docstring)."""
         self._wo = WriteOptions()
         self._wo.sync = False
         self._offsets: dict[tuple[str, str, int], int] = {}
@@ -150,13 +158,66 @@ class GroupStore:
         try:
             version = self._db.get(b"meta:version")
             if version is None:
-                self._db.put(b"meta:version", _U32.pack(GROUPS_FORMAT_VERSION), self._wo)
+                wb = WriteBatch(raw_mode=True)
+                wb.put(b"meta:version", _U32.pack(GROUPS_FORMAT_VERSION))
+                self._write(wb)
             elif len(version) != 4 or _U32.unpack(version)[0] != GROUPS_FORMAT_VERSION:
                 raise UnsupportedVersion("groups store", int.from_bytes(version, "big"), GROUPS_FORMAT_VERSION)
             self._load()
         except BaseException:
-            self._db.close()
+            self.close()
             raise
+
+    def _open_db(self) -> Rdict:
+        try:
+            return Rdict(str(self.directory), self._opts)
+        except Exception as exc:
+            if "LOCK:" in str(exc) or "lock hold" in str(exc):
+                raise DataDirLocked(str(self.directory)) from exc
+            if is_disk_full(exc):
+                raise self.disk.ran_out("opening the consumer-group store (RocksDB)", self.directory) from exc
+            raise
+
+    def _write(self, wb: WriteBatch) -> None:
+        """The one place a batch reaches RocksDB: DiskFull when it found no space."""
+        if self._stuck:
+            self._reopen()
+        assert self._db is not None
+        try:
+            self._db.write(wb, self._wo)
+        except Exception as exc:
+            if not is_disk_full(exc):
+                raise
+            if not self._stuck:
+                log.warning("consumer-group store %s: a write found no space; receives and acks are refused "
+                            "(DiskFull) until it can be reopened", self.directory)
+            self._stuck = True
+            raise self.disk.ran_out("a consumer-group store write (RocksDB)", self.directory) from exc
+
+    def _reopen(self) -> None:
+        """Replace a handle RocksDB stopped writing through (after a write found no space), once
+        there is room to open it again. Its WAL holds every batch that was written: nothing is
+        lost, and the mirror already matches it."""
+        if not self.disk.room_for_rocksdb(self.directory):
+            raise self.disk.ran_out("reopening the consumer-group store (RocksDB) after a write found no space",
+                                    self.directory)
+        self._drop_handle()
+        self._db = self._open_db()
+        self._stuck = False
+        log.warning("consumer-group store %s reopened: writes go on", self.directory)
+
+    def _drop_handle(self) -> None:
+        """Close RocksDB without losing anything: its flush at close may fail on a full disk, and
+        then dropping the handle closes it unflushed, which the WAL makes safe."""
+        db, self._db = self._db, None
+        if db is None:
+            return
+        try:
+            db.close()
+        except Exception as exc:
+            log.warning("consumer-group store %s closed without its final flush (%s); its WAL keeps every write",
+                        self.directory, str(exc))
+        del db
 
     def _load(self) -> None:
         """Read every offset and in-flight entry now, so damage shows at open (where it can be
@@ -178,13 +239,15 @@ class GroupStore:
 
     @classmethod
     def open_or_reset(cls, directory: Path, *, block_cache_bytes: int = BLOCK_CACHE_BYTES,
-                      write_buffer_bytes: int = WRITE_BUFFER_BYTES) -> tuple[GroupStore, str | None]:
+                      write_buffer_bytes: int = WRITE_BUFFER_BYTES,
+                      disk: DiskSpace | None = None) -> tuple[GroupStore, str | None]:
         """Open the store; if it is damaged, move it aside and start empty. Returns the store and,
         after a reset, what was wrong and where the damaged copy is."""
         try:
-            return cls(directory, block_cache_bytes=block_cache_bytes, write_buffer_bytes=write_buffer_bytes), None
-        except (DataDirLocked, UnsupportedVersion):
-            raise  # not damage: another broker holds it, or a newer chronoq wrote it
+            return cls(directory, block_cache_bytes=block_cache_bytes, write_buffer_bytes=write_buffer_bytes,
+                       disk=disk), None
+        except (DataDirLocked, UnsupportedVersion, DiskFull):
+            raise  # not damage: another broker holds it, a newer chronoq wrote it, or the disk is full
         except Exception as exc:  # RocksDB reports damage as a plain exception; so does a bad value
             aside = files.damaged_name(directory)
             os.rename(directory, aside)
@@ -192,7 +255,8 @@ class GroupStore:
             reason = f"consumer-group store {directory} is damaged ({exc}); moved to {aside}, starting empty: " \
                      "every group receives the retained log again (at least once)"
             log.error("%s", reason)
-            store = cls(directory, block_cache_bytes=block_cache_bytes, write_buffer_bytes=write_buffer_bytes)
+            store = cls(directory, block_cache_bytes=block_cache_bytes, write_buffer_bytes=write_buffer_bytes,
+                        disk=disk)
             return store, reason
 
     def clamp(self, queue_end: Callable[[str, int], int]) -> int:
@@ -216,12 +280,13 @@ class GroupStore:
             wb = WriteBatch(raw_mode=True)
             for group, topic, qid in legacy:
                 wb.delete(b"o" + _gt(group, topic) + _U32.pack(qid))
-                del self._offsets[(group, topic, qid)]
-            self._db.write(wb, self._wo)
+            self._write(wb)
+            for key in legacy:
+                del self._offsets[key]
         return len(offsets) + len(remove)
 
     def close(self) -> None:
-        self._db.close()
+        self._drop_handle()
 
     @staticmethod
     def destroy(directory: Path) -> None:
@@ -295,7 +360,7 @@ class GroupStore:
                 wb.delete(b"i" + _gt(e.group, e.topic) + _QO.pack(e.queue_id, e.offset))
         for e in put:
             wb.put(b"i" + _gt(e.group, e.topic) + _QO.pack(e.queue_id, e.offset), _encode_inflight(e))
-        self._db.write(wb, self._wo)
+        self._write(wb)
         # The mirror follows only once the batch is written: a failed write changes nothing.
         for group, topic, qid, offset in offsets:
             self._offsets[(group, topic, qid)] = offset

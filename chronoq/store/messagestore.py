@@ -20,6 +20,14 @@ a backup has old mtimes). Records already in the log at open were stored before 
 time later than the broker time at open (a clock that was wrong) counts as the open time
 (`_stored_ms`), and such a segment cannot hold retention back past `retention_ms` after the open.
 
+A full disk (`store/diskspace.py`) is back-pressure. Dispatch that runs out of space writing
+derived state (a consume-queue append, a listener's RocksDB write) keeps the records it could not
+finish in line and reports how far it got, so their senders stay unacknowledged; the log's
+flusher retries it, sends are refused meanwhile (`check_room_for_send`), and it resumes when
+space returns. A checkpoint that finds no space raises `DiskFull` and leaves the old one valid.
+Recovery writes nothing that needs space: its checkpoint, or a topic table it had to rebuild,
+waits for a later checkpoint when the disk is full.
+
 Reads (`read_at`) return None for a record retention removed or a hole, and raise
 `CorruptRecord` for a damaged one, after quarantining it: each caller decides what a lost
 record means to it (skip it, drop an in-flight entry, mark a timer damaged). `readable` is the
@@ -42,6 +50,7 @@ from chronoq.config import Config
 from chronoq.errors import (
     CorruptRecord,
     DataDirLocked,
+    DiskFull,
     FlushFailed,
     FsyncFailed,
     InvalidQueueId,
@@ -52,6 +61,7 @@ from chronoq.model import MessageType, StoredMessage, TopicConfig
 from chronoq.store import files, fsync
 from chronoq.store.commitlog import CommitLog, RecoveryReport, Segment
 from chronoq.store.consumequeue import ConsumeQueue, tag_hash
+from chronoq.store.diskspace import DiskSpace, is_disk_full
 from chronoq.store.meta import decode_topics, encode_checkpoint, encode_topics, read_checkpoint, write_atomic
 from chronoq.store.record import encode_record
 
@@ -105,6 +115,12 @@ class MessageStore:
         self.listeners: list[DispatchListener] = []
         self.skipped_damaged = 0
         """Reads that stepped over a damaged record (each range is logged once, when found)."""
+        self.disk = DiskSpace(config.data_dir, min_free_bytes=config.disk_min_free_bytes,
+                              reserve_file_bytes=config.disk_reserve_file_bytes)
+        self._dispatch_blocked: str | None = None
+        """What a full disk stopped dispatch from writing; the flusher retries until it is done."""
+        self._topics_unsaved = False
+        """Recovery changed the topic table on a full disk; the next checkpoint saves it."""
         self._lock_fd: int | None = None
         self.log: CommitLog
         self.first_seen_ms: int | None = None
@@ -123,7 +139,13 @@ class MessageStore:
         fsync.make_dirs(store.dir)
         store._lock()
         try:
+            store.disk.open_reserve()  # before anything writes: RocksDB cannot open on a full disk
             report = store._recover()
+        except OSError as e:
+            store._unlock()
+            if is_disk_full(e):  # replaying the log into a consume queue found no room
+                raise store.disk.ran_out("recovery (replaying the log into the consume queues)") from e
+            raise
         except BaseException:
             store._unlock()
             raise
@@ -149,7 +171,7 @@ class MessageStore:
         self.log, log_report = CommitLog.open(
             self.dir / files.COMMITLOG_DIR, segment_size_bytes=self.config.segment_size_bytes,
             flush=self.config.flush, flush_interval_ms=self.config.flush_interval_ms,
-            scan_from=checkpoint or 0,
+            scan_from=checkpoint or 0, disk=self.disk, dispatch_retry_ms=self.config.disk_full_retry_ms,
         )
         report = OpenReport(log=log_report, checkpoint=checkpoint, topics_damaged=topics_damaged)
         damaged: set[tuple[str, int]] = set()
@@ -203,7 +225,10 @@ class MessageStore:
             self._next_qoff[key] = cq.next_offset
         self.dispatched_position = self.log.end_position
         self.log.on_durable = self._on_durable
-        self.checkpoint()
+        try:
+            self.checkpoint()
+        except DiskFull as e:  # the old checkpoint stays valid: replay starts there again
+            self.disk.note_full("checkpoint", e)
         return report
 
     def _load_topics(self) -> str | None:
@@ -227,7 +252,7 @@ class MessageStore:
             qids = [int(q) for q in os.listdir(queues_root / name) if q.isdigit()]
             if qids:
                 self.topics[name] = TopicConfig(name, max(qids) + 1, frozenset(MessageType), 0)
-        self._save_topics()
+        self._save_topics_in_recovery()
         message = (f"topic table {path} is damaged ({reason}); moved to {aside.name} and rebuilt from the queues: "
                    f"{len(self.topics)} topics, every message type accepted again")
         log.error("%s", message)
@@ -259,7 +284,18 @@ class MessageStore:
             self.topics[msg.topic] = TopicConfig(
                 msg.topic, max(msg.queue_id + 1, topic.queue_count if topic else 1),
                 topic.message_types if topic else frozenset(MessageType), msg.store_ms)
+            self._save_topics_in_recovery()
+
+    def _save_topics_in_recovery(self) -> None:
+        """Save the topic table, or on a full disk leave it to the next checkpoint: until then a
+        restart rebuilds the same table from the same log."""
+        try:
             self._save_topics()
+        except OSError as e:
+            if not is_disk_full(e):
+                raise
+            self._topics_unsaved = True
+            self.disk.note_full("saving the topic table", e)
 
     # -- topics -----------------------------------------------------------------------------
 
@@ -271,10 +307,18 @@ class MessageStore:
                 return existing
             raise TopicExists(name)
         topic = TopicConfig(name, queue_count, message_types, now_ms)
-        for qid in range(queue_count):
-            self._cq((name, qid)).ensure_file()
         self.topics[name] = topic
-        self._save_topics()
+        try:
+            for qid in range(queue_count):
+                self._cq((name, qid)).ensure_file()
+            self._save_topics()
+        except OSError as e:
+            # Not created: empty queue files made so far stay (recovery ignores queues of no
+            # topic, and a later create reuses them).
+            del self.topics[name]
+            if is_disk_full(e):
+                raise self.disk.ran_out(f"creating topic {name!r}") from e
+            raise
         return topic
 
     def get_topic(self, name: str) -> TopicConfig:
@@ -366,25 +410,60 @@ class MessageStore:
     async def wait_durable(self, end: int) -> None:
         await self.log.wait_durable(end)
 
-    def _on_durable(self, end: int) -> None:
+    def check_room_for_send(self) -> None:
+        """Refuse a producer send (DiskFull) below the send reserve, or while dispatch is held
+        back by a full disk (a send now would only wait for it)."""
+        self.disk.check_send()
+        if self._dispatch_blocked is not None:
+            raise self.disk.ran_out(self._dispatch_blocked)
+
+    def disk_stats(self) -> dict[str, object]:
+        """Free space, the limits, and what a full disk is holding back now (for `stats`)."""
+        return {"free_bytes": self.disk.free_bytes(), "min_free_bytes": self.disk.min_free_bytes,
+                "reserve_file_bytes": self.disk.reserve_path.stat().st_size if self.disk.reserve_path.exists() else 0,
+                "held_back": self.disk.held_back, "dispatch_blocked": self._dispatch_blocked}
+
+    def _on_durable(self, end: int) -> int | None:
+        """Dispatch the records below `end` (durable ones; in async mode, written ones). Returns
+        None when all are dispatched, else the position of the first one that is not: the disk
+        ran out of space while writing its derived state, and the call is repeated later.
+        Repeating is safe: consume queues skip entries they hold, the timer index ignores what
+        it has applied (its write is one atomic batch), wake-ups are idempotent."""
+        pending = self._undispatched
         batch: list[StoredMessage] = []
-        per_queue: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
-        while self._undispatched and self._undispatched[0].position < end:
-            msg = self._undispatched.popleft()
+        per_queue: dict[tuple[str, int], tuple[int, list[tuple[int, int, int]]]] = {}
+        stale = 0
+        for msg in pending:
+            if msg.position >= end:
+                break
             if msg.position < self.dispatched_position:
+                stale += 1  # dispatched already: a record is never dispatched twice
                 continue
             key = (msg.topic, msg.queue_id)
             entries = per_queue.get(key)
             if entries is None:
-                entries = per_queue[key] = []
-            entries.append((msg.position, msg.size, tag_hash(msg.tag)))
+                entries = per_queue[key] = (msg.queue_offset, [])
+            entries[1].append((msg.position, msg.size, tag_hash(msg.tag)))
             batch.append(msg)
-        for key, entries in per_queue.items():
-            self._cq(key).append_many(entries)
         if batch:
+            try:
+                for key, (first_offset, entries) in per_queue.items():
+                    self._cq(key).append_many(entries, first_offset)
+                for listener in self.listeners:
+                    listener(batch)
+            except Exception as e:
+                if not is_disk_full(e):
+                    raise
+                self._dispatch_blocked = f"dispatching durable records from position {batch[0].position}"
+                self.disk.note_full("dispatch", e)
+                return batch[0].position
             self.dispatched_position = batch[-1].position + batch[-1].size
-            for listener in self.listeners:
-                listener(batch)
+        for _ in range(stale + len(batch)):
+            pending.popleft()
+        if self._dispatch_blocked is not None:
+            self._dispatch_blocked = None
+            self.disk.note_ok("dispatch")
+        return None
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -428,13 +507,22 @@ class MessageStore:
         if self.log.failure is not None:
             raise FlushFailed(self.log.failure)
         position = self.dispatched_position
+        path = self.dir / files.CHECKPOINT
         try:
             for cq in self._cqs.values():
                 cq.flush()
-            write_atomic(self.dir / files.CHECKPOINT, encode_checkpoint(position, 0))
+            if self._topics_unsaved:
+                self._save_topics()
+                self._topics_unsaved = False
+            write_atomic(path, encode_checkpoint(position, 0))
         except FsyncFailed as e:
             self.log.fail(e.message)
             raise
+        except OSError as e:
+            if not is_disk_full(e):
+                raise
+            # write_atomic removed its temp file; the old checkpoint is still whole and valid.
+            raise self.disk.ran_out("writing the checkpoint", path) from e
         return position
 
     async def expired_before(self, now_ms: int) -> int:
@@ -479,6 +567,8 @@ class MessageStore:
                 try:
                     if healthy:
                         self.checkpoint()
+                except DiskFull as e:
+                    log.warning("closing without a new checkpoint (the last one stays valid): %s", str(e))
                 finally:
                     for cq in self._cqs.values():
                         cq.close(sync=healthy and self.log.failure is None)

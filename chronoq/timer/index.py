@@ -38,6 +38,15 @@ A missing column family, a missing or foreign format version, or an undecodable 
 `TimerIndexCorrupt`; the broker then calls `RocksTimerIndex.destroy(path)` and rebuilds the index
 by replaying the log from position 0.
 
+A full disk is not damage (`store/diskspace.py`). A write that finds no space raises `DiskFull`
+and changes nothing (one atomic batch; the mirrors follow only a written one). RocksDB then
+refuses every later write until the database is reopened, even once space is back (measured,
+rocksdict 0.3.29 on a full tmpfs), so the next write reopens it first, when the disk has room for
+that (`DiskSpace.room_for_rocksdb`); reads go on through the old handle meanwhile. If the reopen
+itself fails, the index is detached and every call tries to attach it again (`DiskFull` until it
+can). Opening on a full disk fails (a new MANIFEST at every open): that too is `DiskFull`, so the
+broker does not destroy an index that is only waiting for space.
+
 This module owns the database, its lifecycle and the queries; `index_txn.py` turns one batch
 into one WriteBatch; `index_codec.py` holds the encoders for the layouts below. Only the
 broker's timer task calls in (single-threaded; nothing here takes a lock or reads the clock).
@@ -82,11 +91,13 @@ column family `meta`:
 from __future__ import annotations
 
 import contextlib
+import logging
 import shutil
 import struct
 from array import array
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from rocksdict import (
     BlockBasedOptions,
@@ -99,9 +110,10 @@ from rocksdict import (
     WriteOptions,
 )
 
-from chronoq.errors import DataDirLocked, ServerError
+from chronoq.errors import ChronoqError, DataDirLocked, ServerError
 from chronoq.model import TimerStatus
 from chronoq.store import fsync
+from chronoq.store.diskspace import DiskSpace, is_disk_full
 from chronoq.timer.engine import IndexBatch, IndexPositionWentBack, TimerEntry
 from chronoq.timer.index_codec import (
     CF_COUNTERS,
@@ -144,6 +156,7 @@ from chronoq.timer.index_txn import IndexTxn
 from chronoq.timer.metrics import TimerLatencies, TimerMetricsSnapshot, pending_by_due
 
 FORMAT_VERSION = 2
+log = logging.getLogger("chronoq.timer")
 
 
 _PRUNE_CHUNK = 10_000
@@ -250,6 +263,22 @@ def _cf_options(name: str, cache: Cache) -> Options:
     return opts
 
 
+def _open_rdict(path: Path, create: bool, block_cache_bytes: int, write_buffer_bytes: int,
+                disk: DiskSpace) -> Rdict:
+    try:
+        cache = Cache(block_cache_bytes)
+        return Rdict(str(path), _db_options(create, write_buffer_bytes),
+                     column_families={name: _cf_options(name, cache) for name in COLUMN_FAMILIES})
+    except Exception as exc:
+        # RocksDB says "lock hold by current process" or "While lock file: .../LOCK: ...";
+        # match those exactly ("block checksum mismatch" must stay a corruption).
+        if "LOCK:" in str(exc) or "lock hold" in str(exc):
+            raise DataDirLocked(str(path)) from exc
+        if is_disk_full(exc):
+            raise disk.ran_out("opening the timer index (RocksDB)", path) from exc
+        raise TimerIndexCorrupt(path, f"RocksDB refused to open it: {exc}") from exc
+
+
 def _read_bounded(upper: bytes | None) -> ReadOptions:
     ro = ReadOptions()
     if upper is not None:
@@ -263,12 +292,18 @@ def _read_bounded(upper: bytes | None) -> ReadOptions:
 class RocksTimerIndex:
     """`TimerEngine` on RocksDB. Single-threaded: the broker's timer task owns it."""
 
-    def __init__(self, path: Path, db: Rdict) -> None:
+    def __init__(self, path: Path, db: Rdict, *, disk: DiskSpace | None = None,
+                 block_cache_bytes: int = BLOCK_CACHE_BYTES, write_buffer_bytes: int = WRITE_BUFFER_BYTES) -> None:
         # Use `open`; this only wires handles.
         self._path = path
-        self._db = db
-        self._cf = {name: db.get_column_family(name) for name in COLUMN_FAMILIES}
-        self._handle = {name: db.get_column_family_handle(name) for name in COLUMN_FAMILIES}
+        self._disk = disk or DiskSpace(path)
+        self._sizes = (block_cache_bytes, write_buffer_bytes)
+        self._db: Rdict | None = None
+        self._cf: dict[str, Rdict] = {}
+        self._handle: dict[str, Any] = {}
+        self._wire(db)
+        self._stuck = False
+        """A write failed for space: RocksDB refuses writes until reopened (module docstring)."""
         self._write_opt = WriteOptions()  # WAL on, no fsync: see the module docstring
         self._closed = False
         self._indexed_position = 0
@@ -289,19 +324,26 @@ class RocksTimerIndex:
 
     @classmethod
     def open(cls, path: str | Path, *, create_if_missing: bool = True, block_cache_bytes: int = BLOCK_CACHE_BYTES,
-             write_buffer_bytes: int = WRITE_BUFFER_BYTES) -> RocksTimerIndex:
+             write_buffer_bytes: int = WRITE_BUFFER_BYTES, disk: DiskSpace | None = None) -> RocksTimerIndex:
         """Open the index at `path`, creating an empty one (indexed_position 0) if there is
         none and `create_if_missing`. The two sizes bound RocksDB's memory (block cache with
         index and filter blocks; all memtables). Raises `TimerIndexCorrupt` for a missing (when not
-        creating), damaged or foreign-version index, `DataDirLocked` if another holder has it."""
+        creating), damaged or foreign-version index, `DataDirLocked` if another holder has it,
+        `DiskFull` if the disk has no room for RocksDB to open it."""
         path = Path(path)
+        disk = disk or DiskSpace(path.parent)
         fresh = not (path / "CURRENT").exists()
         if fresh:
             if not create_if_missing:
                 raise TimerIndexCorrupt(path, "no index there (missing CURRENT file)")
             if path.exists() and any(path.iterdir()):
                 raise TimerIndexCorrupt(path, "directory holds files but no RocksDB CURRENT file")
-            fsync.make_dirs(path)
+            try:
+                fsync.make_dirs(path)
+            except OSError as exc:
+                if is_disk_full(exc):
+                    raise disk.ran_out("making the timer index's directory", path) from exc
+                raise
         else:
             try:
                 families = set(Rdict.list_cf(str(path), Options(raw_mode=True)))
@@ -310,20 +352,12 @@ class RocksTimerIndex:
             expected = {*COLUMN_FAMILIES, "default"}
             if families != expected:
                 raise TimerIndexCorrupt(path, f"column families {sorted(families)}, expected {sorted(expected)}")
-        try:
-            cache = Cache(block_cache_bytes)
-            db = Rdict(str(path), _db_options(fresh, write_buffer_bytes),
-                       column_families={name: _cf_options(name, cache) for name in COLUMN_FAMILIES})
-        except Exception as exc:
-            # RocksDB says "lock hold by current process" or "While lock file: .../LOCK: ...";
-            # match those exactly ("block checksum mismatch" must stay a corruption).
-            if "LOCK:" in str(exc) or "lock hold" in str(exc):
-                raise DataDirLocked(str(path)) from exc
-            raise TimerIndexCorrupt(path, f"RocksDB refused to open it: {exc}") from exc
-        index = cls(path, db)
+        db = _open_rdict(path, fresh, block_cache_bytes, write_buffer_bytes, disk)
+        index = cls(path, db, disk=disk, block_cache_bytes=block_cache_bytes, write_buffer_bytes=write_buffer_bytes)
         try:
             if fresh:
-                index._initialise()
+                with index._guard():
+                    index._initialise()
             index._load()
         except BaseException:
             index.close()
@@ -344,7 +378,7 @@ class RocksTimerIndex:
         wb.put(META_HEAD_FLOOR, b"", self._handle[CF_META])
         sync = WriteOptions()
         sync.sync = True
-        self._db.write(wb, sync)
+        self._live().write(wb, sync)
 
     def _load(self) -> None:
         meta = self._cf[CF_META]
@@ -397,16 +431,67 @@ class RocksTimerIndex:
         return count
 
     def close(self) -> None:
+        """Close, flushing memtables if the disk lets it; if not, close unflushed (the WAL keeps
+        every batch), never raise: a full disk must not stop a broker from shutting down."""
         if self._closed:
             return
         self._closed = True
-        for cf in self._cf.values():
-            cf.close()
-        # Column-family objects and handles keep RocksDB open: drop them all before the DB.
-        self._cf.clear()
-        self._handle.clear()
-        self._db.close()
-        del self._db
+        self._detach()
+
+    # -- handles, and reopening after a full disk --------------------------------------------
+
+    def _wire(self, db: Rdict) -> None:
+        self._db = db
+        self._cf = {name: db.get_column_family(name) for name in COLUMN_FAMILIES}
+        self._handle = {name: db.get_column_family_handle(name) for name in COLUMN_FAMILIES}
+
+    def _live(self) -> Rdict:
+        if self._db is None:
+            self._attach()
+        assert self._db is not None
+        return self._db
+
+    def _detach(self) -> None:
+        """Drop every handle (column-family objects and handles keep RocksDB open: all of them go
+        before the DB). Each close flushes; on a full disk that fails and the drop closes unflushed."""
+        handles: list[Rdict] = [*self._cf.values(), *([self._db] if self._db is not None else [])]
+        self._cf, self._handle, self._db = {}, {}, None
+        failures = []
+        while handles:
+            try:
+                handles.pop(0).close()
+            except Exception as exc:
+                failures.append(str(exc))
+        if failures:
+            log.warning("timer index %s closed without its final flush (%s); its WAL keeps every batch",
+                        self._path, failures[0])
+
+    def _attach(self) -> None:
+        """Open the database again (after `_detach`) and reload the mirrors from it."""
+        if self._closed:
+            raise TimerIndexClosed(self._path)
+        self._check_room_to_reopen()
+        self._wire(_open_rdict(self._path, False, *self._sizes, self._disk))
+        self._topic_counts, self._minute_slots, self._hour_counts, self._levels = {}, {}, {}, {}
+        self._head = None
+        try:
+            self._load()
+        except BaseException:
+            self._detach()
+            raise
+        self._stuck = False
+        log.warning("timer index %s reopened: writes go on", self._path)
+
+    def _writable(self) -> Rdict:
+        """The handle to write through: reopened first if a write found no space before."""
+        if self._stuck and self._db is not None:
+            self._check_room_to_reopen()  # else keep the old handle: reads still work through it
+            self._detach()
+        return self._live()
+
+    def _check_room_to_reopen(self) -> None:
+        if not self._disk.room_for_rocksdb(self._path):
+            raise self._disk.ran_out("reopening the timer index (RocksDB) after a write found no space", self._path)
 
     def __enter__(self) -> RocksTimerIndex:
         return self
@@ -418,16 +503,24 @@ class RocksTimerIndex:
     def _guard(self) -> Iterator[None]:
         if self._closed:
             raise TimerIndexClosed(self._path)
+        if self._db is None:
+            self._attach()  # detached by a reopen that found no space: DiskFull until it can
         try:
             yield
         except (MalformedValue, struct.error, UnicodeDecodeError) as exc:
             raise TimerIndexCorrupt(self._path, f"undecodable value: {exc}") from exc
-        except TimerIndexCorrupt:
-            raise
+        except ChronoqError:
+            raise  # already named: corrupt, closed, locked, disk full
         except Exception as exc:
             # RocksDB reports a bad block or file as an exception whose text starts "Corruption".
             if "Corruption" in str(exc) or "corruption" in str(exc):
                 raise TimerIndexCorrupt(self._path, str(exc)) from exc
+            if is_disk_full(exc):
+                if not self._stuck:
+                    log.warning("timer index %s: a write found no space; it is reopened once there is room",
+                                self._path)
+                self._stuck = True
+                raise self._disk.ran_out("a timer-index write (RocksDB)", self._path) from exc
             raise
 
     @property
@@ -475,6 +568,7 @@ class RocksTimerIndex:
                 raise ValueError(f"delay level {level!r} must be an int in [1, 65535]")
             _check_u63("level offset", offset)
         with self._guard():
+            db = self._writable()  # before the batch is built: it names this handle's column families
             txn = IndexTxn(self)
             txn.add_all(batch.adds)
             for old_position, entry in batch.rolled:
@@ -489,7 +583,7 @@ class RocksTimerIndex:
             for level, offset in levels.items():
                 txn.wb.put(META_LEVEL_PREFIX + U16.pack(level), U64.pack(offset), self._handle[CF_META])
             txn.finish(batch.indexed_position)
-            self._db.write(txn.wb, self._write_opt)
+            db.write(txn.wb, self._write_opt)
             self._commit(txn, batch)
             self._levels.update(levels)
 
@@ -671,6 +765,7 @@ class RocksTimerIndex:
 
     def _prune_rows(self, rows: list[tuple[bytes, bytes]]) -> int:
         """Delete one chunk of history and what it points at; returns the statuses forgotten."""
+        db = self._writable()  # before the batch is built: it names this handle's column families
         wb = WriteBatch(raw_mode=True)
         h = self._handle
         finished = [(HISTORY_KEY.unpack(hk)[1], hv[1:]) for hk, hv in rows if hv[0] == HIST_STATUS]
@@ -695,7 +790,7 @@ class RocksTimerIndex:
                 wb.delete(pk, h[CF_POS])
         for hk, _ in rows:
             wb.delete(hk, h[CF_HISTORY])
-        self._db.write(wb, self._write_opt)
+        db.write(wb, self._write_opt)
         return forgotten
 
     # -- scans -------------------------------------------------------------------------------

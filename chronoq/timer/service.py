@@ -40,6 +40,7 @@ import crc32c
 from chronoq.config import Config
 from chronoq.errors import (
     CorruptRecord,
+    DiskFull,
     InvalidRecallHandle,
     TimerAlreadyCancelled,
     TimerAlreadyFired,
@@ -165,6 +166,10 @@ class TimerService:
             if m.topic == TIMER_TOPIC:
                 self._unreserve(int(m.system_properties[SYS_TIMER_OUT_MS]) // 1000)
 
+    def _unreserve_all(self, slots_s: list[int]) -> None:
+        for slot_s in slots_s:
+            self._unreserve(slot_s)
+
     def _unreserve(self, slot_s: int) -> None:
         if self._reserved[slot_s] > 1:
             self._reserved[slot_s] -= 1
@@ -174,20 +179,31 @@ class TimerService:
     # -- index ------------------------------------------------------------------------------
 
     def on_dispatch(self, msgs: list[StoredMessage], now_ms: int | None) -> None:
-        batch = self._batch_for(msgs, now_ms)
+        """Index durable records. If the engine refuses (a full disk: `DiskFull`), nothing here
+        changed and the store calls again later with the same records."""
+        batch, indexed_seconds = self._batch_for(msgs, now_ms)
         end = msgs[-1].position + msgs[-1].size if msgs else self.engine.indexed_position
-        if batch.adds or batch.cancels or batch.fired or batch.rolled or batch.level_progress \
-                or end > self.engine.indexed_position:
-            self.engine.apply(replace(batch, indexed_position=max(end, self.engine.indexed_position)))
+        try:
+            if batch.adds or batch.cancels or batch.fired or batch.rolled or batch.level_progress \
+                    or end > self.engine.indexed_position:
+                self.engine.apply(replace(batch, indexed_position=max(end, self.engine.indexed_position)))
+        except DiskFull:
+            raise  # the same records come again: their slot reservations are released then, once
+        except BaseException:
+            self._unreserve_all(indexed_seconds)
+            raise
+        self._unreserve_all(indexed_seconds)
         if batch.level_progress or any(m.topic == SCHEDULE_TOPIC for m in msgs):
             self._level_head_cache.clear()
 
-    def _batch_for(self, msgs: list[StoredMessage], now_ms: int | None) -> IndexBatch:
+    def _batch_for(self, msgs: list[StoredMessage], now_ms: int | None) -> tuple[IndexBatch, list[int]]:
+        """The engine's batch for `msgs`, and the due seconds whose slot reservations it settles."""
         adds: list[TimerEntry] = []
         cancels: list[tuple[str, str, int, int]] = []
         fired: list[tuple[int, int]] = []
         rolled: list[tuple[int, TimerEntry]] = []
         level_offsets: dict[int, int] = {}
+        indexed_seconds: list[int] = []
         for m in msgs:
             sp = m.system_properties
             if m.topic == TIMER_TOPIC:
@@ -198,7 +214,7 @@ class TimerService:
                 entry = TimerEntry(due, m.position, m.size, m.message_id, sp[SYS_REAL_TOPIC],
                                    int(sp.get(SYS_TIMER_ENQUEUE_MS, m.store_ms)), m.keys)
                 if now_ms is not None and self._reserved:
-                    self._unreserve(due // 1000)
+                    indexed_seconds.append(due // 1000)
                 if SYS_TIMER_ROLLED_FROM in sp:
                     rolled.append((int(sp[SYS_TIMER_ROLLED_FROM]), entry))
                 else:
@@ -210,7 +226,7 @@ class TimerService:
                 else:
                     fired.append((int(sp[SYS_FIRED_FROM]), m.store_ms))
         return IndexBatch(adds=adds, cancels=cancels, fired=fired, rolled=rolled, applied_ms=now_ms,
-                          level_progress=level_offsets)
+                          level_progress=level_offsets), indexed_seconds
 
     def recover(self, end: int | None = None) -> int:
         """Replay the log into the engine from its indexed position up to `end` (the log's end);

@@ -1,0 +1,630 @@
+"""A full disk: back-pressure, never a failure, never a loss (docs/design.md, "A full disk").
+
+Every fault here is real: a tmpfs of a few MiB is mounted for the test and a "filler" file on it
+takes the free space away (`posix_fallocate`, then byte writes to the last page) and gives it
+back. A second, smaller tmpfs mounted on `DATA_DIR/timer` or `DATA_DIR/groups` fills one RocksDB's
+disk while the commit log still has room, so a RocksDB write is what runs out of space. Mounting
+needs root; without it the tests skip. The one monkeypatched call is `os.fdatasync` in
+`test_an_fsync_enospc_is_still_fatal`, the established way (test_faults_fsync.py) to make an
+fsync fail, which a full tmpfs never does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from chronoq.broker import Broker
+from chronoq.clock import FakeClock
+from chronoq.config import Config, ConfigError
+from chronoq.errors import ChronoqError, DiskFull, FlushFailed, FsyncFailed, Throttled
+from chronoq.model import OutgoingMessage
+from chronoq.store import files
+from chronoq.store.diskspace import free_bytes, is_disk_full
+from chronoq.store.meta import read_checkpoint
+
+MiB = 1024 * 1024
+PAGE = 4096
+
+
+class Disk:
+    """A tmpfs mounted for one test, and a filler file to take its free space away."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.filler = root / "filler"
+
+    def free(self) -> int:
+        return free_bytes(self.root)
+
+    def fill(self, leave_bytes: int = 0) -> None:
+        """Take free space until `leave_bytes` are left (all of it by default)."""
+        want = self.free() - leave_bytes
+        fd = os.open(self.filler, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            if want > 0:
+                os.posix_fallocate(fd, size, want)
+            if leave_bytes == 0:  # the filler's own last page, and anything freed meanwhile
+                os.lseek(fd, 0, os.SEEK_END)
+                for chunk in (b"\0" * PAGE, b"\0"):
+                    try:
+                        while True:
+                            os.write(fd, chunk)
+                    except OSError as e:
+                        assert e.errno == errno.ENOSPC
+        finally:
+            os.close(fd)
+        assert self.free() <= leave_bytes
+
+    def give_back(self, nbytes: int) -> None:
+        """Free `nbytes` (whole pages) from the filler."""
+        size = self.filler.stat().st_size
+        os.truncate(self.filler, max(0, (size - nbytes) // PAGE * PAGE))
+
+    def unfill(self) -> None:
+        self.filler.unlink(missing_ok=True)
+
+
+def _mount(path: Path, size_bytes: int) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(path)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+
+
+@pytest.fixture
+def mount(tmp_path: Path) -> Iterator[object]:
+    """`mount(path, size_bytes)` mounts a tmpfs there and returns its `Disk`; unmounted after."""
+    mounted: list[Path] = []
+
+    def do(path: Path, size_bytes: int) -> Disk:
+        _mount(path, size_bytes)
+        mounted.append(path)
+        return Disk(path)
+
+    yield do
+    for path in reversed(mounted):
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+@pytest.fixture
+def disk(mount, tmp_path: Path) -> Disk:
+    return mount(tmp_path / "fs", 24 * MiB)
+
+
+def _config(data: Path, **overrides: object) -> Config:
+    settings: dict[str, object] = {
+        "segment_size_bytes": 256 * 1024, "max_message_size_bytes": 64 * 1024, "default_queue_count": 1,
+        "disk_min_free_bytes": 4 * MiB, "disk_reserve_file_bytes": 1 * MiB, "disk_full_retry_ms": 50,
+        **overrides}
+    return Config(data_dir=data, **settings)  # type: ignore[arg-type]
+
+
+def _tmp_files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*.tmp"))
+
+
+def _assert_disk_full(err: BaseException) -> None:
+    assert isinstance(err, DiskFull), f"expected DiskFull, got {type(err).__name__}: {err}"
+    assert err.code == 42900 and err.retriable and isinstance(err, Throttled)
+
+
+async def _receive_all(broker: Broker, topic: str, *, ack: bool = True) -> list[str]:
+    got: list[str] = []
+    while batch := await broker.receive("g", topic, batch_size=64):
+        for rm in batch:
+            got.append(rm.message.message_id)
+            if ack:
+                await broker.ack("g", topic, rm.receipt_handle)
+    return got
+
+
+# -- settings and the fsync rule ---------------------------------------------------------------
+
+
+def test_the_disk_settings_are_validated(tmp_path: Path) -> None:
+    for name in ("disk_min_free_bytes", "disk_reserve_file_bytes"):
+        assert getattr(Config(data_dir=tmp_path, **{name: 0}), name) == 0  # 0 disables it
+        with pytest.raises(ConfigError, match=name):
+            Config(data_dir=tmp_path, **{name: -1})
+    with pytest.raises(ConfigError, match="disk_full_retry_ms"):
+        Config(data_dir=tmp_path, disk_full_retry_ms=0)
+    assert Config().disk_min_free_bytes == 64 * MiB
+
+
+def test_an_fsync_enospc_is_still_fatal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENOSPC reported by an fsync is fsyncgate, not back-pressure: the store fails for good."""
+    assert not is_disk_full(FsyncFailed("x", errno.ENOSPC, os.strerror(errno.ENOSPC)))
+    assert is_disk_full(OSError(errno.ENOSPC, "no space")) and is_disk_full(OSError(errno.EDQUOT, "quota"))
+    assert is_disk_full(Exception("IO error: No space left on device: While appending to file: x/000004.log"))
+
+    async def body() -> None:
+        broker = await Broker.open(_config(tmp_path / "data", disk_min_free_bytes=0), clock=FakeClock(),
+                                   background=False)
+        await broker.send(OutgoingMessage("t", b"before"))
+
+        def fdatasync(fd: int) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(os, "fdatasync", fdatasync)
+        with pytest.raises(FlushFailed) as info:
+            await asyncio.wait_for(broker.send(OutgoingMessage("t", b"after")), 5)
+        assert not isinstance(info.value, DiskFull)
+        assert broker.fatal is not None
+        monkeypatch.undo()
+        await broker.close()
+
+    asyncio.run(body())
+
+
+# -- (a) below the send reserve ----------------------------------------------------------------
+
+
+def test_below_the_send_reserve_sends_are_refused_and_reads_acks_and_timers_go_on(disk: Disk) -> None:
+    data = disk.root / "data"
+
+    async def body() -> None:
+        clock = FakeClock(1_000_000)
+        broker = await Broker.open(_config(data), clock=clock, background=False)
+        acked = [(await broker.send(OutgoingMessage("t", b"x" * 100, message_id=f"m{i}"))).message_id
+                 for i in range(5)]
+        due = clock.now_ms() + 1000
+        timer = await broker.send(OutgoingMessage("t", b"timer", message_id="timer", deliver_at_ms=due))
+        disk.fill(leave_bytes=2 * MiB)  # under the 4 MiB reserve, but not empty
+        end = broker.store.log.end_position
+        queue_end = broker.queue_offsets("t", 0)
+        for attempt in (broker.send(OutgoingMessage("t", b"refused", message_id="r1")),
+                        broker.send_batch([OutgoingMessage("t", b"r", message_id=f"r{i}") for i in range(3)])):
+            with pytest.raises(DiskFull) as info:
+                await attempt
+            _assert_disk_full(info.value)
+            assert info.value.details["free_bytes"] < info.value.details["min_free_bytes"] == 4 * MiB
+        assert broker.store.log.end_position == end, "a refused send wrote to the log"
+        assert broker.queue_offsets("t", 0) == queue_end
+        assert await _receive_all(broker, "t") == acked  # receive and ack use the reserve
+        clock.set(due - 1)
+        assert await broker.run_due() == 0  # never early
+        clock.set(due)
+        assert await broker.run_due() == 1  # on time, written into the reserve
+        fired = await broker.receive("g", "t", batch_size=8)
+        assert [m.message.message_id for m in fired] == [timer.message_id]
+        assert fired[0].message.store_ms == due
+        assert broker.fatal is None
+        await broker.close()
+
+    asyncio.run(body())
+
+
+# -- (b) no space left at all ------------------------------------------------------------------
+
+
+def test_no_space_left_refuses_sends_and_background_work_survives_and_close_completes(
+        disk: Disk, caplog: pytest.LogCaptureFixture) -> None:
+    data = disk.root / "data"
+
+    async def body() -> None:
+        # The real background tasks, ticking fast: checkpoint and retention every 20 ms.
+        broker = await Broker.open(_config(data, checkpoint_interval_ms=20, retention_check_interval_ms=20),
+                                   clock=FakeClock(1_000_000))
+        for i in range(10):
+            await broker.send(OutgoingMessage("t", b"x" * 1000, message_id=f"m{i}"))
+        await asyncio.sleep(0.1)
+        checkpoint_before = read_checkpoint(data / files.CHECKPOINT)
+        assert checkpoint_before == broker.store.dispatched_position
+        disk.fill()
+        assert disk.free() == 0
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            with pytest.raises(DiskFull) as info:
+                await broker.send(OutgoingMessage("t", b"y" * 8000, message_id="refused"))
+            _assert_disk_full(info.value)
+            await asyncio.sleep(0.3)  # the checkpoint loop finds no space about 15 times
+            assert broker.fatal is None, f"a full disk killed the broker: {broker.fatal!r}"
+            held = [r for r in caplog.records if "checkpoint held back by a full disk" in r.getMessage()]
+            assert len(held) == 1, f"one warning per episode, got {len(held)}"
+            assert not _tmp_files(data)
+            assert read_checkpoint(data / files.CHECKPOINT) == checkpoint_before  # the old one stays valid
+            await broker.close()  # must not raise
+        assert not _tmp_files(data), "close left temporary files behind"
+        assert (data / files.RESERVE).exists(), "a running broker keeps its reserve file for the next start"
+
+    asyncio.run(body())
+
+
+# -- (c) restart with no space left -------------------------------------------------------------
+
+
+def test_a_restart_with_no_space_left_opens_and_delivers_every_acknowledged_message(
+        disk: Disk, caplog: pytest.LogCaptureFixture) -> None:
+    data = disk.root / "data"
+
+    async def body() -> None:
+        broker = await Broker.open(_config(data), clock=FakeClock(1_000_000), background=False)
+        acked = [(await broker.send(OutgoingMessage("t", b"x" * 500, message_id=f"m{i}"))).message_id
+                 for i in range(20)]
+        first = await broker.receive("g", "t", batch_size=5)
+        for rm in first:
+            await broker.ack("g", "t", rm.receipt_handle)
+        assert (data / files.RESERVE).stat().st_size == 1 * MiB
+        disk.fill()
+        await broker.close()  # RocksDB cannot flush at close: closed unflushed (its WAL has it all)
+        assert not _tmp_files(data)
+        disk.fill()  # whatever the close freed, taken too: 0 bytes free at the restart
+        assert disk.free() == 0
+        with caplog.at_level(logging.WARNING):
+            broker = await Broker.open(_config(data), clock=FakeClock(1_000_000), background=False)
+        assert any("released the 1048576-byte reserve file" in r.getMessage() for r in caplog.records)
+        assert not (data / files.RESERVE).exists()
+        assert not list(data.parent.glob("data/*.damaged-*")), "a full disk was taken for damage"
+        rest = await _receive_all(broker, "t")
+        assert sorted(rest) == sorted(acked[len(first):]), "acknowledged messages missing after the restart"
+        with pytest.raises(DiskFull):
+            await broker.send(OutgoingMessage("t", b"refused"))
+        assert broker.fatal is None
+        await broker.close()
+
+    asyncio.run(body())
+
+
+def test_a_restart_without_room_for_rocksdb_is_disk_full_and_damages_nothing(disk: Disk) -> None:
+    """Without a reserve file RocksDB cannot open on a full disk (it writes a new MANIFEST at every
+    open): the start fails with DiskFull, and nothing is taken for damage (the consumer-group
+    store is not moved aside, the timer index not destroyed). With space back, all is there."""
+    data = disk.root / "data"
+    config = _config(data, disk_reserve_file_bytes=0)
+
+    async def body() -> None:
+        broker = await Broker.open(config, clock=FakeClock(1_000_000), background=False)
+        acked = [(await broker.send(OutgoingMessage("t", b"x" * 500, message_id=f"m{i}"))).message_id
+                 for i in range(10)]
+        for rm in await broker.receive("g", "t", batch_size=4):
+            await broker.ack("g", "t", rm.receipt_handle)
+        await broker.close()
+        disk.fill()
+        with pytest.raises(DiskFull) as info:
+            await Broker.open(config, clock=FakeClock(1_000_000), background=False)
+        assert "RocksDB" in str(info.value)
+        assert (data / files.GROUPS_DIR / "CURRENT").exists() and (data / files.TIMER_DIR / "CURRENT").exists()
+        assert not list(data.glob("*.damaged-*"))
+        disk.unfill()
+        broker = await Broker.open(config, clock=FakeClock(1_000_000), background=False)
+        assert broker.open_report.groups_reset is None
+        assert await _receive_all(broker, "t") == acked[4:], "the group's acks were lost"
+        await broker.close()
+
+    asyncio.run(body())
+
+
+# -- (d) resume ---------------------------------------------------------------------------------
+
+
+def test_sends_resume_without_a_restart_when_space_returns(disk: Disk) -> None:
+    data = disk.root / "data"
+
+    async def body() -> None:
+        broker = await Broker.open(_config(data), clock=FakeClock(1_000_000), background=False)
+        await broker.send(OutgoingMessage("t", b"before", message_id="before"))
+        disk.fill()
+        with pytest.raises(DiskFull):
+            await broker.send(OutgoingMessage("t", b"during", message_id="during"))
+        with pytest.raises(DiskFull):  # a new topic needs its queue files and topic table
+            await broker.create_topic("new")
+        with pytest.raises(DiskFull):  # so does one a receive would create
+            await broker.receive("g", "other")
+        assert "new" not in broker.store.topics and "other" not in broker.store.topics
+        assert not _tmp_files(data)
+        disk.unfill()
+        result = await broker.send(OutgoingMessage("t", b"during", message_id="during"))
+        assert result.message_id == "during" and not result.duplicate
+        assert await _receive_all(broker, "t") == ["before", "during"]
+        await broker.create_topic("new")
+        assert await broker.receive("g", "other") == []
+        assert broker.fatal is None
+        await broker.close()
+
+    asyncio.run(body())
+
+
+def test_the_reserve_file_is_made_again_when_space_returns(disk: Disk) -> None:
+    data = disk.root / "data"
+
+    async def body() -> None:
+        broker = await Broker.open(_config(data), clock=FakeClock(1_000_000), background=False)
+        await broker.close()
+        disk.fill()
+        broker = await Broker.open(_config(data), clock=FakeClock(1_000_000), background=False)
+        assert not (data / files.RESERVE).exists()
+        await broker._checkpoint(0)  # a tick with no room: nothing made
+        assert not (data / files.RESERVE).exists()
+        disk.unfill()
+        await broker._checkpoint(0)
+        assert (data / files.RESERVE).stat().st_blocks * 512 >= 1 * MiB
+        await broker.close()
+
+    asyncio.run(body())
+
+
+# -- writes that run out of space anyway ----------------------------------------------------------
+
+
+def test_a_commit_log_write_or_roll_that_runs_out_of_space_is_undone(disk: Disk) -> None:
+    """With the send reserve off, the write itself runs out: a short write is cut back, a roll's
+    half-made segment removed; DiskFull, not FlushFailed; the log goes on afterwards."""
+    data = disk.root / "data"
+    config = _config(data, disk_min_free_bytes=0, segment_size_bytes=128 * 1024, max_message_size_bytes=64 * 1024)
+
+    async def body() -> None:
+        broker = await Broker.open(config, clock=FakeClock(1_000_000), background=False)
+        for i in range(3):
+            await broker.send(OutgoingMessage("t", b"a" * 30_000, message_id=f"a{i}"))
+        log = broker.store.log
+        disk.fill()
+        segment = log.segments()[-1]
+        size = segment.path.stat().st_size
+        with pytest.raises(DiskFull) as info:  # fits the segment, not the disk: a short write
+            await broker.send(OutgoingMessage("t", b"b" * 20_000, message_id="short"))
+        _assert_disk_full(info.value)
+        assert "commit-log write" in str(info.value)
+        assert segment.path.stat().st_size == size, "the short write was not cut back"
+        with pytest.raises(DiskFull) as info:  # does not fit the segment: a roll, out of space
+            await broker.send(OutgoingMessage("t", b"c" * 60_000, message_id="roll"))
+        assert "new commit-log segment" in str(info.value)
+        assert len(log.segments()) == 1 and not _tmp_files(data)
+        assert log.failure is None and broker.fatal is None
+        disk.unfill()
+        await broker.send(OutgoingMessage("t", b"c" * 60_000, message_id="roll"))
+        assert len(log.segments()) == 2
+        assert await _receive_all(broker, "t") == ["a0", "a1", "a2", "roll"]
+        await broker.close()
+
+    asyncio.run(body())
+
+
+async def _block_dispatch(broker: Broker, disk: Disk) -> asyncio.Future:
+    """Two messages fill the queue's file (two entries per file); the disk is filled; a third is
+    sent: its record fits the log's last page (one is given back if not) and is made durable, but
+    its consume-queue entry needs a new queue file and there is no page for it. Returns the send."""
+    await broker.send(OutgoingMessage("t", b"one", message_id="one"))
+    await broker.send(OutgoingMessage("t", b"two", message_id="two"))
+    disk.fill()
+    segment = broker.store.log.segments()[-1].path
+    if (-segment.stat().st_size) % PAGE < 512:
+        disk.give_back(PAGE)  # a page for the log's write; none left for the new queue file
+    sender = asyncio.ensure_future(broker.send(OutgoingMessage("t", b"three", message_id="three")))
+    await asyncio.sleep(0.3)
+    assert not sender.done(), f"acknowledged before its queue entry was written: {sender!r}"
+    assert broker.store.log.flushed_position == broker.store.log.end_position  # durable, not dispatched
+    assert broker.queue_offsets("t", 0) == (0, 2)
+    return sender
+
+
+def test_a_dispatch_that_runs_out_of_space_holds_its_sender_until_it_is_done(disk: Disk) -> None:
+    """The record is durable, but its consume-queue entry has no room: the sender is not
+    acknowledged (not visible, not indexed), sends are refused meanwhile, nothing dies; with
+    space back the flusher's retry finishes the dispatch and the sender returns."""
+    data = disk.root / "data"
+    config = _config(data, disk_min_free_bytes=0, consume_queue_entries_per_file=2)
+
+    async def body() -> None:
+        broker = await Broker.open(config, clock=FakeClock(1_000_000), background=False)
+        sender = await _block_dispatch(broker, disk)
+        assert broker.fatal is None
+        with pytest.raises(DiskFull) as info:
+            await broker.send(OutgoingMessage("t", b"four", message_id="four"))
+        assert "dispatching" in str(info.value)
+        assert [m.message.message_id for m in await broker.receive("g", "t", batch_size=8)] == ["one", "two"]
+        disk.unfill()
+        result = await asyncio.wait_for(sender, 5)
+        assert result.message_id == "three"
+        assert [m.message.message_id for m in await broker.receive("g2", "t", batch_size=8)] == ["one", "two", "three"]
+        await broker.send(OutgoingMessage("t", b"four", message_id="four"))
+        assert not _tmp_files(data)
+        await broker.close()
+
+    asyncio.run(body())
+
+
+def test_a_record_whose_dispatch_was_held_back_at_close_is_delivered_after_a_restart(disk: Disk) -> None:
+    """Closed while dispatch waits for space: the sender is told the broker closed (not
+    acknowledged), but the record is durable in the log, so a restart, on the still full disk,
+    dispatches and delivers it (at least once: a client that retries may store a second copy).
+    Recovery writes that queue entry into the space the released reserve file gave back."""
+    data = disk.root / "data"
+    config = _config(data, disk_min_free_bytes=0, consume_queue_entries_per_file=2)
+
+    async def body() -> None:
+        broker = await Broker.open(config, clock=FakeClock(1_000_000), background=False)
+        sender = await _block_dispatch(broker, disk)
+        await broker.close()
+        with pytest.raises(ChronoqError):
+            await sender
+        disk.fill()
+        broker = await Broker.open(config, clock=FakeClock(1_000_000), background=False)
+        assert await _receive_all(broker, "t") == ["one", "two", "three"]
+        await broker.close()
+
+    asyncio.run(body())
+
+
+def test_retention_uses_the_reserve_and_waits_out_a_full_disk(disk: Disk, caplog: pytest.LogCaptureFixture) -> None:
+    """Retention frees space, but first rolls pending timers and writes a checkpoint: below the
+    send reserve it runs (the reserve is for such writes); at 0 bytes free it waits, with no
+    harm done, and finishes once space returns. The rolled timer still fires when due."""
+    data = disk.root / "data"
+    config = _config(data, segment_size_bytes=64 * 1024, max_message_size_bytes=32 * 1024, retention_ms=10_000,
+                     retention_check_interval_ms=20, checkpoint_interval_ms=20, disk_full_retry_ms=20)
+
+    async def expire_segments(broker: Broker, clock: FakeClock, tag: str) -> int:
+        for i in range(8):
+            await broker.send(OutgoingMessage("bulk", b"b" * 20_000, message_id=f"{tag}{i}"))
+        clock.advance(60_000)
+        return broker.store.log.start_position
+
+    async def wait_for(predicate: object, timeout_s: float = 5) -> None:
+        for _ in range(int(timeout_s / 0.02)):
+            if predicate():  # type: ignore[operator]
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError("timed out")
+
+    async def body() -> None:
+        clock = FakeClock(1_000_000)
+        broker = await Broker.open(config, clock=clock)
+        due = clock.now_ms() + 3_600_000
+        await broker.send(OutgoingMessage("t", b"timer", message_id="timer", deliver_at_ms=due))
+        start = await expire_segments(broker, clock, "a")
+        disk.fill(leave_bytes=2 * MiB)  # below the send reserve
+        with pytest.raises(DiskFull):
+            await broker.send(OutgoingMessage("t", b"refused"))
+        await wait_for(lambda: broker.store.log.start_position > start)  # rolled, checkpointed, deleted
+        assert broker.query("timer", "t")[0].position >= broker.store.log.start_position
+        disk.unfill()
+        start = await expire_segments(broker, clock, "b")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            disk.fill()
+            await asyncio.sleep(0.3)
+            assert broker.store.log.start_position == start, "deleted segments without a checkpoint"
+            assert broker.fatal is None
+            held = [r.getMessage() for r in caplog.records if "held back by a full disk" in r.getMessage()]
+            assert held and len(held) == len(set(held)), f"one warning per episode: {held}"
+            disk.unfill()
+            await wait_for(lambda: broker.store.log.start_position > start)
+        clock.set(due)
+        await wait_for(lambda: broker.query("timer", "t")[0].state.name != "PENDING")
+        got = await broker.receive("g", "t")
+        assert [m.message.message_id for m in got] == ["timer"]
+        await broker.close()
+
+    asyncio.run(body())
+
+
+def test_a_timer_index_out_of_space_holds_timer_senders_and_is_reopened(mount, tmp_path: Path) -> None:
+    """The timer index alone is out of space (its own small tmpfs): its RocksDB write fails and
+    RocksDB refuses every write after that until reopened. Timer senders wait (not indexed, not
+    acknowledged), other sends are refused, reads go on; with space back the index is reopened,
+    the senders return, and the timers fire."""
+    main = mount(tmp_path / "fs", 24 * MiB)
+    data = main.root / "data"
+    index_disk = mount(data / files.TIMER_DIR, 4 * MiB)
+
+    async def body() -> None:
+        clock = FakeClock(1_000_000)
+        broker = await Broker.open(_config(data), clock=clock, background=False)
+        await broker.send(OutgoingMessage("t", b"plain", message_id="plain"))
+        due = clock.now_ms() + 60_000
+        index_disk.fill()
+        waiting: list[asyncio.Future] = []
+        accepted: list[str] = []
+        for i in range(200):  # until a batch needs a page the index's WAL does not have
+            send = asyncio.ensure_future(broker.send(OutgoingMessage(
+                "t", b"timer" * 50, message_id=f"timer{i}", deliver_at_ms=due, keys=(f"k{i}" * 40,))))
+            await asyncio.wait([send], timeout=0.2)
+            if not send.done():
+                waiting.append(send)
+                break
+            accepted.append(send.result().message_id)
+        assert waiting, "the index never ran out of space"
+        assert broker.fatal is None
+        with pytest.raises(DiskFull):
+            await broker.send(OutgoingMessage("t", b"refused"))
+        plain = await broker.receive("g", "t")  # reads and acks go on
+        assert [m.message.message_id for m in plain] == ["plain"]
+        await broker.ack("g", "t", plain[0].receipt_handle)
+        index_disk.unfill()
+        blocked = await asyncio.wait_for(waiting[0], 5)
+        assert broker.query(blocked.message_id, "t")[0].deliver_at_ms == due
+        await broker.send(OutgoingMessage("t", b"after", message_id="after"))
+        clock.set(due)
+        assert await broker.run_due() == len(accepted) + 1
+        got = await _receive_all(broker, "t")
+        assert sorted(got) == sorted(["after", *accepted, blocked.message_id])
+        await broker.close()
+
+    asyncio.run(body())
+
+
+def test_a_consumer_group_store_out_of_space_refuses_acks_then_is_reopened(mount, tmp_path: Path) -> None:
+    main = mount(tmp_path / "fs", 24 * MiB)
+    data = main.root / "data"
+    groups_disk = mount(data / files.GROUPS_DIR, 4 * MiB)
+    config = _config(data, max_receive_batch=64)
+
+    async def body() -> None:
+        clock = FakeClock(1_000_000)
+        broker = await Broker.open(config, clock=clock, background=False)
+        await broker.send_batch([OutgoingMessage("t", b"m", message_id=f"m{i:03d}") for i in range(256)])
+        held = []
+        for _ in range(4):
+            held += await broker.receive("g", "t", batch_size=64, invisible_duration_ms=3_600_000)
+        assert len(held) == 256
+        groups_disk.fill()
+        acked, refused = [], None
+        for rm in held:
+            try:
+                await broker.ack("g", "t", rm.receipt_handle)
+                acked.append(rm)
+            except DiskFull as e:
+                refused = e
+                break
+        assert refused is not None, "the group store never ran out of space"
+        _assert_disk_full(refused)
+        with pytest.raises(DiskFull):  # RocksDB refuses every write now: the store must reopen it
+            await broker.ack("g", "t", held[len(acked)].receipt_handle)
+        assert broker.fatal is None
+        groups_disk.unfill()
+        for rm in held[len(acked):]:
+            await broker.ack("g", "t", rm.receipt_handle)
+        await broker.close()
+        broker = await Broker.open(config, clock=clock, background=False)
+        clock.advance(2 * 3_600_000)
+        assert await broker.receive("g", "t") == [], "acknowledged messages came back"
+        await broker.close()
+
+    asyncio.run(body())
+
+
+# -- (e) a real server and the SDK ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_real_server_answers_disk_full_and_recovers(mount, tmp_path: Path) -> None:
+    """`chronoq serve` on a tmpfs (the data directory is the mount, so the server's own log
+    stays on the real disk), the SDK as client."""
+    from chronoq.client import Producer, outgoing
+    from chronoq.client.testing import ServerProcess
+
+    disk = mount(tmp_path / "data", 24 * MiB)
+    settings = {"disk_min_free_bytes": 4 * MiB, "disk_reserve_file_bytes": 1 * MiB, "disk_full_retry_ms": 100,
+                "checkpoint_interval_ms": 50}
+    server = ServerProcess(disk.root, settings=settings).start()
+    try:
+        with Producer(server.address, send_attempts=1) as producer:
+            producer.send("orders", b"before", message_id="before")
+            disk.fill()
+            with pytest.raises(ChronoqError) as info:  # RocketMQ's SendMessage: only the code crosses
+                producer.send("orders", b"refused", message_id="refused1")
+            assert type(info.value) is Throttled and info.value.code == 42900 and info.value.retriable
+            assert "disk full" in str(info.value)
+            with pytest.raises(DiskFull) as full:  # the admin SendBatch names the class
+                producer.send_batch([outgoing("orders", b"refused", message_id="refused2")])
+            assert full.value.retriable and full.value.code == 42900
+            time.sleep(0.5)  # checkpoints find no space meanwhile; the server must stay up
+            assert server.pid is not None and server._proc is not None and server._proc.poll() is None, \
+                f"the server exited on a full disk:\n{server.log()}"
+            disk.unfill()
+            assert producer.send("orders", b"after", message_id="after").message_id == "after"
+    finally:
+        code = server.stop()
+    assert code == 0, server.log()
