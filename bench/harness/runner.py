@@ -246,10 +246,13 @@ def phase_crash(ph: Phase) -> dict[str, Any]:
         first = _join(consumer, cout, 30)
         pending_at_kill = ph.peer.pending(server.addr)
         server.kill()
+        killed_s = time.time()
         restarted = ph.peer.start(ph.data_dir, ph.log_dir, server.addr)
         ph.peer.setup(restarted.addr)
         last_due_s = prod["t_start_s"] + prod["elapsed_s"] + cfg.crash_delay_max_s
-        deadline = max(last_due_s, time.time()) + cfg.grace_s
+        # Messages the first consumer had been handed when it stopped but never saw (in a receive
+        # cut short) come back once their invisible duration ends: wait for that too.
+        deadline = max(last_due_s, time.time(), killed_s + ph.peer.redelivery_after_s) + cfg.grace_s
         consumer2, cout2 = start_consumer(ph, restarted.addr, prod["sent"], deadline)
         second = _join(consumer2, cout2, deadline - time.time() + JOIN_SLACK_S)
         # The second consumer stops once it has every accepted id; ids seen only before the crash

@@ -68,6 +68,10 @@ class Peer(ABC):
     durability: str
     """When an acknowledged message is on disk, in one line for the report."""
     batch_label: str = "pipelined"
+    redelivery_after_s: float = 0.0
+    """How long a message handed to a consumer that dies before acking it stays hidden before the
+    system hands it out again (0: not modelled). The crash phase's second consumer waits at least
+    this long after the kill: a message in a receive the kill cut short is not lost, only hidden."""
 
     @abstractmethod
     def check(self) -> str | None:

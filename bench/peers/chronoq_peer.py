@@ -163,6 +163,14 @@ class Chronoq(Peer):
     durability = "commit log fsynced before the send is acknowledged (flush=sync, group commit)"
     batch_label = "send_batch"
 
+    @property
+    def redelivery_after_s(self) -> float:  # type: ignore[override]
+        """The bench consumer names no invisible duration: over gRPC that is the server's
+        `default_invisible_duration_ms` (30 s)."""
+        from chronoq.config import Config
+
+        return Config().default_invisible_duration_ms / 1000
+
     def check(self) -> str | None:
         try:
             import chronoq.client
