@@ -21,6 +21,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from chronoq.model import (
+    SYS_FIRED_FROM,
+    SYS_REAL_TOPIC,
+    SYS_TIMER_DEL_UNIQKEY,
+    SYS_TIMER_ROLLED_FROM,
+    TIMER_TOPIC,
+    StoredMessage,
+)
 from chronoq.store import files
 
 ACCEPTED, FIRED, RECEIVED = 1, 2, 3
@@ -47,6 +55,20 @@ class TraceJournal:
             self._f.write(_EVENT.pack(kind, ts_ms, due_ms, len(t), len(m)) + t + m)
         except OSError as e:
             self._stop(e)
+
+    def dispatched(self, msgs: list[StoredMessage]) -> None:
+        """A store dispatch listener: journal timers accepted (their timer records) and fired
+        (their fired copies); rolled copies and tombstones are neither."""
+        for m in msgs:
+            due = m.deliver_at_ms
+            if due is None:
+                continue
+            sp = m.system_properties
+            if m.topic == TIMER_TOPIC:
+                if SYS_TIMER_ROLLED_FROM not in sp and SYS_TIMER_DEL_UNIQKEY not in sp:
+                    self.record(ACCEPTED, sp[SYS_REAL_TOPIC], m.message_id, m.store_ms, due)
+            elif SYS_FIRED_FROM in sp:
+                self.record(FIRED, m.topic, m.message_id, m.store_ms, due)
 
     def received(self, topic: str, message_id: str, ts_ms: int, due_ms: int) -> None:
         """A first delivery to any group (later ones are not the 'first received')."""

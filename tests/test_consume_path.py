@@ -87,7 +87,7 @@ def test_a_long_poll_wakes_on_dispatch_and_timed_out_polls_do_not_pile_up(tmp_pa
             await b.create_topic("orders")
             for _ in range(200):  # quiet topic: each poll times out (wait 1 ms)
                 assert await b.receive("g", "orders", wait_ms=1) == []
-            assert len(b._arrivals.get("orders", [])) <= 65
+            assert len(b.deliver._arrivals.get("orders", [])) <= 65
             started = time.monotonic()
             poll = asyncio.create_task(b.receive("g", "orders", wait_ms=20_000))
             await asyncio.sleep(0.05)

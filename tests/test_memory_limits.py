@@ -44,7 +44,7 @@ def test_the_dedupe_window_forgets_its_oldest_ids_past_its_count_bound(make_conf
         due_ms = clock.now_ms() + 60_000
         first = await broker.send_batch([Msg("orders", b"x", message_id=f"id-{i}", deliver_at_ms=due_ms)
                                          for i in range(4)])
-        assert len(broker._recent) == 3
+        assert len(broker.accept.recent) == 3
         end = broker.store.log.end_position
         # id-1..id-3 are inside the bound: a retry stores nothing and gets every original field.
         again = await broker.send(Msg("orders", b"x", message_id="id-3", deliver_at_ms=due_ms))
@@ -55,7 +55,7 @@ def test_the_dedupe_window_forgets_its_oldest_ids_past_its_count_bound(make_conf
         # id-0 was evicted by the count bound (well inside dedupe_window_ms): stored again.
         evicted = await broker.send(Msg("orders", b"x", message_id="id-0", deliver_at_ms=due_ms))
         assert not evicted.duplicate and evicted.position >= end
-        assert len(broker._recent) == 3
+        assert len(broker.accept.recent) == 3
 
     run(make_config, arun, body, dedupe_window_max_entries=3)
 

@@ -410,6 +410,14 @@ class MessageStore:
     async def wait_durable(self, end: int) -> None:
         await self.log.wait_durable(end)
 
+    async def append_durable(self, msgs: list[PreparedMessage], store_ms: int) -> list[StoredMessage]:
+        """`append`, then wait until the records are durable and dispatched: the appender the
+        broker's own writers use (fired and rolled timers, tombstones, dead letters)."""
+        stored = self.append(msgs, store_ms)
+        if stored:
+            await self.wait_durable(stored[-1].position + stored[-1].size)
+        return stored
+
     def check_room_for_send(self) -> None:
         """Refuse a producer send (DiskFull) below the send reserve, or while dispatch is held
         back by a full disk (a send now would only wait for it)."""

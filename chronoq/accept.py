@@ -1,0 +1,153 @@
+"""Accept: the first room a message walks through, from a producer's send to its acknowledgement.
+
+Theory of operation: `send_batch` runs each message through admission (`validate.prepare`: every
+rule, before any write), its topic (`Topics.for_send`), the dedupe window (a repeat of a recent id
+on the same topic is answered with the first result and stores nothing; a concurrent repeat waits
+for the first), and timer routing (`TimerService.route`: a timer message is rewritten to the
+timer topic, a delay-level message to its level's queue). What passed is appended to the log in
+one write and the batch waits for the group commit that makes it durable; the store dispatches
+it (consume queues, timer index, long polls) before the senders are released, so an
+acknowledged message is durable, visible and indexed. Refusals change nothing: reservations a
+routed timer took are released if the batch is not written.
+
+Owned by the broker's event loop (no locks); time comes from the clock it is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from chronoq.clock import Clock
+from chronoq.config import Config
+from chronoq.dedupe import DedupeWindow
+from chronoq.errors import BrokerClosed, ChronoqError, InvalidBatchSize, InvalidQueueId, MessageTypeNotAccepted
+from chronoq.model import TIMER_TOPIC, OutgoingMessage, SendResult, StoredMessage, TopicConfig
+from chronoq.store.messagestore import MessageStore, PreparedMessage
+from chronoq.timer.service import TimerService, encode_recall_handle
+from chronoq.topics import Topics
+from chronoq.validate import prepare
+
+
+class Accept:
+    def __init__(self, config: Config, clock: Clock, store: MessageStore, topics: Topics, timer: TimerService) -> None:
+        self.config = config
+        self.clock = clock
+        self.store = store
+        self.topics = topics
+        self.timer = timer
+        self.recent = DedupeWindow(config.dedupe_window_ms, config.dedupe_window_max_entries)
+        self._sending: dict[tuple[str, str], tuple[asyncio.Future[list[SendResult]], int]] = {}
+        """(topic, id) being written -> (its batch's future, its index in the batch's results): a
+        concurrent send of the same id waits for the first. One future per batch, not per message."""
+
+    async def send_batch(self, msgs: Sequence[OutgoingMessage], *, partial: bool = False) -> list[Any]:
+        """Store `msgs` durably. All-or-nothing validation by default (the first bad message is
+        raised and nothing is stored); with `partial=True` each bad message yields its error in
+        its slot and the good ones are stored."""
+        if len(msgs) > self.config.max_send_batch:
+            raise InvalidBatchSize(len(msgs), self.config.max_send_batch)
+        # One statvfs per call, not per message: below the send reserve nothing is written
+        # (duplicates of earlier sends included: they are answered again once there is room).
+        self.store.check_room_for_send()
+        now = self.clock.now_ms()
+        self.recent.expire(now)
+        outcomes: list[Any] = [None] * len(msgs)
+        to_write: list[PreparedMessage] = []
+        slots: list[tuple[int, tuple[str, str], int | None]] = []
+        waits: list[tuple[int, tuple[asyncio.Future[list[SendResult]], int]]] = []
+        repeats: list[tuple[int, int]] = []  # (slot in msgs, index in to_write) for ids repeated in this batch
+        batch_keys: dict[tuple[str, str], int] = {}
+        for i, msg in enumerate(msgs):
+            try:
+                prepared, timer = prepare(msg, self.config, now, self.timer.levels)
+                topic = self.topics.for_send(prepared.topic)
+                _check_queue_id(prepared, topic)
+                if prepared.message_type not in topic.message_types:
+                    raise MessageTypeNotAccepted(topic.name, prepared.message_type.name,
+                                                 sorted(t.name for t in topic.message_types))
+                key = (prepared.topic, prepared.message_id)
+                if (dup := self.recent.get(key)) is not None:
+                    outcomes[i] = dup
+                    continue
+                if key in self._sending:
+                    waits.append((i, self._sending[key]))
+                    continue
+                if key in batch_keys:
+                    repeats.append((i, batch_keys[key]))
+                    continue
+                if timer is not None:
+                    prepared = self.timer.route(prepared, timer.deliver_at_ms, timer.delay_level, now)
+            except ChronoqError as e:
+                if not partial:
+                    self.timer.release_reservations(to_write)
+                    raise
+                outcomes[i] = e
+                continue
+            batch_keys[key] = len(to_write)
+            to_write.append(prepared)
+            slots.append((i, key, timer.deliver_at_ms if timer is not None else None))
+        for topic_name in {key[0] for _, key, _ in slots}:
+            self.topics.ensure(topic_name)
+        batch_done: asyncio.Future[list[SendResult]] = asyncio.get_running_loop().create_future()
+        for j, (_, key, _) in enumerate(slots):
+            self._sending[key] = (batch_done, j)
+        try:
+            stored = self._write(to_write, now)
+            if stored:
+                await self.store.wait_durable(stored[-1].position + stored[-1].size)
+        except BaseException as e:
+            for _, key, _ in slots:
+                self._sending.pop(key, None)
+            batch_done.set_exception(e if isinstance(e, Exception) else BrokerClosed())
+            batch_done.exception()  # mark retrieved: waiters may not exist
+            raise
+        results: list[SendResult] = []
+        for (i, key, deliver_at_ms), rec in zip(slots, stored, strict=True):
+            result = _result_for(rec, key, deliver_at_ms)
+            outcomes[i] = result
+            results.append(result)
+            self.recent.add(key, now, result)
+            self._sending.pop(key, None)
+        batch_done.set_result(results)
+        for i, j in repeats:
+            outcomes[i] = _as_duplicate(outcomes[slots[j][0]])
+        for i, (fut, j) in waits:
+            outcomes[i] = _as_duplicate((await fut)[j])
+        return outcomes
+
+    def forget(self, topic: str, message_id: str) -> None:
+        """The id's timer was cancelled: a new send of it is a new timer to store, not a retry to
+        answer with the cancelled one's result (stored nowhere, it would never fire)."""
+        self.recent.discard((topic, message_id))
+
+    def _write(self, to_write: list[PreparedMessage], now: int) -> list[StoredMessage]:
+        try:
+            return self.store.append(to_write, now)
+        except BaseException:
+            self.timer.release_reservations(to_write)
+            raise
+
+
+def _result_for(rec: StoredMessage, key: tuple[str, str], deliver_at_ms: int | None) -> SendResult:
+    topic, message_id = key
+    if deliver_at_ms is None:
+        return SendResult(message_id, topic, rec.queue_id, rec.queue_offset, rec.position)
+    # Only timers in the time index can be recalled and queried; a delay-level message waits in
+    # its level's queue (RocketMQ 4), which, as in RocketMQ 4, offers neither.
+    handle = encode_recall_handle(topic, deliver_at_ms, message_id) if rec.topic == TIMER_TOPIC else None
+    return SendResult(message_id, topic, rec.queue_id, rec.queue_offset, rec.position, deliver_at_ms, handle)
+
+
+def _check_queue_id(msg: PreparedMessage, topic: TopicConfig) -> None:
+    """A queue id outside the topic is refused per message, before anything is written (the
+    store would refuse it too, but for the whole batch)."""
+    qid = msg.queue_id
+    if qid is not None and (isinstance(qid, bool) or not isinstance(qid, int) or not 0 <= qid < topic.queue_count):
+        raise InvalidQueueId(topic.name, qid, topic.queue_count)
+
+
+def _as_duplicate(result: SendResult) -> SendResult:
+    return replace(result, duplicate=True)

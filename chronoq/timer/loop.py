@@ -1,0 +1,167 @@
+"""The timer loop: when timers fire, and the timer index's life (open, replay, rebuild).
+
+Theory of operation: `TimerService` knows *what* firing, cancelling and rolling write; this
+module decides *when*, against the broker's clock. The loop asks the service to fire what is due,
+runs again at once while a full batch fired, and otherwise sleeps until the engine's next
+deadline, woken early (`poke`) by a dispatch that brought timer records (a new, earlier timer, a
+tombstone, a fired copy) or by a cancel. It never dies of its own faults: a full disk holds
+firing back (`disk_full_retry_ms`, the timers stay pending: nothing lost, nothing early), and a
+timer index found damaged while running is rebuilt from the log in one step on the loop.
+
+The index is derived state. `open_timer_service` opens it and replays the log from its
+`indexed_position`; missing, damaged, of another format version, or ahead of the log (files
+restored from different times), it is destroyed and rebuilt. The dispatch listener
+(`on_dispatch`) applies every durable record to it; a damaged index there only marks it for the
+loop to rebuild, so senders are never held up by derived state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+from chronoq.clock import Clock
+from chronoq.config import Config
+from chronoq.errors import DiskFull
+from chronoq.model import SCHEDULE_TOPIC, TIMER_TOPIC, StoredMessage
+from chronoq.store import files
+from chronoq.store.messagestore import MessageStore, PreparedMessage
+from chronoq.timer.index import RocksTimerIndex, TimerIndexCorrupt
+from chronoq.timer.service import TimerService
+
+log = logging.getLogger("chronoq.timer")
+Append = Callable[[list[PreparedMessage]], Awaitable[list[StoredMessage]]]
+
+
+class TimerLoop:
+    def __init__(self, config: Config, clock: Clock, store: MessageStore, service: TimerService) -> None:
+        self.config = config
+        self.clock = clock
+        self.store = store
+        self.service = service
+        self._wakeup = asyncio.Event()
+        self._index_damaged: TimerIndexCorrupt | None = None
+        """Set when the timer index failed while running: the loop rebuilds it."""
+        self.index_rebuilds = 0
+
+    def poke(self) -> None:
+        """Something changed what is due first (a cancel): look again now."""
+        self._wakeup.set()
+
+    def on_dispatch(self, msgs: list[StoredMessage]) -> None:
+        """Durable records: apply them to the index (the store calls this before it releases the
+        senders, so an acknowledged timer is indexed) and wake the loop if they touch timers."""
+        if self._index_damaged is None:
+            try:
+                self.service.on_dispatch(msgs, self.clock.now_ms())
+            except TimerIndexCorrupt as e:
+                # The records are durable in the log; only the derived index is hurt. The loop
+                # rebuilds it (from the log, these records included); senders go on.
+                self._index_damaged = e
+                self._wakeup.set()
+        for m in msgs:
+            if m.topic == TIMER_TOPIC or m.topic == SCHEDULE_TOPIC:
+                self._wakeup.set()
+                break
+
+    async def run(self) -> None:
+        """The background task: fire what is due, sleep until the next deadline, repeat."""
+        while True:
+            if self._index_damaged is not None:
+                try:
+                    self._rebuild_index(self._index_damaged)
+                except DiskFull as e:  # destroyed, but no room to make it again yet
+                    self.store.disk.note_full("timer index rebuild", e)
+                    await asyncio.sleep(self.config.disk_full_retry_ms / 1000)
+                    continue
+            now = self.clock.now_ms()
+            self._wakeup.clear()
+            try:
+                fired = await self.service.fire_due(now)
+            except TimerIndexCorrupt as e:
+                self._index_damaged = e
+                continue
+            except DiskFull as e:
+                # Fired copies (or the index) found no space: nothing fired; try again soon. The
+                # timers stay pending, so nothing is lost and nothing fires early.
+                self.store.disk.note_full("timer firing", e)
+                await asyncio.sleep(self.config.disk_full_retry_ms / 1000)
+                continue
+            self.store.disk.note_ok("timer firing")
+            if fired >= self.config.timer_fire_batch:
+                continue
+            deadline = self.service.next_deadline_ms()
+            if deadline is None:
+                await self._wakeup.wait()
+            elif deadline > now or fired == 0:
+                # fired == 0 with a past deadline: the head is held by a cancel in progress;
+                # its completion (or any new timer) sets the wake-up.
+                sleeper = asyncio.ensure_future(self.clock.sleep_until(max(deadline, now + (fired == 0))))
+                waker = asyncio.ensure_future(self._wakeup.wait())
+                try:
+                    await asyncio.wait((sleeper, waker), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    sleeper.cancel()
+                    waker.cancel()
+
+    async def run_due(self) -> int:
+        """Do all work due at `clock.now_ms()`: fire every due timer (in batches). Returns the
+        number fired. For tests with a FakeClock and no background loop."""
+        total = 0
+        while True:
+            fired = await self.service.fire_due(self.clock.now_ms())
+            total += fired
+            if fired == 0:
+                return total
+
+    def _rebuild_index(self, reason: TimerIndexCorrupt) -> None:
+        """Replace a timer index found damaged while running by one rebuilt from the log (up to
+        what has been dispatched; later records arrive through dispatch as usual). Runs in one
+        step on the loop, so no fire, cancel or roll sees a half-built index."""
+        log.error("%s: rebuilding it from the commit log while running", reason.message)
+        path = self.config.data_dir / files.TIMER_DIR
+        with contextlib.suppress(Exception):
+            self.service.engine.close()
+        RocksTimerIndex.destroy(path)
+        self.service.engine = RocksTimerIndex.open(path, **_index_memory(self.config), disk=self.store.disk)
+        self.service.recover(self.store.dispatched_position)
+        self._index_damaged = None
+        self.index_rebuilds += 1
+
+
+def _index_memory(config: Config) -> dict[str, int]:
+    return {"block_cache_bytes": config.timer_index_block_cache_bytes,
+            "write_buffer_bytes": config.timer_index_write_buffer_bytes}
+
+
+def open_timer_service(config: Config, store: MessageStore, append: Append) -> TimerService:
+    """Open the timer index and bring it up to the log's end (rebuilt when it cannot be used)."""
+    path = config.data_dir / files.TIMER_DIR
+    index: RocksTimerIndex | None = None
+    try:
+        index = RocksTimerIndex.open(path, **_index_memory(config), disk=store.disk)
+        if index.indexed_position > store.log.end_position:
+            raise TimerIndexCorrupt(path, f"it covers the log up to {index.indexed_position}, past the log's "
+                                          f"end {store.log.end_position}")
+        timer = TimerService(config, store, index, append)
+        timer.recover()
+        return timer
+    except TimerIndexCorrupt as e:
+        log.warning("%s: rebuilding it from the commit log", e.message)
+        if index is not None:
+            index.close()
+    except BaseException:
+        # Not damage (a full disk, say): keep the index as it is for the next start.
+        if index is not None:
+            index.close()
+        raise
+    RocksTimerIndex.destroy(path)
+    timer = TimerService(config, store, RocksTimerIndex.open(path, **_index_memory(config), disk=store.disk), append)
+    try:
+        timer.recover()
+    except BaseException:
+        timer.engine.close()
+        raise
+    return timer
