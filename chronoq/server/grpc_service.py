@@ -59,6 +59,11 @@ def _deserializer(request_type: Any) -> Callable[[bytes], Any]:
     return parse
 
 
+def _bytes_or_serialized(response: Any) -> bytes:
+    """A stream response already serialized (the hot path writes them by hand) or a message."""
+    return response if isinstance(response, bytes) else response.SerializeToString()
+
+
 def _client_id(context: grpc.aio.ServicerContext) -> str:
     for key, value in context.invocation_metadata() or ():
         if key == CLIENT_ID_HEADER:
@@ -123,7 +128,7 @@ class MessagingService:
                 response_serializer=response_type.SerializeToString)
         handlers["ReceiveMessage"] = grpc.unary_stream_rpc_method_handler(
             self.receive_message, request_deserializer=_deserializer(service.ReceiveMessageRequest),
-            response_serializer=service.ReceiveMessageResponse.SerializeToString)
+            response_serializer=_bytes_or_serialized)
         handlers["PullMessage"] = grpc.unary_stream_rpc_method_handler(
             self.pull_message, request_deserializer=_deserializer(service.PullMessageRequest),
             response_serializer=service.PullMessageResponse.SerializeToString)
