@@ -82,6 +82,10 @@ class Config:
     """The dedupe window also forgets its oldest ids past this many (about 190 bytes each), so its
     memory is bounded whatever the send rate; a retry older than either bound is stored again."""
     max_send_batch: int = 1024
+    read_cache_bytes: int = 32 * MiB
+    """Records dispatched most recently, kept decoded so the consumer that reads them next (and a
+    short timer's fire) skips the disk read and the decode; 0 turns it off. Counted as record
+    bytes plus an estimate of the Python objects around each one."""
 
     # -- timers ------------------------------------------------------------------------------
     timer_wheel_enable: bool = True
@@ -156,7 +160,7 @@ class Config:
         if isinstance(self.clock_catchup_ppm, bool) or not isinstance(self.clock_catchup_ppm, int) \
                 or not 0 <= self.clock_catchup_ppm <= 1_000_000:
             raise ConfigError(f"clock_catchup_ppm must be an integer in 0..1000000, not {self.clock_catchup_ppm!r}")
-        for name in ("disk_min_free_bytes", "disk_reserve_file_bytes"):
+        for name in ("disk_min_free_bytes", "disk_reserve_file_bytes", "read_cache_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{name} must be an integer >= 0 (0 disables it), not {value!r}")

@@ -66,6 +66,9 @@ from chronoq.store.meta import decode_topics, encode_checkpoint, encode_topics, 
 from chronoq.store.record import encode_record
 
 DispatchListener = Callable[[list[StoredMessage]], None]
+_CACHED_OBJECT_BYTES = 400
+"""What a decoded record costs in memory beyond its bytes (the StoredMessage, its strings, dicts
+and the cache's slot), roughly, for a small message: what `read_cache_bytes` counts per record."""
 log = logging.getLogger("chronoq.store")
 
 
@@ -114,6 +117,10 @@ class MessageStore:
         self.dispatched_position = 0
         self.listeners: list[DispatchListener] = []
         self.skipped_damaged = 0
+        self._read_cache: dict[int, StoredMessage] = {}
+        """position -> record, in dispatch order (`_cache_records`)."""
+        self._read_cache_bytes = 0
+        self.read_cache_hits = 0
         """Reads that stepped over a damaged record (each range is logged once, when found)."""
         self.disk = DiskSpace(config.data_dir, min_free_bytes=config.disk_min_free_bytes,
                               reserve_file_bytes=config.disk_reserve_file_bytes)
@@ -466,6 +473,7 @@ class MessageStore:
                 self.disk.note_full("dispatch", e)
                 return batch[0].position
             self.dispatched_position = batch[-1].position + batch[-1].size
+            self._cache_records(batch)
         for _ in range(stale + len(batch)):
             pending.popleft()
         if self._dispatch_blocked is not None:
@@ -481,12 +489,32 @@ class MessageStore:
     def queue_keys(self) -> list[tuple[str, int]]:
         return list(self._cqs)
 
+    def _cache_records(self, batch: list[StoredMessage]) -> None:
+        """Keep the records just dispatched, decoded, for the reads that usually follow at once
+        (a consumer keeping up, a short timer firing): first in, first out, within
+        `read_cache_bytes`. Records never change once written, so a cached one is the record."""
+        budget = self.config.read_cache_bytes
+        if not budget:
+            return
+        cache = self._read_cache
+        held = self._read_cache_bytes
+        for msg in batch:
+            cache[msg.position] = msg
+            held += msg.size + _CACHED_OBJECT_BYTES
+        while held > budget and cache:
+            held -= cache.pop(next(iter(cache))).size + _CACHED_OBJECT_BYTES
+        self._read_cache_bytes = held
+
     def read_at(self, position: int, size: int) -> StoredMessage | None:
         """The record at `position`; None when retention has removed it or the queue entry is a
         hole (size 0: lost to damage). Raises CorruptRecord when the record is damaged, after
         quarantining the bytes (`CommitLog.quarantine`)."""
         if position < self.log.start_position or size == 0:
             return None
+        cached = self._read_cache.get(position)
+        if cached is not None and cached.size == size:
+            self.read_cache_hits += 1
+            return cached
         try:
             return self.log.read(position, size)
         except CorruptRecord as e:

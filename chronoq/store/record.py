@@ -52,6 +52,7 @@ HEADER_SIZE = HEADER.size  # 72
 _PREFIX = struct.Struct(">II")
 _HEADER_REST = struct.Struct(">HBBB3xQQIQQHHHHIII")
 """HEADER without its first 8 bytes (total size, CRC32C)."""
+_MESSAGE_TYPES = {int(t): t for t in MessageType}
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
 MAX_U16 = 0xFFFF
@@ -91,24 +92,29 @@ _KEY_FIELDS_MAX = 1024
 
 
 def decode_properties(buf: bytes | memoryview) -> dict[str, str]:
+    if not buf:
+        return {}
+    if type(buf) is not bytes:
+        buf = bytes(buf)
     out: dict[str, str] = {}
     i = 0
     n = len(buf)
+    unpack_u16, unpack_u32 = _U16.unpack_from, _U32.unpack_from
     try:
         while i < n:
             if i + 2 > n:
                 raise CorruptRecord("properties block ends inside a key length")
-            (klen,) = _U16.unpack_from(buf, i)
+            klen = unpack_u16(buf, i)[0]
             i += 2
             if i + klen + 4 > n:
                 raise CorruptRecord("properties block ends inside a key")
-            key = bytes(buf[i:i + klen]).decode()
+            key = buf[i:i + klen].decode()
             i += klen
-            (vlen,) = _U32.unpack_from(buf, i)
+            vlen = unpack_u32(buf, i)[0]
             i += 4
             if i + vlen > n:
                 raise CorruptRecord("properties block ends inside a value")
-            out[key] = bytes(buf[i:i + vlen]).decode()
+            out[key] = buf[i:i + vlen].decode()
             i += vlen
     except UnicodeDecodeError as e:
         raise CorruptRecord(f"property is not UTF-8: {e}") from None
@@ -172,31 +178,37 @@ def decode_record(buf: bytes | memoryview, offset: int = 0, *, expected_position
     if HEADER_SIZE + var_len != total:
         raise CorruptRecord(f"field lengths add to {HEADER_SIZE + var_len}, record size says {total}",
                             expected_position)
-    view = memoryview(buf)[offset:offset + total]
-    if crc32c.crc32c(view[8:]) != crc:
+    if type(buf) is not bytes:
+        buf, offset = bytes(buf[offset:offset + total]), 0
+    end = offset + total
+    if crc32c.crc32c(memoryview(buf)[offset + 8:end]) != crc:
         raise CorruptRecord("CRC32C mismatch", expected_position)
     if kind != KIND_MESSAGE:
         raise CorruptRecord(f"unknown record kind {kind}", expected_position)
     if expected_position is not None and position != expected_position:
         raise CorruptRecord(f"record says position {position}, read at {expected_position}", expected_position)
+    message_type = _MESSAGE_TYPES.get(mtype)
+    if message_type is None:
+        raise CorruptRecord(f"unknown message type {mtype}", expected_position)
+    # Plain slices of bytes (one copy each), decoded where text: the hot read path of delivery.
+    i = offset + HEADER_SIZE
+    j = i + mid_len
+    k = j + topic_len
+    t = k + tag_len
+    ke = t + keys_len
+    pe = ke + props_len
+    se = pe + sys_len
     try:
-        message_type = MessageType(mtype)
-    except ValueError:
-        raise CorruptRecord(f"unknown message type {mtype}", expected_position) from None
-    i = HEADER_SIZE
-    fields: list[bytes] = []
-    for length in (mid_len, topic_len, tag_len, keys_len, props_len, sys_len):
-        fields.append(bytes(view[i:i + length]))
-        i += length
-    body = bytes(view[i:i + body_len])
-    try:
-        mid, topic, tag = (f.decode() for f in fields[:3])
-        keys = decode_keys(fields[3])
+        mid = buf[i:j].decode()
+        topic = buf[j:k].decode()
+        tag = buf[k:t].decode() if tag_len else ""
+        keys = decode_keys(buf[t:ke]) if keys_len else ()
     except UnicodeDecodeError as e:
         raise CorruptRecord(f"text field is not UTF-8: {e}", expected_position) from None
     return StoredMessage(
         message_id=mid, topic=topic, queue_id=queue_id, queue_offset=queue_offset,
-        message_type=message_type, tag=tag, keys=keys, properties=decode_properties(fields[4]),
-        system_properties=decode_properties(fields[5]), body=body, born_ms=born_ms,
+        message_type=message_type, tag=tag, keys=keys,
+        properties=decode_properties(buf[ke:pe]) if props_len else {},
+        system_properties=decode_properties(buf[pe:se]) if sys_len else {}, body=buf[se:end], born_ms=born_ms,
         store_ms=store_ms, position=position, size=total,
     )
