@@ -9,10 +9,18 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rocketmq.grpc_protocol import definition_pb2 as definition
 from rocketmq.grpc_protocol import service_pb2 as service
 
-from chronoq.model import SYS_MESSAGE_GROUP, SYS_TIMER_OUT_MS, MessageType, ReceivedMessage, StoredMessage
-from chronoq.protocol import fastwire
+from chronoq.model import (
+    SYS_MESSAGE_GROUP,
+    SYS_TIMER_OUT_MS,
+    MessageType,
+    ReceivedMessage,
+    SendResult,
+    StoredMessage,
+)
+from chronoq.protocol import fastwire, responses
 from chronoq.protocol.responses import BROKER_NAME, encode_received
 
 text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
@@ -54,3 +62,28 @@ def test_varints_match_protobuf() -> None:
 
     for n in (0, 1, 127, 128, 300, 16383, 16384, 1 << 31, (1 << 63) - 1):
         assert fastwire.varint(n) == encoder._VarintBytes(n)
+
+
+send_results = st.lists(st.builds(
+    SendResult, message_id=st.one_of(st.just(""), names), topic=names, queue_id=st.integers(0, 7),
+    queue_offset=st.integers(0, 1 << 40), position=st.integers(0, 1 << 40), deliver_at_ms=st.none() | ms,
+    recall_handle=st.none() | names, duplicate=st.booleans()), max_size=20)
+
+
+@settings(max_examples=200, deadline=None)
+@given(results=send_results)
+def test_the_send_response_bytes_mean_what_the_protobuf_api_builds(results: list[SendResult]) -> None:
+    fast = service.SendMessageResponse.FromString(responses.send_response_wire(results))
+    assert fast == responses.send_response(results)
+
+
+ack_entries = st.lists(st.tuples(st.one_of(st.just(""), names), st.one_of(st.just(""), names),
+                                 st.sampled_from([20000, 40013, 50001]), text), min_size=1, max_size=20)
+
+
+@settings(max_examples=200, deadline=None)
+@given(entries=ack_entries)
+def test_the_ack_response_bytes_mean_what_the_protobuf_api_builds(entries: list[tuple[str, str, int, str]]) -> None:
+    fast = service.AckMessageResponse.FromString(responses.ack_response_wire(entries))
+    slow = responses.ack_response([(m, h, definition.Status(code=c, message=t)) for m, h, c, t in entries])
+    assert fast == slow

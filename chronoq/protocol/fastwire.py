@@ -139,3 +139,65 @@ def received_response(received: ReceivedMessage, invisible_duration_ms: int, sto
 
 def _len_bytes(payload: bytes) -> bytes:
     return varint(len(payload)) + payload
+
+
+# Status: code=1 (enum), message=2
+_STATUS_CODE = _key(1, 0)
+_STATUS_MESSAGE = _key(2, 2)
+# SendMessageResponse / AckMessageResponse: status=1, entries=2
+_RESPONSE_STATUS = _key(1, 2)
+_RESPONSE_ENTRIES = _key(2, 2)
+# SendResultEntry: status=1, message_id=2, transaction_id=3, offset=4, recall_handle=5
+_SEND_ENTRY_STATUS = _key(1, 2)
+_SEND_ENTRY_MESSAGE_ID = _key(2, 2)
+_SEND_ENTRY_OFFSET = _key(4, 0)
+_SEND_ENTRY_RECALL_HANDLE = _key(5, 2)
+# AckMessageResultEntry: message_id=1, receipt_handle=2, status=3
+_ACK_ENTRY_MESSAGE_ID = _key(1, 2)
+_ACK_ENTRY_RECEIPT_HANDLE = _key(2, 2)
+_ACK_ENTRY_STATUS = _key(3, 2)
+_OK_CODE = 20000
+
+
+def status(code: int, message: str) -> bytes:
+    """A `Status` body (code 0 and an empty message are proto3 defaults, left out)."""
+    out = _STATUS_CODE + varint(code) if code else b""
+    return out + _string(_STATUS_MESSAGE, message) if message else out
+
+
+_STATUS_OK = status(_OK_CODE, "OK")
+_STATUS_DUPLICATE = status(_OK_CODE, "duplicate")
+_RESPONSE_STATUS_OK = _len_field(_RESPONSE_STATUS, _STATUS_OK)
+
+
+def send_response(results: list[tuple[str, int, str | None, bool]]) -> bytes:
+    """A serialized `SendMessageResponse`: OK, one entry per (message id, queue offset, recall
+    handle or None, duplicate) in order; the same meaning as `responses.send_response`."""
+    parts = [_RESPONSE_STATUS_OK]
+    ok_entry_status = _len_field(_SEND_ENTRY_STATUS, _STATUS_OK)
+    duplicate_entry_status = _len_field(_SEND_ENTRY_STATUS, _STATUS_DUPLICATE)
+    for message_id, offset, recall_handle, duplicate in results:
+        entry = duplicate_entry_status if duplicate else ok_entry_status
+        if message_id:
+            entry += _string(_SEND_ENTRY_MESSAGE_ID, message_id)
+        if offset:
+            entry += _SEND_ENTRY_OFFSET + varint(offset)
+        if recall_handle:
+            entry += _string(_SEND_ENTRY_RECALL_HANDLE, recall_handle)
+        parts.append(_RESPONSE_ENTRIES + varint(len(entry)) + entry)
+    return b"".join(parts)
+
+
+def ack_response(entries: list[tuple[str, str, int, str]], top: tuple[int, str]) -> bytes:
+    """A serialized `AckMessageResponse`: status `top` (code, message), one entry per (message id,
+    receipt handle, status code, status message); the same meaning as `responses.ack_response`."""
+    parts = [_len_field(_RESPONSE_STATUS, status(*top))]
+    for message_id, handle, code, message in entries:
+        entry = b""
+        if message_id:
+            entry += _string(_ACK_ENTRY_MESSAGE_ID, message_id)
+        if handle:
+            entry += _string(_ACK_ENTRY_RECEIPT_HANDLE, handle)
+        entry += _len_field(_ACK_ENTRY_STATUS, status(code, message))
+        parts.append(_RESPONSE_ENTRIES + varint(len(entry)) + entry)
+    return b"".join(parts)

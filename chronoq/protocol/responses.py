@@ -127,6 +127,11 @@ def send_response(results: Sequence[SendResult]) -> service.SendMessageResponse:
     )
 
 
+def send_response_wire(results: Sequence[SendResult]) -> bytes:
+    """`send_response`, serialized by hand (`fastwire.send_response`): what the server sends."""
+    return fastwire.send_response([(r.message_id, r.queue_offset, r.recall_handle, r.duplicate) for r in results])
+
+
 # -- receive ---------------------------------------------------------------------------------------
 
 
@@ -201,6 +206,15 @@ def ack_response(entries: Sequence[tuple[str, str, definition.Status]]) -> servi
         status=top,
         entries=[service.AckMessageResultEntry(message_id=m, receipt_handle=h, status=s) for m, h, s in entries],
     )
+
+
+def ack_response_wire(entries: Sequence[tuple[str, str, int, str]]) -> bytes:
+    """`ack_response` for (message_id, receipt_handle, code, message) entries, serialized by
+    hand (`fastwire.ack_response`): what the server sends."""
+    codes = {code for _, _, code, _ in entries}
+    top = (entries[0][2], entries[0][3]) if len(codes) == 1 else (Code.MULTIPLE_RESULTS,
+                                                                 "entries have different results")
+    return fastwire.ack_response(list(entries), top)
 
 
 def change_invisible_response(receipt_handle: str) -> service.ChangeInvisibleDurationResponse:

@@ -125,7 +125,7 @@ class MessagingService:
         for name, (request_type, response_type, body) in unary.items():
             handlers[name] = grpc.unary_unary_rpc_method_handler(
                 self._unary(name, response_type, body), request_deserializer=_deserializer(request_type),
-                response_serializer=response_type.SerializeToString)
+                response_serializer=_bytes_or_serialized)
         handlers["ReceiveMessage"] = grpc.unary_stream_rpc_method_handler(
             self.receive_message, request_deserializer=_deserializer(service.ReceiveMessageRequest),
             response_serializer=_bytes_or_serialized)
@@ -190,23 +190,26 @@ class MessagingService:
             results = [await self.broker.send(command.messages[0])]
         else:
             results = await self.broker.send_batch(command.messages)
-        return rs.send_response(results)
+        return rs.send_response_wire(results)
 
     async def _ack(self, request: service.AckMessageRequest, context: Any) -> Any:
         command = rq.decode_ack(request, self.config)
-        # Every entry is settled (its renewal stopped) around one batched ack: one RocksDB write
-        # per request rather than one per entry.
-        async with contextlib.AsyncExitStack() as settled:
-            current: dict[str, str] = {}  # a handle repeated in the request is settled once (its lock is not reentrant)
-            for e in command.entries:
-                if e.receipt_handle not in current:
-                    settle = self.renewals.settle(e.receipt_handle)
-                    current[e.receipt_handle] = await settled.enter_async_context(settle)
-            errors = await self.broker.ack_many(command.group, command.topic,
-                                                [current[e.receipt_handle] for e in command.entries])
-        outcomes = [(entry.message_id, entry.receipt_handle, rs.ok_status() if err is None else rs.error_status(err))
+        handles = [e.receipt_handle for e in command.entries]
+        if not self.renewals.holds_any(handles):
+            errors = await self.broker.ack_many(command.group, command.topic, handles)
+        else:
+            # Every entry is settled (its renewal stopped) around one batched ack: one RocksDB
+            # write per request rather than one per entry.
+            async with contextlib.AsyncExitStack() as settled:
+                current: dict[str, str] = {}  # a repeated handle is settled once (its lock is not reentrant)
+                for handle in handles:
+                    if handle not in current:
+                        current[handle] = await settled.enter_async_context(self.renewals.settle(handle))
+                errors = await self.broker.ack_many(command.group, command.topic, [current[h] for h in handles])
+        outcomes = [(entry.message_id, entry.receipt_handle, 20000, "OK") if err is None
+                    else (entry.message_id, entry.receipt_handle, err.code, err.message)
                     for entry, err in zip(command.entries, errors, strict=True)]
-        return rs.ack_response(outcomes)
+        return rs.ack_response_wire(outcomes)
 
     async def _change_invisible(self, request: service.ChangeInvisibleDurationRequest, context: Any) -> Any:
         command = rq.decode_change_invisible(request, self.config)

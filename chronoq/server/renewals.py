@@ -86,6 +86,11 @@ class Renewals:
             finally:
                 self._held.pop(handle, None)
 
+    def holds_any(self, handles: list[str]) -> bool:
+        """Whether any of these handles is being renewed (an ack must then settle it first)."""
+        held = self._held
+        return bool(held) and any(h in held for h in handles)
+
     def touch(self, client_id: str) -> None:
         """The client made a call: it is alive."""
         if client_id:

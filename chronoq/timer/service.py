@@ -28,6 +28,7 @@ The service never reads the clock: every entry point takes `now_ms`.
 from __future__ import annotations
 
 import base64
+import binascii
 import logging
 import struct
 from collections import Counter
@@ -82,7 +83,11 @@ _TIMER_ONLY_PROPS = (SYS_REAL_TOPIC, SYS_REAL_QUEUE_ID, SYS_TIMER_ENQUEUE_MS, SY
 def encode_recall_handle(topic: str, deliver_at_ms: int, message_id: str) -> str:
     """Opaque, like RocketMQ 5.3's: version, due time, topic and id, with a checksum."""
     raw = _RECALL.pack(RECALL_VERSION, deliver_at_ms) + topic.encode() + b"\x00" + message_id.encode()
-    return base64.urlsafe_b64encode(raw + struct.pack(">I", crc32c.crc32c(raw))).decode().rstrip("=")
+    encoded = binascii.b2a_base64(raw + struct.pack(">I", crc32c.crc32c(raw)), newline=False)
+    return encoded.translate(_URLSAFE).rstrip(b"=").decode()
+
+
+_URLSAFE = bytes.maketrans(b"+/", b"-_")
 
 
 def decode_recall_handle(handle: str) -> tuple[str, int, str]:
