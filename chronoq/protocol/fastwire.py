@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 
-from chronoq.model import SYS_MESSAGE_GROUP, ReceivedMessage
+from chronoq.model import SYS_MESSAGE_GROUP, MessageType, ReceivedMessage
 
 _VARINT_CACHE = tuple(bytes([n]) if n < 0x80 else bytes([(n & 0x7F) | 0x80, n >> 7]) for n in range(1 << 14))
 
@@ -100,41 +100,70 @@ def md5_digest(body: bytes) -> bytes:
 
 def received_response(received: ReceivedMessage, invisible_duration_ms: int, store_host: str) -> bytes:
     """The serialized `ReceiveMessageResponse(message=...)` for one delivered message: the same
-    bytes' meaning as `ReceiveMessageResponse(message=responses.encode_received(...))`."""
+    bytes' meaning as `ReceiveMessageResponse(message=responses.encode_received(...))`.
+    Written inline (locals, the varint table indexed directly): it runs once per delivery."""
     stored = received.message
-    sp = [_SP_TAG + _len_bytes(stored.tag.encode())] if stored.tag else []
+    v = _VARINT_CACHE
+    sp = []
+    if stored.tag:
+        tag = stored.tag.encode()
+        sp.append(_SP_TAG + varint(len(tag)) + tag)
     for key in stored.keys:
         sp.append(_string(_SP_KEYS, key))
     if stored.message_id:
-        sp.append(_string(_SP_MESSAGE_ID, stored.message_id))
-    digest = md5_digest(stored.body)
-    sp.append(_SP_BODY_DIGEST + varint(len(digest)) + digest)
-    sp.append(_SP_BODY_ENCODING_IDENTITY)
-    sp.append(_SP_MESSAGE_TYPE + varint(int(stored.message_type)))
-    sp.append(_len_field(_SP_BORN_TIMESTAMP, _timestamp(max(0, stored.born_ms))))
-    sp.append(_len_field(_SP_STORE_TIMESTAMP, _timestamp(max(0, stored.store_ms))))
-    sp.append(_string(_SP_STORE_HOST, store_host))
+        mid = stored.message_id.encode()
+        sp.append(_SP_MESSAGE_ID + varint(len(mid)) + mid)
+    checksum = hashlib.md5(stored.body).hexdigest().upper().encode()
+    sp.append(_SP_BODY_DIGEST_MD5_HEAD + checksum)  # 32 hex characters: a fixed-size field
+    sp.append(_SP_ENCODING_AND_TYPE[stored.message_type])
+    born = _timestamp(stored.born_ms) if stored.born_ms > 0 else b""
+    sp.append(_SP_BORN_TIMESTAMP + v[len(born)] + born)
+    store = _timestamp(stored.store_ms) if stored.store_ms > 0 else b""
+    sp.append(_SP_STORE_TIMESTAMP + v[len(store)] + store)
+    sp.append(_store_host_field(store_host))
     deliver_at_ms = stored.deliver_at_ms
     if deliver_at_ms is not None:
-        sp.append(_len_field(_SP_DELIVERY_TIMESTAMP, _timestamp(max(0, deliver_at_ms))))
-    sp.append(_string(_SP_RECEIPT_HANDLE, received.receipt_handle))
+        due = _timestamp(deliver_at_ms) if deliver_at_ms > 0 else b""
+        sp.append(_SP_DELIVERY_TIMESTAMP + v[len(due)] + due)
+    handle = received.receipt_handle.encode()
+    sp.append(_SP_RECEIPT_HANDLE + varint(len(handle)) + handle)
     if stored.queue_id:
         sp.append(_SP_QUEUE_ID + varint(stored.queue_id))
     sp.append(_SP_QUEUE_OFFSET + varint(stored.queue_offset))
-    sp.append(_len_field(_SP_INVISIBLE_DURATION, _timestamp(max(0, invisible_duration_ms))))
+    invisible = _timestamp(invisible_duration_ms) if invisible_duration_ms > 0 else b""
+    sp.append(_SP_INVISIBLE_DURATION + v[len(invisible)] + invisible)
     sp.append(_SP_DELIVERY_ATTEMPT + varint(received.delivery_attempt))
-    group = stored.system_properties.get(SYS_MESSAGE_GROUP)
+    group = stored.system_properties.get(SYS_MESSAGE_GROUP) if stored.system_properties else None
     if group:
         sp.append(_string(_SP_MESSAGE_GROUP, group))
     system = b"".join(sp)
-    parts = [_len_field(_MESSAGE_TOPIC, _string(_RESOURCE_NAME, stored.topic))]
-    for name, value in stored.properties.items():
-        parts.append(_len_field(_MESSAGE_USER_PROPERTIES, _string(_ENTRY_KEY, name) + _string(_ENTRY_VALUE, value)))
+    topic = stored.topic.encode()
+    resource = _RESOURCE_NAME + varint(len(topic)) + topic
+    parts = [_MESSAGE_TOPIC + v[len(resource)] + resource if len(resource) < 16384 else
+             _len_field(_MESSAGE_TOPIC, resource)]
+    if stored.properties:
+        for name, value in stored.properties.items():
+            parts.append(_len_field(_MESSAGE_USER_PROPERTIES, _string(_ENTRY_KEY, name) + _string(_ENTRY_VALUE, value)))
     parts.append(_MESSAGE_SYSTEM_PROPERTIES + varint(len(system)) + system)
-    if stored.body:
-        parts.append(_MESSAGE_BODY + varint(len(stored.body)) + stored.body)
+    body = stored.body
+    if body:
+        parts.append(_MESSAGE_BODY + varint(len(body)) + body)
     message = b"".join(parts)
     return _RESPONSE_MESSAGE + varint(len(message)) + message
+
+
+_SP_BODY_DIGEST_MD5_HEAD = (_SP_BODY_DIGEST + varint(len(_DIGEST_MD5) + 2 + 32) + _DIGEST_MD5 + _DIGEST_CHECKSUM
+                            + varint(32))
+"""body_digest = Digest{type: MD5, checksum: <32 hex characters>}, all but the characters."""
+_SP_ENCODING_AND_TYPE = {t: _SP_BODY_ENCODING_IDENTITY + _SP_MESSAGE_TYPE + varint(int(t)) for t in MessageType}
+_STORE_HOST_FIELDS: dict[str, bytes] = {}
+
+
+def _store_host_field(host: str) -> bytes:
+    field = _STORE_HOST_FIELDS.get(host)
+    if field is None:
+        field = _STORE_HOST_FIELDS.setdefault(host, _string(_SP_STORE_HOST, host)) if host else b""
+    return field
 
 
 def _len_bytes(payload: bytes) -> bytes:
