@@ -120,7 +120,8 @@ def main() -> None:
     parser.add_argument("--one", type=int, default=2_000)
     parser.add_argument("--serve", default=None,
                         help="a command serving on {port} instead of chronoq serve (e.g. the floor stub)")
-    parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for the server (e.g. CHRONOQ_FLUSH=async)")
+    parser.add_argument("--env", action="append", default=[],
+                        help="NAME=VALUE for the server (e.g. CHRONOQ_FLUSH=async)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "steps.json")
     args = parser.parse_args()
     port = _free_port()

@@ -415,6 +415,11 @@ class MessageStore:
             born_ms=msg.born_ms, store_ms=store_ms)
 
     async def wait_durable(self, end: int) -> None:
+        """Return once the records below `end` may be acknowledged: fsynced and dispatched with
+        `flush = "sync"` (the default); with `flush = "async"`, written and dispatched (they are
+        fsynced within `flush_interval_ms`; a power loss may take the last of them)."""
+        if self.config.flush == "async" and end <= self.dispatched_position and self.log.failure is None:
+            return
         await self.log.wait_durable(end)
 
     async def append_durable(self, msgs: list[PreparedMessage], store_ms: int) -> list[StoredMessage]:
