@@ -263,6 +263,8 @@ def chart(results: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("s")
     if ax.lines:
         ax.legend()
+    else:
+        ax.text(0.5, 0.5, "no backlog run", ha="center", va="center", transform=ax.transAxes)
     _bars(axes[2][0], names, {
         "per request, one-at-a-time": [_get(systems[n], "accept", "sync", "cpu_us_per_msg") for n in names],
         "per accepted, batched": [_get(systems[n], "accept", "batch", "cpu_us_per_msg") for n in names],
