@@ -77,10 +77,14 @@ async def _produce(system: str, addr: dict[str, Any], spec: dict[str, Any], star
                 msgs.append(Msg(mid, due, encode_body(mid, due)))
             if mode == "sync":
                 for m in msgs:
+                    # The time cap holds within a chunk too: at 200 ms a send, one chunk is a minute.
+                    if max_s and time.time() - t0 >= max_s:
+                        break
                     await client.send_one(m)
+                    sent += 1  # in order, so the first `sent` ids are the acknowledged ones
             else:
                 await client.send_many(msgs)
-            sent += len(msgs)
+                sent += len(msgs)
             progress.append((round(time.time() - t0, 3), sent))
     except Exception:
         error = traceback.format_exc(limit=4)
