@@ -1,10 +1,12 @@
 """The benchmark harness's smoke mode, so `python -m bench` cannot rot.
 
-`python -m bench --smoke` runs chronoq alone through every phase (accept, precision, crash,
-backlog) with tiny counts: a real `chronoq serve` child, real producer and consumer processes,
-a real SIGKILL. These tests check that the harness produced every artefact and that its figures
-are consistent with each other; the peers (Redis, NATS, RabbitMQ, beanstalkd) are not run here.
-The fast tests at the end check the scoring and the report on hand-made values.
+`python -m bench --smoke` runs the floor (the stub server of the protocol) and chronoq through
+every default phase (accept, precision, burst, crash, backlog; the floor skips crash and backlog)
+with tiny counts: a real `chronoq serve` child and a real floor server, real producer and
+consumer processes, a real SIGKILL. These tests check that the harness produced every artefact
+and that its figures are consistent with each other; the peers (Redis, NATS, RabbitMQ,
+beanstalkd) are not run here. The fast tests at the end check the scoring and the report on
+hand-made values.
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # bench/ is a source-tree tool, not part of the installed package
 
 from bench.harness import report  # noqa: E402
-from bench.harness.runner import _rate_series  # noqa: E402
+from bench.harness.runner import _rate_series, sweep_verdict  # noqa: E402
 from bench.harness.workload import decode_body, delivery_figures, encode_body, percentile  # noqa: E402
 
-PHASES = ("accept", "precision", "crash", "backlog")
+PHASES = ("accept", "precision", "burst", "crash", "backlog")
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
@@ -35,11 +37,15 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Complete
     return proc, out
 
 
-def _chronoq(out: Path) -> dict[str, Any]:
+def _system(out: Path, name: str) -> dict[str, Any]:
     results = json.loads((out / "results.json").read_text())
-    assert list(results["systems"]) == ["chronoq"]
-    system: dict[str, Any] = results["systems"]["chronoq"]
+    assert list(results["systems"]) == ["floor", "chronoq"]
+    system: dict[str, Any] = results["systems"][name]
     return system
+
+
+def _chronoq(out: Path) -> dict[str, Any]:
+    return _system(out, "chronoq")
 
 
 @pytest.mark.slow
@@ -52,6 +58,7 @@ def test_smoke_writes_json_markdown_and_chart(smoke: tuple[subprocess.CompletedP
         assert "failed" not in system[phase], system[phase]
     md = (out / "results.md").read_text()
     assert "| accepted/s one-at-a-time |" in md and "## Crash run" in md and "## Backlog run" in md
+    assert "| chronoq/floor |" in md and "## Burst" in md and "| server CPU µs per accepted, batched |" in md
     assert (out / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -74,6 +81,37 @@ def test_smoke_figures_are_consistent(smoke: tuple[subprocess.CompletedProcess[s
     crash = system["crash"]
     assert crash["accepted"] == 100 and crash["pending_at_kill"] > 0
     assert crash["delivered"] + crash["lost"] == crash["accepted"]
+    # 300 one-message requests cost the server well over a 10 ms CPU tick; 300 batched may not.
+    assert system["accept"]["sync"]["cpu_us_per_msg"] > 0 and system["accept"]["batch"]["cpu_us_per_msg"] >= 0
+    assert prec["cpu_us_per_msg"] > 0 and prec["consumer_stats"]["received"] >= prec["delivered"]
+
+
+@pytest.mark.slow
+def test_smoke_floor_runs_accept_precision_and_burst(smoke: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    """The floor is served by its stub and driven by chronoq's clients; it skips crash and backlog."""
+    _proc, out = smoke
+    floor = _system(out, "floor")
+    assert floor["installable"] is True
+    assert set(floor["crash"]) == {"skipped"} and set(floor["backlog"]) == {"skipped"}
+    for mode in ("sync", "batch"):
+        acc = floor["accept"][mode]
+        assert acc["errors"] == [] and acc["sent"] == 300 and acc["cpu_us_per_msg"] >= 0
+    assert floor["accept"]["sync"]["cpu_us_per_msg"] > 0
+    prec = floor["precision"]
+    assert (prec["accepted"], prec["delivered"], prec["lost"], prec["early"], prec["duplicates"]) == (200, 200, 0, 0, 0)
+    assert prec["server_stats"]["calls"]["ReceiveMessage items"] == 200
+
+
+@pytest.mark.slow
+def test_smoke_burst_delivers_every_timer_after_the_common_due_time(
+        smoke: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    _proc, out = smoke
+    for name in ("floor", "chronoq"):
+        burst = _system(out, name)["burst"]
+        assert burst["valid"] is True and burst["pending_before_due"] == 500, (name, burst)
+        assert (burst["accepted"], burst["delivered"], burst["lost"], burst["early"]) == (500, 500, 0, 0), name
+        assert 0 <= burst["first_received_after_due_ms"] <= burst["last_received_after_due_ms"]
+        assert burst["fired_after_due_ms"] is not None and burst["fired_after_due_ms"] >= 0
 
 
 @pytest.mark.slow
@@ -137,3 +175,45 @@ def test_report_names_the_uninstallable_and_gives_ratios(tmp_path: Path) -> None
     assert "| error P99 ms | 0.50 | - |" in md
     assert paths["chart"].read_bytes()[:4] == b"\x89PNG"
     assert json.loads(paths["json"].read_text())["systems"]["nats"]["installable"] is False
+    assert "/floor" not in md and "## Burst" not in md and "sweep:" not in md  # nobody ran them
+
+
+def test_report_ratios_to_the_floor_burst_and_sweep(tmp_path: Path) -> None:
+    def system(cpu_batch: float, burst_ms: float, valid: bool, sweep: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"installable": True, "version": "1", "design": "d", "durability": "x",
+                "accept": {"batch": {"per_s": 1000.0, "cpu_us_per_msg": cpu_batch}},
+                "burst": {"valid": valid, "n": 10, "lead_s": 1.0, "sends_ended_before_due_ms": 5.0 if valid else -250.0,
+                          "fired_after_due_ms": burst_ms, "last_received_after_due_ms": burst_ms},
+                "sweep": {"p99_limit_ms": 20.0, "seconds_per_rate": 1.0, "delays_s": [1.0, 2.0], "runs": sweep,
+                          "best_rate": max((r["rate"] for r in sweep if r["ok"]), default=None)}}
+
+    ok = {"ok": True, "why": None, "p99_ms": 5.0, "cpu_us_per_msg": 100.0}
+    results = {"started": "t", "machine": "m", "command": "c", "load_at_end": [1.0, 2.0, 3.0], "systems": {
+        "floor": system(10.0, 50.0, True, [{"rate": 100.0, **ok}, {"rate": 200.0, **ok}]),
+        "chronoq": system(40.0, 100.0, True, [{"rate": 100.0, **ok}, {"rate": 200.0, "ok": False,
+                                                                      "why": "P99 30.0 ms > 20 ms", "p99_ms": 30.0}]),
+        "redis": system(5.0, 999.0, False, [{"rate": 100.0, "ok": False, "why": "P99 25 ms > 20 ms", "p99_ms": 25.0},
+                                            {"rate": 200.0, "ok": None, "why": "not run"}]),
+    }}
+    md = report.markdown(results)
+    assert "| server CPU µs per accepted, batched | 10.0 | 40.0 | 5.00 |" in md
+    assert "| chronoq/floor | redis/floor |" in md and "| server CPU µs per accepted, batched | 4.00 | 0.50 |" in md
+    assert "| chronoq/redis |" in md and "chronoq/floor | redis/floor | chronoq/" not in md
+    # A burst whose sends ended after the due time is shown with its reason, never scored.
+    assert "| burst: last received, ms after due | 50.0 | 100 | - |" in md
+    assert "not scored: the sends ended 250 ms after the due time" in md
+    assert "| sweep: highest rate/s with P99 within the limit | 200 | 100 | - |" in md
+    assert "| chronoq | 5.00 (100) | 30.0 (-) x | 100 |" in md and "- chronoq at 200/s: P99 30.0 ms > 20 ms" in md
+    assert "| redis | 25.0 (-) x | - | - |" in md
+    assert "Load average at the end (1, 5, 15 min): 1.00, 2.00, 3.00" in md
+
+
+def test_sweep_verdict_needs_the_rate_nothing_lost_or_early_and_the_p99() -> None:
+    good = {"produce": {"per_s": 990.0, "errors": []}, "lost": 0, "early": 0, "error_p99_ms": 12.0}
+    assert sweep_verdict(good, 1000.0, 20.0) is None
+    assert sweep_verdict({**good, "error_p99_ms": 21.0}, 1000.0, 20.0) == "P99 21.0 ms > 20 ms"
+    assert sweep_verdict({**good, "produce": {"per_s": 900.0, "errors": []}}, 1000.0, 20.0) == "sent 900/s of 1,000/s"
+    assert sweep_verdict({**good, "lost": 3}, 1000.0, 20.0) == "lost 3, early 0"
+    assert sweep_verdict({"failed": "ServerFailed: gone\ntrace"}, 1000.0, 20.0) == "ServerFailed: gone"
+    assert sweep_verdict({**good, "consumer_error": "Traceback\nServerUnavailable: x"}, 1000.0, 20.0) == (
+        "client error: ServerUnavailable: x")

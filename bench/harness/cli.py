@@ -1,9 +1,12 @@
 """`python -m bench`: parse options, run every system through the chosen phases, write the report.
 
-Theory of operation: defaults are the full comparison of issue 6 (every system, every phase,
-10 M pending in the backlog run); `--smoke` shrinks it to chronoq alone with tiny counts and short
-delays so the test suite can run it in seconds. Systems run one after another, never at once, so
-they do not share the two cores; a system that is not installed is reported, not skipped.
+Theory of operation: defaults are the full comparison of issues 6 and 11 (every system, every
+default phase, 10 M pending in the backlog run); the rate sweep is opt-in (`--phases ...,sweep`)
+because it is a precision run per rate. `--smoke` shrinks it to the floor and chronoq with tiny
+counts and short delays so the test suite can run it in a minute. Systems run one after another,
+never at once, so they do not share the two cores; a system that is not installed is reported,
+not skipped. The floor (a stub server that only speaks the protocol) comes first, so every
+figure after it can be read against it.
 """
 
 from __future__ import annotations
@@ -18,24 +21,28 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import report
-from bench.harness.runner import PHASES, RunConfig, run_system
+from bench.harness.runner import DEFAULT_PHASES, PHASES, RunConfig, run_system
 from bench.peers.base import SYSTEMS, load_peer
 
-DESCRIPTION = ("Side-by-side benchmark: chronoq against Redis (sorted set), NATS (message schedules), RabbitMQ "
-               "(TTL + dead letter) and beanstalkd (delayed jobs), each started here on 127.0.0.1. Writes "
-               "results.json, results.md and chart.png.")
+DESCRIPTION = ("Side-by-side benchmark: chronoq against the floor (a stub server of the same protocol that stores "
+               "nothing), Redis (sorted set), NATS (message schedules), RabbitMQ (TTL + dead letter) and beanstalkd "
+               "(delayed jobs), each started here on 127.0.0.1. Writes results.json, results.md and chart.png.")
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
-SMOKE = {"systems": ["chronoq"], "accept_n": 300, "accept_seconds": 10.0, "n": 200, "rate": 200.0,
+SMOKE = {"systems": ["floor", "chronoq"], "accept_n": 300, "accept_seconds": 10.0, "n": 200, "rate": 200.0,
          "delay_min_s": 1.0, "delay_max_s": 2.0, "grace_s": 5.0, "crash_n": 100, "crash_delay_min_s": 1.0,
-         "crash_delay_max_s": 4.0, "crash_kill_after_s": 1.5, "backlog_n": 1000, "backlog_seconds": 20.0}
+         "crash_delay_max_s": 4.0, "crash_kill_after_s": 1.5, "backlog_n": 1000, "backlog_seconds": 20.0,
+         "burst_n": 500, "burst_lead_s": 2.0, "sweep_rates": (100.0, 200.0), "sweep_seconds": 1.0,
+         "sweep_delay_min_s": 0.5, "sweep_delay_max_s": 1.0}
 
 
 def build_parser() -> argparse.ArgumentParser:
     d = RunConfig(systems=[], phases=[])
     p = argparse.ArgumentParser(prog="python -m bench", description=DESCRIPTION)
-    p.add_argument("--smoke", action="store_true", help="tiny run of chronoq only (the test suite runs this)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny run of the floor and chronoq (the test suite runs this; --phases still applies)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list from {','.join(SYSTEMS)}")
-    p.add_argument("--phases", default=",".join(PHASES), help=f"comma list from {','.join(PHASES)}")
+    p.add_argument("--phases", default=",".join(DEFAULT_PHASES),
+                   help=f"comma list from {','.join(PHASES)} (default: all but sweep)")
     p.add_argument("--out", type=Path, help="results directory (default bench/results/<UTC timestamp>)")
     p.add_argument("--producers", type=int, default=d.producers, help="producer processes per system")
     p.add_argument("--chunk", type=int, default=d.chunk, help="messages per batched/pipelined call")
@@ -50,10 +57,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--crash-kill-after-s", type=float, default=d.crash_kill_after_s)
     p.add_argument("--backlog-n", type=int, default=d.backlog_n, help="pending messages in the backlog run")
     p.add_argument("--backlog-seconds", type=float, default=d.backlog_seconds, help="time cap of the backlog load")
+    p.add_argument("--burst-n", type=int, default=d.burst_n, help="messages all due in the same millisecond")
+    p.add_argument("--burst-lead-s", type=float, default=d.burst_lead_s,
+                   help="seconds from the burst's start to its due time (0: 5 s + N / 4,000 msg/s)")
+    p.add_argument("--sweep-rates", default=",".join(f"{r:g}" for r in d.sweep_rates),
+                   help="comma list of fixed rates (msg/s) for the sweep phase")
+    p.add_argument("--sweep-seconds", type=float, default=d.sweep_seconds, help="sending time per sweep rate")
+    p.add_argument("--sweep-delay-min-s", type=float, default=d.sweep_delay_min_s)
+    p.add_argument("--sweep-delay-max-s", type=float, default=d.sweep_delay_max_s)
+    p.add_argument("--sweep-p99-ms", type=float, default=d.sweep_p99_limit_ms,
+                   help="the P99 delivery error a sweep rate must meet")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--keep-data", action="store_true", help="keep the servers' temporary data dirs")
     p.add_argument("--profile", action="store_true",
-                   help="record chronoq's server with py-spy in the accept and precision phases (logs/)")
+                   help="record the Python servers (chronoq, floor) with py-spy in the accept and precision phases")
     return p
 
 
@@ -72,7 +89,10 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         "delay_min_s": args.delay_min_s, "delay_max_s": args.delay_max_s, "grace_s": args.grace_s,
         "crash_n": args.crash_n, "crash_kill_after_s": args.crash_kill_after_s, "backlog_n": args.backlog_n,
         "backlog_seconds": args.backlog_seconds, "seed": args.seed, "keep_data": args.keep_data,
-        "profile": args.profile,
+        "profile": args.profile, "burst_n": args.burst_n, "burst_lead_s": args.burst_lead_s,
+        "sweep_rates": _rates(args.sweep_rates), "sweep_seconds": args.sweep_seconds,
+        "sweep_delay_min_s": args.sweep_delay_min_s, "sweep_delay_max_s": args.sweep_delay_max_s,
+        "sweep_p99_limit_ms": args.sweep_p99_ms,
     }
     if args.smoke:
         values.update(SMOKE)
@@ -81,7 +101,21 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         raise SystemExit("--producers, --chunk, --n and --rate must be positive")
     if not 0 < cfg.delay_min_s <= cfg.delay_max_s:
         raise SystemExit("need 0 < --delay-min-s <= --delay-max-s")
+    if not 0 < cfg.sweep_delay_min_s <= cfg.sweep_delay_max_s:
+        raise SystemExit("need 0 < --sweep-delay-min-s <= --sweep-delay-max-s")
+    if cfg.burst_n < 1 or cfg.burst_lead_s < 0 or cfg.sweep_seconds <= 0:
+        raise SystemExit("--burst-n and --sweep-seconds must be positive, --burst-lead-s not negative")
     return cfg
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(sorted(float(r) for r in text.split(",") if r.strip()))
+    except ValueError:
+        raise SystemExit(f"--sweep-rates must be a comma list of numbers, not {text!r}") from None
+    if not rates or rates[0] <= 0:
+        raise SystemExit("--sweep-rates needs at least one positive rate")
+    return rates
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,10 @@ orphaned server holding a pipe open hangs whoever reads it). A `Server` is the h
 children one system needs (RabbitMQ needs epmd beside it). Stopping is by pid only: SIGTERM, wait,
 then SIGKILL; a crash is SIGKILL to every pid of the process tree at once. `TreeSampler` polls the
 tree with psutil (RSS summed over the tree, CPU seconds per pid so a child that exits keeps its
-share) because servers such as RabbitMQ spread their work over several processes.
+share) because servers such as RabbitMQ spread their work over several processes; `cpu_s()` reads
+the CPU seconds so far mid-run, so one sampler can split a phase into parts (accept's two modes).
+CPU times come from /proc in clock ticks (10 ms here): a part must run for seconds, not
+milliseconds, for its CPU per message to mean anything.
 """
 
 from __future__ import annotations
@@ -174,6 +177,8 @@ class TreeSampler:
         self._cpu_base: dict[int, float] = {}
         self._cpu_last: dict[int, float] = {}
         self._stop = threading.Event()
+        self._lock = threading.Lock()
+        """The sampling thread and `cpu_s()` callers both sample."""
         self._thread = threading.Thread(target=self._run, name="tree-sampler", daemon=True)
 
     def start(self) -> TreeSampler:
@@ -184,9 +189,13 @@ class TreeSampler:
     def stop(self) -> dict[str, float]:
         self._stop.set()
         self._thread.join()
+        return {"rss_peak_mb": round(self.rss_peak_bytes / 2**20, 1), "cpu_s": round(self.cpu_s(), 2)}
+
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) the tree has used since `start()`, sampled now."""
         self._sample()
-        cpu_s = sum(last - self._cpu_base.get(pid, 0.0) for pid, last in self._cpu_last.items())
-        return {"rss_peak_mb": round(self.rss_peak_bytes / 2**20, 1), "cpu_s": round(cpu_s, 2)}
+        with self._lock:
+            return sum(last - self._cpu_base.get(pid, 0.0) for pid, last in self._cpu_last.items())
 
     def current_rss_bytes(self) -> int:
         total = 0
@@ -202,6 +211,10 @@ class TreeSampler:
             self._sample()
 
     def _sample(self, baseline: bool = False) -> None:
+        with self._lock:
+            self._sample_locked(baseline)
+
+    def _sample_locked(self, baseline: bool) -> None:
         rss = 0
         for proc in self.server.tree():
             try:

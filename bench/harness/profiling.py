@@ -1,4 +1,4 @@
-"""py-spy profiles of a Python server (chronoq) during a phase, summarised as top functions.
+"""py-spy profiles of a Python server (chronoq, the floor) during a phase, summarised as top functions.
 
 Theory of operation: `py-spy record --format raw` attaches to the server's pid from outside (no
 change to the server, no import of py-spy in it) and writes collapsed stacks when it gets SIGINT.
@@ -18,7 +18,7 @@ from typing import Any
 
 from bench.harness.procs import Server, ServerProcess
 
-PROFILED_SYSTEMS = {"chronoq"}
+PROFILED_SYSTEMS = {"chronoq", "chronoq-async", "floor"}
 PROFILED_PHASES = {"accept", "precision"}
 SAMPLE_RATE_HZ = 100
 TOP = 25
@@ -30,7 +30,7 @@ def _py_spy() -> str | None:
 
 
 def start(ph: Any, server: Server) -> ServerProcess | None:
-    """Profile the server (chronoq's only: the peers are not Python)."""
+    """Profile the server (chronoq's and the floor's only: the other peers are not Python)."""
     if ph.peer.name not in PROFILED_SYSTEMS:
         return None
     return start_pid(ph, server.procs[0].pid, "server")

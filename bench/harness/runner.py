@@ -4,18 +4,33 @@ Theory of operation: a phase starts the system's server in its own temporary dat
 what the workload needs, runs producer and consumer worker processes, reads their JSON results and
 stops the server by pid, whatever happens (try/finally). Each phase returns a plain dict that goes
 straight into the results JSON; the figures are computed by `workload.delivery_figures` for every
-system alike.
-- accept: deadlines an hour ahead, no consumer: messages/s accepted one at a time, then batched.
-- precision: one fixed rate for every system, delays in [a, b]: the delivery error.
+system alike. Server CPU is sampled over the server's whole process tree (`TreeSampler`) and
+divided by the messages of the part it covers, so every system's "CPU per message" includes
+whatever the server did meanwhile (idle ticks, long polls), as a user's machine would pay it.
+- accept: deadlines an hour ahead, no consumer: messages/s accepted one at a time, then batched,
+  and server CPU per request (one at a time) and per accepted message (batched).
+- precision: one fixed rate for every system, delays in [a, b]: the delivery error, and server
+  CPU per message end to end (accept + fire + deliver + ack, over the whole phase).
+- burst: N messages all due in the same millisecond, `burst_lead_s` ahead (long enough to send
+  them all first; a run whose sends ended after the due time is marked invalid, not scored as a
+  burst): how long after the due time the server's pending count reached 0 (it says it fired
+  them all) and the last one reached the consumer.
 - crash: messages pending, SIGKILL of the whole server tree mid-run, restart, drain: lost, early,
   duplicates, and how long the restart took until the server answered.
 - backlog: N pending far in the future: accept rate over time, RSS and disk at the end, pending
   count and time until ready after a graceful restart.
+- sweep (opt-in, not in the default phases: it is a precision run per rate): precision at rising
+  fixed rates for `sweep_seconds` each, with short delays (`sweep_delay_*`) so that for most of
+  the run messages fall due as fast as they are sent (accept, fire and deliver all at the rate);
+  the highest rate whose run met P99 <= `sweep_p99_limit_ms` with nothing lost or early and the
+  rate achieved. It stops after `SWEEP_STOP_AFTER_FAILURES` failing rates in a row.
+A phase a peer declares unsupported (`Peer.unsupported`) is recorded as skipped, with its reason.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import math
 import multiprocessing
@@ -40,6 +55,19 @@ WORKER_START_ALLOWANCE_S = 3.0
 """Time a spawned worker needs to import and connect (used for the consumer's deadline)."""
 PRODUCER_START_TIMEOUT_S = 120.0
 JOIN_SLACK_S = 60.0
+BURST_LEAD_BASE_S = 5.0
+BURST_ASSUMED_ACCEPT_PER_S = 4000.0
+"""The automatic burst lead is BASE + N / this: time to send N batched at the slowest batched
+accept rate measured here among systems that can take a burst (chronoq ~4,000-7,000/s)."""
+BURST_MIN_DRAIN_PER_S = 1000.0
+"""The burst consumer gives up N / this seconds (plus grace) after the due time."""
+BURST_POLL_S = 0.05
+"""How often the harness asks the server for its pending count after the due time."""
+SWEEP_STOP_AFTER_FAILURES = 2
+"""Two failing rates in a row end a sweep: one may be noise (another workload shares the cores),
+two are a limit, and rates above it only take longer to fail."""
+SWEEP_MIN_ACHIEVED = 0.95
+"""A sweep rate counts only if the producers achieved this fraction of it."""
 
 
 @dataclass
@@ -69,8 +97,18 @@ class RunConfig:
     backlog_seconds: float = 1800.0
     seed: int = 20261122
     keep_data: bool = False
+    burst_n: int = 100_000
+    burst_lead_s: float = 0.0
+    """Seconds from when the producers may start (WORKER_START_ALLOWANCE_S into the phase) to the
+    burst's due time; 0 picks BURST_LEAD_BASE_S + N / BURST_ASSUMED_ACCEPT_PER_S."""
+    sweep_rates: tuple[float, ...] = (1000.0, 2000.0, 3000.0, 5000.0, 8000.0, 12000.0)
+    sweep_seconds: float = 20.0
+    """Sending time per sweep rate."""
+    sweep_delay_min_s: float = 3.0
+    sweep_delay_max_s: float = 8.0
+    sweep_p99_limit_ms: float = 20.0
     profile: bool = False
-    """Record the chronoq server with py-spy during the accept and precision phases."""
+    """Record Python servers (chronoq, the floor) with py-spy during the accept and precision phases."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -81,7 +119,7 @@ class Phase:
     """One phase's scratch space: a data dir for the server, a log dir, a dir for worker results."""
 
     def __init__(self, cfg: RunConfig, peer: Peer, name: str, out_dir: Path) -> None:
-        self.cfg, self.peer, self.name = cfg, peer, name
+        self.cfg, self.peer, self.name, self.out_dir = cfg, peer, name, out_dir
         self.tmp = Path(tempfile.mkdtemp(prefix=f"bench-{peer.name}-{name}-"))
         self.data_dir = self.tmp / "data"
         self.work_dir = self.tmp / "work"
@@ -120,7 +158,7 @@ def _join(proc: multiprocessing.process.BaseProcess, out: Path, timeout_s: float
 
 def run_producers(ph: Phase, addr: dict[str, Any], tag: str, delays: dict[str, int], mode: str, *,
                   rate: float = 0.0, max_seconds: float = 0.0, chunk: int | None = None,
-                  max_chunk: int | None = None) -> dict[str, Any]:
+                  max_chunk: int | None = None, due_at_ms: int | None = None) -> dict[str, Any]:
     """Run P producers over the `delays` spec (split round-robin); return rate, counts and progress."""
     p = ph.cfg.producers
     chunk = chunk or ph.cfg.chunk
@@ -129,7 +167,8 @@ def run_producers(ph: Phase, addr: dict[str, Any], tag: str, delays: dict[str, i
     procs = []
     for k in range(p):
         spec = {"tag": tag, "producer": k, "producers": p, "mode": mode, "delays": delays, "chunk": chunk,
-                "max_chunk": max_chunk or chunk, "rate": rate / p if rate else 0.0, "max_seconds": max_seconds}
+                "max_chunk": max_chunk or chunk, "rate": rate / p if rate else 0.0, "max_seconds": max_seconds,
+                "due_at_ms": due_at_ms}
         procs.append(ph.spawn(workers.producer_main, addr, spec, f"producer-{tag}-{k}", start))
     try:
         start.wait(PRODUCER_START_TIMEOUT_S)
@@ -191,8 +230,9 @@ def phase_accept(ph: Phase) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for mode in ("sync", "batch"):
             delays = delay_spec(cfg.accept_n, far_ms, far_ms + spread_ms, cfg.seed)
+            cpu_before_s = sampler.cpu_s()
             prod = run_producers(ph, server.addr, f"acc{mode}", delays, mode, max_seconds=cfg.accept_seconds)
-            out[mode] = _public(prod)
+            out[mode] = {**_public(prod), **_cpu_figures(sampler.cpu_s() - cpu_before_s, prod["sent"])}
             server.check_alive()
         out["resources"] = sampler.stop()
         out["pending_after"] = ph.peer.pending(server.addr)
@@ -218,7 +258,7 @@ def phase_precision(ph: Phase) -> dict[str, Any]:
             cons = _join(consumer, cout, deadline - time.time() + JOIN_SLACK_S)
         finally:
             consumer_profile = profiling.finish(ph, consumer_profiler) if consumer_profiler else None
-        out = {"produce": _public(prod), "consumer_error": cons["error"],
+        out = {"produce": _public(prod), "consumer_error": cons["error"], "consumer_stats": cons.get("client_stats"),
                **delivery_figures(accepted_ids(prod), cons["received"])}
         if consumer_profile is not None:
             out["consumer_profile"] = consumer_profile
@@ -226,9 +266,127 @@ def phase_precision(ph: Phase) -> dict[str, Any]:
         if server_view is not None:
             out["server_stats"] = server_view
         out["resources"] = sampler.stop()
+        out.update(_cpu_figures(out["resources"]["cpu_s"], out["delivered"]))
         return out
 
     return _with_server(ph, body)
+
+
+def _cpu_figures(cpu_s: float, messages: int) -> dict[str, Any]:
+    return {"server_cpu_s": round(cpu_s, 3),
+            "cpu_us_per_msg": round(cpu_s * 1e6 / messages, 1) if messages else None}
+
+
+def phase_burst(ph: Phase) -> dict[str, Any]:
+    cfg = ph.cfg
+    n = cfg.burst_n
+    lead_s = cfg.burst_lead_s or BURST_LEAD_BASE_S + n / BURST_ASSUMED_ACCEPT_PER_S
+    peer = ph.peer
+
+    def body(server: Server) -> dict[str, Any]:
+        sampler = TreeSampler(server).start()
+        due_ms = int((time.time() + WORKER_START_ALLOWANCE_S + lead_s) * 1000)
+        deadline = due_ms / 1000 + n / BURST_MIN_DRAIN_PER_S + cfg.grace_s
+        consumer, cout = start_consumer(ph, server.addr, n, deadline)
+        # Every message carries the same absolute due time; the delay spec only counts them.
+        prod = run_producers(ph, server.addr, "burst", delay_spec(n, 0, 0, cfg.seed + 4), "batch",
+                             due_at_ms=due_ms)
+        sends_end_ms = (prod["t_start_s"] + prod["elapsed_s"]) * 1000
+        watch = _watch_pending(peer, server, due_ms, consumer, deadline)
+        cons = _join(consumer, cout, deadline - time.time() + JOIN_SLACK_S)
+        figures = delivery_figures(accepted_ids(prod), cons["received"])
+        out: dict[str, Any] = {
+            "n": n, "lead_s": round(lead_s, 2), "due_at_ms": due_ms, "produce": _public(prod),
+            "sends_ended_before_due_ms": round(due_ms - sends_end_ms, 1), "valid": sends_end_ms <= due_ms,
+            "consumer_error": cons["error"], "consumer_stats": cons.get("client_stats"), **watch, **figures,
+            "first_received_after_due_ms": figures["error_min_ms"],
+            "last_received_after_due_ms": figures["error_max_ms"],
+        }
+        spread_ms = (figures["error_max_ms"] or 0) - (figures["error_min_ms"] or 0)
+        out["drain_per_s"] = round(figures["delivered"] * 1000 / spread_ms, 1) if spread_ms > 0 else None
+        if peer.burst_note:
+            out["note"] = peer.burst_note
+        out["resources"] = sampler.stop()
+        out.update(_cpu_figures(out["resources"]["cpu_s"], out["delivered"]))
+        return out
+
+    return _with_server(ph, body)
+
+
+def _watch_pending(peer: Peer, server: Server, due_ms: int, consumer: multiprocessing.process.BaseProcess,
+                   deadline_s: float) -> dict[str, Any]:
+    """The server's own pending count just before the due time, and when after it the count first
+    read 0 (the server says it fired everything); polled every BURST_POLL_S, so the time is an
+    upper bound by up to one poll and one stats call."""
+    out: dict[str, Any] = {"pending_before_due": None, "fired_after_due_ms": None}
+    try:
+        time.sleep(max(0.0, due_ms / 1000 - 0.2 - time.time()))
+        out["pending_before_due"] = peer.pending(server.addr)
+        time.sleep(max(0.0, due_ms / 1000 - time.time()))
+        while time.time() < deadline_s:
+            pending = peer.pending(server.addr)
+            if pending == 0:
+                out["fired_after_due_ms"] = round(time.time() * 1000 - due_ms, 1)
+                break
+            if not consumer.is_alive():
+                break
+            time.sleep(BURST_POLL_S)
+    except Exception as e:  # a stats call failing must not lose the consumer's figures
+        out["pending_error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def phase_sweep(ph: Phase) -> dict[str, Any]:
+    cfg = ph.cfg
+    runs: list[dict[str, Any]] = []
+    failing_in_a_row = 0
+    for rate in cfg.sweep_rates:
+        if failing_in_a_row >= SWEEP_STOP_AFTER_FAILURES:
+            runs.append({"rate": rate, "ok": None, "why": "not run: the rates below it failed"})
+            continue
+        sub_cfg = dataclasses.replace(cfg, rate=rate, n=max(1, round(rate * cfg.sweep_seconds)),
+                                      delay_min_s=cfg.sweep_delay_min_s, delay_max_s=cfg.sweep_delay_max_s)
+        sub = Phase(sub_cfg, ph.peer, f"sweep-{rate:g}", ph.out_dir)
+        try:
+            res = phase_precision(sub)
+        except Exception as e:
+            res = {"failed": f"{type(e).__name__}: {e}"}
+        finally:
+            sub.cleanup()
+        why = sweep_verdict(res, rate, cfg.sweep_p99_limit_ms)
+        runs.append({"rate": rate, "ok": why is None, "why": why, "p99_ms": res.get("error_p99_ms"),
+                     "p50_ms": res.get("error_p50_ms"), "achieved_per_s": _get_in(res, "produce", "per_s"),
+                     "lost": res.get("lost"), "early": res.get("early"), "cpu_us_per_msg": res.get("cpu_us_per_msg")})
+        failing_in_a_row = 0 if why is None else failing_in_a_row + 1
+    best = max((r["rate"] for r in runs if r["ok"]), default=None)
+    return {"p99_limit_ms": cfg.sweep_p99_limit_ms, "seconds_per_rate": cfg.sweep_seconds,
+            "delays_s": [cfg.sweep_delay_min_s, cfg.sweep_delay_max_s], "runs": runs, "best_rate": best}
+
+
+def sweep_verdict(res: dict[str, Any], rate: float, p99_limit_ms: float) -> str | None:
+    """None when a sweep run passed, else why it did not."""
+    if "failed" in res:
+        return str(res["failed"]).splitlines()[0]
+    errors = (_get_in(res, "produce", "errors") or []) + ([res["consumer_error"]] if res.get("consumer_error") else [])
+    if errors:
+        return "client error: " + str(errors[0]).strip().splitlines()[-1]
+    achieved = _get_in(res, "produce", "per_s") or 0.0
+    if achieved < SWEEP_MIN_ACHIEVED * rate:
+        return f"sent {achieved:,.0f}/s of {rate:,.0f}/s"
+    if res.get("lost") or res.get("early"):
+        return f"lost {res.get('lost')}, early {res.get('early')}"
+    p99 = res.get("error_p99_ms")
+    if p99 is None or p99 > p99_limit_ms:
+        return f"P99 {p99} ms > {p99_limit_ms:g} ms"
+    return None
+
+
+def _get_in(d: Any, *keys: str) -> Any:
+    for k in keys:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(k)
+    return d
 
 
 def phase_crash(ph: Phase) -> dict[str, Any]:
@@ -326,9 +484,12 @@ def _count_at(progress: list[tuple[float, int]], t: float) -> int:
 PHASES: dict[str, Callable[[Phase], dict[str, Any]]] = {
     "accept": phase_accept,
     "precision": phase_precision,
+    "burst": phase_burst,
     "crash": phase_crash,
     "backlog": phase_backlog,
+    "sweep": phase_sweep,
 }
+DEFAULT_PHASES = [name for name in PHASES if name != "sweep"]
 
 
 def run_system(cfg: RunConfig, peer: Peer, out_dir: Path, log: Callable[[str], None]) -> dict[str, Any]:
@@ -339,6 +500,10 @@ def run_system(cfg: RunConfig, peer: Peer, out_dir: Path, log: Callable[[str], N
     result: dict[str, Any] = {"installable": True, "version": peer.version(), "design": peer.design,
                               "durability": peer.durability, "batch_label": peer.batch_label}
     for name in cfg.phases:
+        if name in peer.unsupported:
+            result[name] = {"skipped": peer.unsupported[name]}
+            log(f"{peer.name}: {name} skipped: {peer.unsupported[name]}")
+            continue
         log(f"{peer.name}: {name} ...")
         ph = Phase(cfg, peer, name, out_dir)
         t = time.monotonic()

@@ -4,10 +4,11 @@ Theory of operation: the harness starts each worker with multiprocessing's spawn
 interpreter, nothing inherited from the harness's threads) and hands it a plain dict spec; the
 worker writes its result as JSON to `out_path` and exits, so a worker that dies leaves no result
 rather than a half-truth. Producers connect, then wait at a barrier shared with the harness so
-process start-up is not counted, stamp each message's due time as it is sent (now + its delay), and optionally pace
-themselves to a fixed rate. The consumer stamps the receive time as the batch arrives, before it
-acks, and stops when it has seen every expected id, when its deadline passes, on SIGTERM (it still
-writes what it has), or when its client fails (the server died): it records the error and exits.
+process start-up is not counted, stamp each message's due time as it is sent (now + its delay, or
+the one absolute `due_at_ms` of a burst), and optionally pace themselves to a fixed rate. The
+consumer stamps the receive time as the batch arrives, before it acks, and stops when it has seen
+every expected id, when its deadline passes, on SIGTERM (it still writes what it has), or when its
+client fails (the server died): it records the error and exits.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ async def _produce(system: str, addr: dict[str, Any], spec: dict[str, Any], star
     max_chunk = int(spec.get("max_chunk") or chunk)
     rate = float(spec.get("rate") or 0.0)
     max_s = float(spec.get("max_seconds") or 0.0)
+    due_at_ms = spec.get("due_at_ms")
     sent = 0
     progress: list[tuple[float, int]] = []
     error = None
@@ -71,14 +73,18 @@ async def _produce(system: str, addr: dict[str, Any], spec: dict[str, Any], star
             msgs = []
             for i in range(sent, min(sent + size, count)):
                 mid = message_id(tag, index, i)
-                due = int(base_ms + next(delays))
+                due = int(due_at_ms) if due_at_ms is not None else int(base_ms + next(delays))
                 msgs.append(Msg(mid, due, encode_body(mid, due)))
             if mode == "sync":
                 for m in msgs:
+                    # The time cap holds within a chunk too: at 200 ms a send, one chunk is a minute.
+                    if max_s and time.time() - t0 >= max_s:
+                        break
                     await client.send_one(m)
+                    sent += 1  # in order, so the first `sent` ids are the acknowledged ones
             else:
                 await client.send_many(msgs)
-            sent += len(msgs)
+                sent += len(msgs)
             progress.append((round(time.time() - t0, 3), sent))
     except Exception:
         error = traceback.format_exc(limit=4)
@@ -125,4 +131,4 @@ async def _consume(system: str, addr: dict[str, Any], spec: dict[str, Any]) -> d
         await asyncio.wait_for(client.close(), 5)
     except Exception:
         pass
-    return {"received": received, "error": error, "stopped_by_signal": stop.is_set()}
+    return {"received": received, "error": error, "stopped_by_signal": stop.is_set(), "client_stats": client.stats()}

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from bench.harness.procs import Server
 
@@ -57,6 +57,10 @@ class ConsumerClient(ABC):
     async def ack(self, tokens: Sequence[Any]) -> None:
         """Settle received messages so the system does not deliver them again."""
 
+    def stats(self) -> dict[str, Any] | None:
+        """What the client did to receive (calls, messages per call), if it counts; else None."""
+        return None
+
     async def close(self) -> None:  # noqa: B027 (optional hook)
         pass
 
@@ -72,6 +76,12 @@ class Peer(ABC):
     """How long a message handed to a consumer that dies before acking it stays hidden before the
     system hands it out again (0: not modelled). The crash phase's second consumer waits at least
     this long after the kill: a message in a receive the kill cut short is not lost, only hidden."""
+    unsupported: ClassVar[Mapping[str, str]] = {}
+    """Phases that make no sense for this system, each with the reason the report prints instead
+    of a figure (the floor stores nothing, so it has no crash or backlog run)."""
+    burst_note: str | None = None
+    """What "all due in the same millisecond" becomes for this system, if not that (whole-second
+    delays); the report prints it beside the burst figures."""
 
     @abstractmethod
     def check(self) -> str | None:
@@ -106,18 +116,21 @@ class Peer(ABC):
 
 
 SYSTEMS = {
-    "chronoq": "bench.peers.chronoq_peer",
-    "redis": "bench.peers.redis_zset",
-    "nats": "bench.peers.nats_schedules",
-    "rabbitmq": "bench.peers.rabbitmq_ttl",
-    "beanstalkd": "bench.peers.beanstalkd",
+    "floor": "bench.peers.floor:PEER",
+    "chronoq": "bench.peers.chronoq_peer:PEER",
+    "chronoq-async": "bench.peers.chronoq_peer:ASYNC_PEER",
+    "redis": "bench.peers.redis_zset:PEER",
+    "nats": "bench.peers.nats_schedules:PEER",
+    "rabbitmq": "bench.peers.rabbitmq_ttl:PEER",
+    "beanstalkd": "bench.peers.beanstalkd:PEER",
 }
+"""System name -> "module:attribute" of its `Peer` (a module may hold variants of one system)."""
 
 
 def load_peer(name: str) -> Peer:
     """The peer called `name`; importing its module needs no client library (they load lazily)."""
     if name not in SYSTEMS:
         raise KeyError(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")
-    module = importlib.import_module(SYSTEMS[name])
-    peer: Peer = module.PEER
+    module_name, _, attr = SYSTEMS[name].partition(":")
+    peer: Peer = getattr(importlib.import_module(module_name), attr)
     return peer

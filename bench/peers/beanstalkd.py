@@ -97,6 +97,8 @@ class Beanstalkd(Peer):
     name = "beanstalkd"
     design = "put with delay in whole seconds (rounded up); reserve + delete"
     durability = "binlog (-b), fsync at most every 50 ms (default)"
+    burst_note = ("delays are whole seconds, rounded up as each message is sent: the common due time becomes "
+                  "up to 1 s of due times after it")
 
     def check(self) -> str | None:
         if shutil.which("beanstalkd") is None:

@@ -9,6 +9,11 @@ consumer is an `AsyncConsumer` used as RocketMQ's PushConsumer uses the same pro
 polls always in flight, streaming into a local cache that the harness drains; each drained batch
 is acked by a background task that gathers acks for `ACK_LINGER_S` into one AckMessage request, so
 an ack never delays a receive (the receive time is stamped before any ack either way).
+
+`chronoq-async` is the same server with `CHRONOQ_FLUSH=async` in its environment (the commit log
+is fsynced in the background, not before the ack): beside `chronoq` it shows the price of
+fsync-before-ack, chiefly in the one-message-per-request row. Any `CHRONOQ_FLUSH` in the harness's
+own environment is removed before `chronoq` starts, so that one runs the project's default.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -94,6 +100,7 @@ class ChronoqConsumer(ConsumerClient):
         self.room.set()
         self.pollers: list[asyncio.Task[None]] = []
         self.failure: BaseException | None = None
+        self.counts = collections.Counter[str]()
 
     async def open(self) -> None:
         from chronoq.client import AsyncConsumer
@@ -105,7 +112,9 @@ class ChronoqConsumer(ConsumerClient):
         try:
             while True:
                 await self.room.wait()
+                self.counts["receive_calls"] += 1
                 async for m in self.c.receive_stream(RECEIVE_BATCH, wait=PREFETCH_WAIT_MS):
+                    self.counts["received"] += 1
                     self.cache.append(m)
                     self.arrived.set()
                 if len(self.cache) >= CACHE_MAX_MESSAGES:
@@ -139,7 +148,16 @@ class ChronoqConsumer(ConsumerClient):
         while self.unacked:
             await asyncio.sleep(ACK_LINGER_S)
             batch, self.unacked = self.unacked[:ACK_BATCH_MAX], self.unacked[ACK_BATCH_MAX:]
+            self.counts["ack_calls"] += 1
+            self.counts["acked"] += len(batch)
             await self.c.ack(*batch)
+
+    def stats(self) -> dict[str, Any]:
+        """The calls this consumer made: the server's cost per message is mostly its cost per call
+        divided by how many messages a call carried."""
+        c = self.counts
+        return {**c, "per_receive": round(c["received"] / c["receive_calls"], 2) if c["receive_calls"] else None,
+                "per_ack": round(c["acked"] / c["ack_calls"], 2) if c["ack_calls"] else None}
 
     async def close(self) -> None:
         for task in self.pollers:
@@ -162,6 +180,14 @@ class Chronoq(Peer):
     design = "SendMessage with delivery_timestamp (ms); RocksDB time index + timing wheel"
     durability = "commit log fsynced before the send is acknowledged (flush=sync, group commit)"
     batch_label = "send_batch"
+    flush: str | None = None
+    """`CHRONOQ_FLUSH` for the server (None: the project's default)."""
+
+    def server_env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k != "CHRONOQ_FLUSH"}
+        if self.flush is not None:
+            env["CHRONOQ_FLUSH"] = self.flush
+        return env
 
     @property
     def redelivery_after_s(self) -> float:  # type: ignore[override]
@@ -192,7 +218,7 @@ class Chronoq(Peer):
         # The ready line of this start, not of an earlier run logged to the same file.
         offset = log_path.stat().st_size if log_path.exists() else 0
         started = time.monotonic()
-        server = Server([ServerProcess("chronoq", argv, log_path)], addr, data_dir)
+        server = Server([ServerProcess("chronoq", argv, log_path, env=self.server_env())], addr, data_dir)
 
         def probe() -> bool:
             with open(log_path, "rb") as f:
@@ -241,4 +267,11 @@ class Chronoq(Peer):
         return ChronoqConsumer(addr)
 
 
+class ChronoqAsync(Chronoq):
+    name = "chronoq-async"
+    durability = "commit log fsynced in the background every flush_interval_ms, not before the ack (flush=async)"
+    flush = "async"
+
+
 PEER = Chronoq()
+ASYNC_PEER = ChronoqAsync()

@@ -138,6 +138,8 @@ class RabbitTtl(Peer):
     name = "rabbitmq"
     design = "durable queue per whole-second delay (x-message-ttl) dead-lettering to 'ready'"
     durability = "persistent messages, fsynced before the publisher confirm / tx.commit-ok"
+    burst_note = ("delays are whole seconds, rounded up as each message is sent: the common due time becomes "
+                  "up to 1 s of due times after it")
     batch_label = "tx batch"
 
     def check(self) -> str | None:
