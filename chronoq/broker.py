@@ -381,7 +381,7 @@ class Broker:
         if topic is not None:
             return topic
         if not self.config.auto_create_topics:
-            raise TopicNotFound(name)
+            raise TopicNotFound(name, auto_create=False)
         if not create:
             # The topic auto-create would make; send_batch creates it only once a message to it
             # is accepted, so a refused message leaves no topic behind.
@@ -503,7 +503,9 @@ class Broker:
         self._check_open()
         check_group_name(group, self.config)
         check_topic_name(topic, self.config)
-        tcfg = self._topic_for(topic)
+        tcfg = self.store.topics.get(topic)
+        if tcfg is None:  # a consumer never creates a topic: a mistyped name must not appear
+            raise TopicNotFound(topic, auto_create=self.config.auto_create_topics)
         tag_filter = TagFilter.parse(filter_expression)
         invisible = invisible_duration_ms  # None: the broker's retry backoff (consumers.invisible_for)
         wait_ms = max(0, min(wait_ms, self.config.max_long_poll_ms))
