@@ -2,7 +2,9 @@
 
 Theory of operation: argument parsing only; each command builds a SparkSession through
 `chronoq.spark.session` and calls the job in `chronoq.spark`. pyspark is imported inside the
-command functions, so `chronoq --help` works on a machine without Spark or Java.
+command functions, so `chronoq --help` works on a machine without Spark or Java; each command
+first checks for the Spark extra and Java (`require_spark`), so a set-up that lacks them is told
+`scripts/setup.sh --spark` rather than shown a ModuleNotFoundError.
 """
 
 from __future__ import annotations
@@ -10,11 +12,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from chronoq.cli.common import require_spark
 from chronoq.config import DAY_MS, MiB
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    spark = subparsers.add_parser("spark", help="data pipeline on Apache Spark (needs pyspark and Java 17)")
+    spark = subparsers.add_parser(
+        "spark", help="data pipeline on Apache Spark (needs `scripts/setup.sh --spark`)",
+        description="chronoq's data pipeline on Apache Spark: the delivery report, bulk scheduling and the Spark "
+                    "timer engine (docs/spark.md). Needs the Spark extra (pyspark, pyarrow, pandas, matplotlib) "
+                    "and Java 17: `scripts/setup.sh --spark` installs them.")
     sub = spark.add_subparsers(dest="spark_command", required=True, metavar="SPARK_COMMAND")
 
     report = sub.add_parser("report", help="delivery-accuracy report of a trace (Parquet)")
@@ -69,6 +76,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    require_spark("spark report")
     from chronoq.spark.report import compute_report, render_markdown, write_report
     from chronoq.spark.session import build_session
 
@@ -81,6 +89,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:
+    require_spark("spark schedule")
     from chronoq.spark.datasource import ChronoqSourceError
     from chronoq.spark.schedule import ScheduleInputError, ScheduleOptions, run_schedule
     from chronoq.spark.session import build_session
@@ -103,6 +112,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
+    require_spark("spark engine")
     from chronoq.spark.engine import EngineOptions, run_engine
     from chronoq.spark.session import build_session
 
@@ -116,6 +126,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
+    require_spark("spark measure-engine")
     from chronoq.spark.measure import MeasureOptions, run_measurement
     from chronoq.spark.report import write_report
     from chronoq.spark.session import build_session
