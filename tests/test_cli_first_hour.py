@@ -267,6 +267,7 @@ def test_a_deliver_at_in_the_past_is_late_only_since_it_was_accepted(server: str
     stats = json.loads(chronoq_cmd("stats", "--json", env=env).stdout)
     error = stats["timer"]["latencies"]["delivery_error_ms"]
     assert error["count"] >= 1 and error["max"] < 60_000, error  # not the hour it was "due" before it existed
+    assert "before it was sent: delivered at once" in got.stdout and "1h00m" not in got.stdout, got.stdout
     assert "delivered at once" in sent.stdout, sent.stdout
     message_id = re.search(r"sent (\S+)", sent.stdout).group(1)
     show = chronoq_cmd("show", message_id, env=env)

@@ -21,16 +21,16 @@ import sys
 
 from chronoq import __version__
 
-COMMAND_MODULES = [
-    "chronoq.cli.check",
-    "chronoq.cli.demo",
+COMMAND_MODULES = [  # in the order `chronoq --help` lists them: run it, use it, look after it
     "chronoq.cli.serve",
-    "chronoq.cli.trace",
+    "chronoq.cli.demo",
     "chronoq.cli.messages",
     "chronoq.cli.topics",
     "chronoq.cli.stats",
-    "chronoq.cli.bench",
+    "chronoq.cli.check",
+    "chronoq.cli.trace",
     "chronoq.cli.spark",
+    "chronoq.cli.bench",
 ]
 
 

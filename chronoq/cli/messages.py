@@ -126,7 +126,12 @@ def _describe(msg: ReceivedMessage) -> str:
         parts.append(f"keys={','.join(msg.keys)}")
     if msg.delivery_attempt > 1:
         parts.append(f"attempt={msg.delivery_attempt}")
-    if msg.lateness_ms is not None:
+    if msg.lateness_ms is not None and msg.born_ms is not None and msg.deliver_at_ms is not None \
+            and msg.deliver_at_ms < msg.born_ms:
+        # Due before it was sent: delivered at once, so "hours late" would mislead (as in `stats`).
+        parts.append(f"due {local_instant(msg.deliver_at_ms)}, before it was sent: delivered at once, "
+                     f"{duration(msg.received_ms - msg.born_ms)} after sending")
+    elif msg.lateness_ms is not None:
         parts.append(f"due {local_instant(msg.deliver_at_ms)}, {duration(msg.lateness_ms)} late")
     if msg.body_digest_ok is False:
         parts.append("BODY DIGEST MISMATCH")
@@ -229,6 +234,7 @@ def register(subparsers: Any) -> None:
         "`chronoq cancel --handle` takes.",
         ["chronoq send orders 'ship it'", "chronoq send orders 'cancel if unpaid' --in 30m --key order-7",
          "chronoq send reminders 'stand-up' --at 2026-11-23T09:00:00+01:00",
+         "chronoq send orders 'retry' --level 3",
          "echo '{\"id\": 7}' | chronoq send orders - --tag created"])
     send.add_argument("topic")
     send.add_argument("body", help="message body; '-' reads it from stdin")
@@ -242,7 +248,7 @@ def register(subparsers: Any) -> None:
                       help="RocketMQ 4 delay level, 1..18 with the default table (1s 5s 10s 30s 1m..10m 20m 30m 1h "
                            "2h); a level above the server's table is refused; such a message cannot be recalled "
                            "or shown, as in RocketMQ 4")
-    send.add_argument("--tag")
+    send.add_argument("--tag", help="message tag (consumers can filter on it)")
     send.add_argument("--key", action="append", metavar="KEY", help="message key (repeatable)")
     send.add_argument("--prop", action="append", type=parse_prop, metavar="K=V", help="user property (repeatable)")
     add_connection_arguments(send)
@@ -282,7 +288,7 @@ def register(subparsers: Any) -> None:
         "Cancel a timer message that is not yet due, by the recall handle `send` printed or by topic and id.",
         ["chronoq cancel --handle AQAAAaILbeX7dHIAMDEw...", "chronoq cancel --topic orders --id 0105582AB6E2..."])
     cancel.add_argument("--handle", default=None, help="recall handle printed by send")
-    cancel.add_argument("--topic", default=None)
+    cancel.add_argument("--topic", default=None, help="the message's topic (with --id)")
     cancel.add_argument("--id", default=None, help="message id (with --topic)")
     add_connection_arguments(cancel)
     cancel.set_defaults(func=_cmd_cancel)

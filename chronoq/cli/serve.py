@@ -35,7 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, help="gRPC port (default 8081)")
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--config", metavar="FILE", help="TOML configuration file ([chronoq] table or top level)")
-    p.add_argument("--tls-cert", metavar="FILE", help="PEM certificate chain; enables TLS with --tls-key")
+    p.add_argument("--tls-cert", metavar="FILE",
+                   help="PEM certificate chain; enables TLS with --tls-key (clients then need --ca-cert or --tls)")
     p.add_argument("--tls-key", metavar="FILE", help="PEM private key")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(func=run)

@@ -25,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub = spark.add_subparsers(dest="spark_command", required=True, metavar="SPARK_COMMAND")
 
     report = sub.add_parser("report", help="delivery-accuracy report of a trace (Parquet)")
-    report.add_argument("trace", help="trace Parquet file or directory (see chronoq.spark.trace)")
+    report.add_argument("trace", help="trace Parquet file or directory (`chronoq trace export` writes one)")
     report.add_argument("--out", default="chronoq-report", help="output directory (report.md/.json/.png)")
     report.add_argument("--approx", action="store_true", help="approximate percentiles (very large traces)")
     report.add_argument("--master", default=None, help="Spark master (default: spark-submit's, else local[2])")
@@ -44,7 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     schedule.add_argument("--tag-column", default=None)
     schedule.add_argument("--keys-column", default=None)
     schedule.add_argument("--rejects", default=None, help="Parquet directory for rejected rows (with `reason`)")
-    schedule.add_argument("--server", required=True, help="chronoq server host:port")
+    schedule.add_argument("--server", required=True, help="chronoq server host:port (plaintext: the Spark "
+                          "pipeline does not speak TLS yet)")
     schedule.add_argument("--max-delay-ms", type=int, default=30 * DAY_MS)
     schedule.add_argument("--max-body-bytes", type=int, default=4 * MiB)
     schedule.add_argument("--batch-size", type=int, default=512, help="messages per SendBatch call")
@@ -52,7 +53,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     schedule.set_defaults(func=cmd_schedule)
 
     engine = sub.add_parser("engine", help="run the Spark timer engine (a Structured Streaming job)")
-    engine.add_argument("--server", required=True, help="chronoq server host:port")
+    engine.add_argument("--server", required=True, help="chronoq server host:port (plaintext: the Spark "
+                        "pipeline does not speak TLS yet)")
     engine.add_argument("--checkpoint", required=True, help="checkpoint directory (shared storage on a cluster)")
     engine.add_argument("--bucket-ms", type=int, default=5_000,
                         help="state key time bucket (smaller: cheaper firing, slower ingest)")

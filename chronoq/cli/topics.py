@@ -41,6 +41,9 @@ def _cmd_list(args: argparse.Namespace) -> int:
     async def go() -> int:
         async with AsyncAdmin(**connection_of(args).client_kwargs()) as a:
             topics = await a.list_topics()
+        if not topics:
+            console.print("no topics yet: create one with `chronoq topics create NAME`, or send to one")
+            return 0
         table = Table(title=f"{len(topics)} topic(s)", title_justify="left")
         for col in ("topic", "queues", "message types", "created"):
             table.add_column(col)
