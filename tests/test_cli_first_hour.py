@@ -116,6 +116,32 @@ def test_check_names_a_damaged_topics_file_and_what_a_restart_does(tmp_path: Pat
     assert "A restart moves it aside" in line and "orders" in line and "message type" in line
 
 
+# -- the connection, before any server (no server) -------------------------------------------------
+
+
+CLIENT_COMMANDS = (["send", "t", "x"], ["consume", "t", "--group", "g"], ["show", "ID"], ["cancel", "--handle", "H"],
+                   ["topics", "create", "t"], ["topics", "list"], ["topics", "describe", "t"], ["stats"])
+
+
+def test_every_client_command_takes_the_tls_flags() -> None:
+    for argv in CLIENT_COMMANDS:
+        proc = chronoq_cmd(*argv[:2 if argv[0] == "topics" else 1], "--help")
+        assert proc.returncode == 0
+        for flag in ("--server", "--tls", "--ca-cert", "--tls-server-name", "CHRONOQ_CA_CERT", "examples:"):
+            assert flag in proc.stdout, (argv, flag)
+
+
+def test_connection_mistakes_are_usage_errors_and_a_missing_server_is_named(tmp_path: Path) -> None:
+    proc = chronoq_cmd("topics", "list", "--server", "localhost")
+    assert proc.returncode == 2 and "must be HOST:PORT" in _one_line_error(proc)
+    proc = chronoq_cmd("stats", env={"CHRONOQ_TLS": "maybe"})
+    assert proc.returncode == 2 and "$CHRONOQ_TLS must be" in _one_line_error(proc)
+    proc = chronoq_cmd("topics", "list", "--ca-cert", str(tmp_path / "nosuch.pem"))
+    assert proc.returncode == 2 and "cannot read the CA certificate" in _one_line_error(proc)
+    proc = chronoq_cmd("topics", "list", "--server", f"127.0.0.1:{_free_port()}")
+    assert proc.returncode == 1 and "nothing listens there" in _one_line_error(proc)
+
+
 # -- start-up --------------------------------------------------------------------------------------
 
 
