@@ -156,6 +156,7 @@ def test_undecodable_request_bytes_get_a_40000_status(tmp_path: Path) -> None:
 def test_long_poll_answers_before_the_client_deadline(tmp_path: Path) -> None:
     async def body() -> None:
         async with running(tmp_path) as h:
+            await h.admin("CreateTopic", {"name": "quiet"})
             started = time.monotonic()
             stream = await h.receive(receive_request("quiet", long_poll_s=20), timeout_s=2.5)
             elapsed_s = time.monotonic() - started

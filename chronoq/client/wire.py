@@ -52,11 +52,11 @@ from chronoq.model import (
 from chronoq.protocol.requests import EPOCH_SECONDS_MIN
 from chronoq.protocol.v2 import Duration, Timestamp, set_duration_ms, set_timestamp_ms
 from chronoq.protocol.v2 import definition as pb
-from chronoq.timefmt import instant
 
 ADMIN_OK = 20000
 EARLIEST_DELIVERY_TIMESTAMP_MS = EPOCH_SECONDS_MIN * 1000
-"""A `delivery_timestamp` before this (2001-09-09) is not a time the server reads (`protocol/requests.py`)."""
+"""A `delivery_timestamp` before this (2001-09-09) is not a time the server reads (`protocol/requests.py`
+refuses it, with the dates); the CLI's `--at` checks against it to say so before sending."""
 
 # -- times ----------------------------------------------------------------------------------
 
@@ -157,13 +157,6 @@ def encode_message(msg: OutgoingMessage, now_ms: int) -> pb.Message:
         "message_type": pb.DELAY,
     }
     if msg.deliver_at_ms is not None:
-        if msg.deliver_at_ms < EARLIEST_DELIVERY_TIMESTAMP_MS:
-            # The server reads a smaller Timestamp.seconds as neither seconds nor ms (the Python
-            # client's habit): say so here, with the date, rather than let it come back as 40012.
-            raise InvalidArgument("deliver_at", instant(msg.deliver_at_ms),
-                                  f"before {instant(EARLIEST_DELIVERY_TIMESTAMP_MS)}, the earliest time the RocketMQ "
-                                  "protocol carries to chronoq; a time in the past is delivered at once, so send "
-                                  "without a delivery time")
         sysp["delivery_timestamp"] = _ts(msg.deliver_at_ms)
     elif msg.delay_ms is not None:
         props[PROP_TIMER_DELAY_MS] = str(msg.delay_ms)
