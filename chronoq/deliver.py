@@ -71,7 +71,7 @@ class Deliver:
                       queue_id: int | None = None) -> list[ReceivedMessage]:
         check_group_name(group, self.config)
         check_topic_name(topic, self.config)
-        tcfg = self.topics.ensure(topic)
+        tcfg = self.topics.for_receive(topic)
         tag_filter = TagFilter.parse(filter_expression)
         invisible = invisible_duration_ms  # None: the broker's retry backoff (consumers.invisible_for)
         wait_ms = max(0, min(wait_ms, self.config.max_long_poll_ms))

@@ -6,6 +6,10 @@ message like `MessageTooLarge(size_bytes=5000000, limit_bytes=4194304)` needs no
 protocol (`apache.rocketmq.v2.Code`) so the gRPC layer converts errors at one point, without a
 table. `retriable` tells a client whether the same request may succeed later unchanged.
 
+Messages are for people, `details` for programs: a time or a duration in a message is written
+as a date or a duration (`chronoq.timefmt`: "2026-11-23T09:00:00Z", "3h12m"), while `details`
+keeps the raw milliseconds the caller sent or the config holds.
+
 Errors split (as h11 does) into the caller's fault (`BadRequest` and children: the request broke
 a rule, nothing was stored) and the broker's state (`ServerError`: damage, shutdown).
 """
@@ -13,6 +17,8 @@ a rule, nothing was stored) and the broker's state (`ServerError`: damage, shutd
 from __future__ import annotations
 
 from typing import Any
+
+from chronoq.timefmt import duration, duration_against, instant
 
 
 class ChronoqError(Exception):
@@ -92,7 +98,8 @@ class InvalidInvisibleDuration(BadRequest):
 
     def __init__(self, invisible_duration_ms: int, min_ms: int, max_ms: int) -> None:
         super().__init__(
-            f"invisible duration {invisible_duration_ms} ms is outside [{min_ms}, {max_ms}] ms",
+            f"invisible duration {duration(invisible_duration_ms)} is outside "
+            f"[{duration(min_ms)}, {duration(max_ms)}] (min_invisible_duration_ms, max_invisible_duration_ms)",
             invisible_duration_ms=invisible_duration_ms, min_ms=min_ms, max_ms=max_ms,
         )
 
@@ -157,10 +164,19 @@ class MessageTypeNotAccepted(BadRequest):
 
 
 class TopicNotFound(BadRequest):
+    """No such topic. `auto_create` is the broker's `auto_create_topics` when the refusing code
+    knows it (None: it does not), so the message never claims a setting that is not so: with
+    auto-create on, a send creates a topic but a consumer or an admin call never does."""
+
     code = 40402
 
-    def __init__(self, topic: str) -> None:
-        super().__init__(f"topic {topic!r} does not exist (auto-create is off)", topic=topic)
+    def __init__(self, topic: str, auto_create: bool | None = None) -> None:
+        hint = f"create it with `chronoq topics create {topic}`"
+        if auto_create:
+            hint += " or send to it"
+        elif auto_create is False:
+            hint = f"auto-create is off; {hint}"
+        super().__init__(f"topic {topic!r} does not exist; {hint}", topic=topic, auto_create=auto_create)
 
 
 class TopicExists(BadRequest):
@@ -239,25 +255,33 @@ class DeliveryTimeTooFar(InvalidDeliveryTime):
     """The deadline lies beyond now + `timer_max_delay_ms`."""
 
     def __init__(self, deliver_at_ms: int, now_ms: int, max_delay_ms: int) -> None:
+        ahead, limit = duration_against(deliver_at_ms - now_ms, max_delay_ms)
         ChronoqError.__init__(
             self,
-            f"delivery time {deliver_at_ms} is {deliver_at_ms - now_ms} ms ahead; "
-            f"the limit (timer_max_delay_ms) is {max_delay_ms} ms",
+            f"delivery time {instant(deliver_at_ms)} is {ahead} ahead; the limit (timer_max_delay_ms) is {limit}",
             deliver_at_ms=deliver_at_ms, now_ms=now_ms, max_delay_ms=max_delay_ms,
         )
 
 
 class NegativeDelay(InvalidDeliveryTime):
     def __init__(self, delay_ms: int) -> None:
-        ChronoqError.__init__(self, f"delay {delay_ms} ms is negative", delay_ms=delay_ms)
+        ChronoqError.__init__(self, f"delay {duration(delay_ms)} is negative", delay_ms=delay_ms)
 
 
 class InvalidDelayLevel(InvalidDeliveryTime):
-    """Delay levels start at 1; 0 or less is refused (a level above the table's top is clamped)."""
+    """Delay levels start at 1: 0 or less is refused through every door. A level above the
+    table's top is refused in chronoq's own `delay_level` field (SDK, CLI, admin SendBatch,
+    Spark) and clamped to the top in RocketMQ 4's `DELAY` property, as RocketMQ does.
+    `top_delay_ms`: the top level's delay, when the refusing code has the table."""
 
-    def __init__(self, level: int, max_level: int) -> None:
-        ChronoqError.__init__(self, f"delay level {level} is invalid; levels are 1..{max_level}",
-                              level=level, max_level=max_level)
+    def __init__(self, level: int, max_level: int, top_delay_ms: int | None = None) -> None:
+        top = f"level {max_level} = {duration(top_delay_ms)}" if top_delay_ms is not None else f"level {max_level}"
+        if isinstance(level, int) and not isinstance(level, bool) and level > max_level:
+            text = (f"delay level {level} is above the top of the delay-level table ({top}); levels are "
+                    f"1..{max_level} (delay_levels); for a longer delay give a delivery time or a delay instead")
+        else:
+            text = f"delay level {level!r} is invalid; levels are 1..{max_level} ({top})"
+        ChronoqError.__init__(self, text, level=level, max_level=max_level, top_delay_ms=top_delay_ms)
 
 
 class ConflictingDelivery(InvalidDeliveryTime):
@@ -288,7 +312,7 @@ class TimerSlotCongested(Throttled):
 
     def __init__(self, slot_s: int, count: int, limit: int) -> None:
         super().__init__(
-            f"{count} timer messages already due in second {slot_s}; the limit "
+            f"{count} timer messages already due in the second from {instant(slot_s * 1000)}; the limit "
             f"(timer_congest_num_each_slot) is {limit}",
             slot_s=slot_s, count=count, limit=limit,
         )
@@ -307,7 +331,8 @@ class TimerAlreadyFired(BadRequest):
     code = 42800
 
     def __init__(self, message_id: str, deliver_at_ms: int) -> None:
-        super().__init__(f"timer message {message_id!r} was due at {deliver_at_ms} and has fired or is firing",
+        super().__init__(f"timer message {message_id!r} was due at {instant(deliver_at_ms)} and has fired or is "
+                         "firing",
                          message_id=message_id, deliver_at_ms=deliver_at_ms)
 
 

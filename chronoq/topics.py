@@ -5,7 +5,8 @@ Theory of operation: the store keeps the topic table (`MessageStore.topics`, per
 system topic, queue counts and message types are checked, and with `auto_create_topics` a topic
 is created by the first message *accepted* to it (`for_send` returns what auto-create would make
 without making it, so a refused message leaves no topic behind; `ensure` makes it once the
-message is on its way to the log). Takes `now_ms` from the clock it is given; no I/O of its own.
+message is on its way to the log). A consumer never creates a topic (`for_receive`). Takes
+`now_ms` from the clock it is given; no I/O of its own.
 """
 
 from __future__ import annotations
@@ -53,8 +54,16 @@ class Topics:
         if topic is not None:
             return topic
         if not self.config.auto_create_topics:
-            raise TopicNotFound(name)
+            raise TopicNotFound(name, auto_create=False)
         return TopicConfig(name, self.config.default_queue_count, ALL_MESSAGE_TYPES, self.clock.now_ms())
+
+    def for_receive(self, name: str) -> TopicConfig:
+        """The topic a consumer reads: it must exist. A consumer never creates one, so a
+        mistyped name does not appear as a topic."""
+        topic = self.store.topics.get(name)
+        if topic is None:
+            raise TopicNotFound(name, auto_create=self.config.auto_create_topics)
+        return topic
 
     def ensure(self, name: str) -> TopicConfig:
         """The topic `name`, created with the defaults if it is missing and auto-create is on."""
@@ -62,6 +71,6 @@ class Topics:
         if topic is not None:
             return topic
         if not self.config.auto_create_topics:
-            raise TopicNotFound(name)
+            raise TopicNotFound(name, auto_create=False)
         return self.store.create_topic(name, self.config.default_queue_count, ALL_MESSAGE_TYPES,
                                        self.clock.now_ms(), exist_ok=True)

@@ -135,7 +135,7 @@ def resolve_timer(msg: OutgoingMessage, config: Config, now_ms: int, levels: Del
         # SendBatch, Spark, CLI) names the level explicitly, so a level outside 1..max is a
         # mistake worth reporting (InvalidDelayLevel) rather than a delay the caller did not ask for.
         if kind == "delay_level" and type(value) is int and value > levels.max_level:
-            raise InvalidDelayLevel(value, levels.max_level)
+            raise InvalidDelayLevel(value, levels.max_level, levels.levels_ms[-1])
         level = levels.clamp(value)  # < 1 (or not an int) is refused through either door
         deliver_at_ms = now_ms + levels.delay_ms(level)
     elif kind in ("deliver_at_ms", PROP_TIMER_DELIVER_MS):
@@ -191,7 +191,8 @@ def _check_properties(given: Mapping[str, str], config: Config) -> tuple[dict[st
 def _timer_at(deliver_at_ms: int, config: Config, now_ms: int) -> TimerRequest:
     """An absolute due time, checked against the limits and rounded up to the precision."""
     if deliver_at_ms < 0:
-        raise InvalidDeliveryTime(f"deliver-at {deliver_at_ms} is before the epoch", deliver_at_ms=deliver_at_ms)
+        raise InvalidDeliveryTime(f"deliver-at {deliver_at_ms} ms is before the epoch (1970-01-01T00:00:00Z)",
+                                  deliver_at_ms=deliver_at_ms)
     if deliver_at_ms - now_ms > config.timer_max_delay_ms:
         raise DeliveryTimeTooFar(deliver_at_ms, now_ms, config.timer_max_delay_ms)
     precision = config.timer_precision_ms

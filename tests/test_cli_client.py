@@ -139,5 +139,7 @@ def test_stats_tables_and_json(run: Run) -> None:
     assert isinstance(doc, dict) and doc
     code, out, _ = run("stats")
     assert code == 0
-    for key in doc:
-        assert str(key) in out
+    # The person view: every section of the object, laid out in 80 columns.
+    for label in ("timers", "by due", "by topic", "latency", "commit log", "disk", "clock", "topics"):
+        assert label in out, label
+    assert f"{topic} 1" in out and max(len(line) for line in out.splitlines()) <= 80

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chronoq import errors as core
-from chronoq.cli.messages import format_delta_ms, parse_at, parse_in, parse_prop
+from chronoq.cli.messages import parse_at, parse_in, parse_prop
 from chronoq.client import InvalidArgument, ProtocolViolation, RemoteError, SendReceipt, outgoing, wire
 from chronoq.client.errors import from_status
 from chronoq.config import Config
@@ -191,8 +191,9 @@ def test_cli_argument_types() -> None:
     for bad, fn in (("tomorrow", parse_at), ("5 minutes", parse_in), ("novalue", parse_prop)):
         with pytest.raises(argparse.ArgumentTypeError):
             fn(bad)
-    assert format_delta_ms(12) == "12ms" and format_delta_ms(-1250) == "-1.250s"
-    assert format_delta_ms(243_000) == "4m03s" and format_delta_ms(7_325_000) == "2h02m05s"
+    # Digits too small to be a date since 2001: a delay typed as --at, told so with the date it means.
+    with pytest.raises(argparse.ArgumentTypeError, match=r"1970-01-01T00:00:01Z.*--in 1000ms"):
+        parse_at("1000")
 
 
 _scalar = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8)

@@ -34,7 +34,7 @@ def test_a_level_above_the_top_is_clamped(levels: DelayLevels) -> None:
 def test_a_level_below_one_is_refused_with_the_range(levels: DelayLevels, bad: int) -> None:
     with pytest.raises(InvalidDelayLevel) as info:
         levels.delay_ms(bad)
-    assert info.value.details == {"level": bad, "max_level": 18}
+    assert info.value.details == {"level": bad, "max_level": 18, "top_delay_ms": 2 * H}
     assert "1..18" in str(info.value)
 
 

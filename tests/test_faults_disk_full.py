@@ -25,7 +25,7 @@ import pytest
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
 from chronoq.config import Config, ConfigError
-from chronoq.errors import ChronoqError, DiskFull, FlushFailed, FsyncFailed, Throttled
+from chronoq.errors import ChronoqError, DiskFull, FlushFailed, FsyncFailed, Throttled, TopicNotFound
 from chronoq.model import OutgoingMessage
 from chronoq.store import files
 from chronoq.store.diskspace import free_bytes, is_disk_full
@@ -320,7 +320,7 @@ def test_sends_resume_without_a_restart_when_space_returns(disk: Disk) -> None:
             await broker.send(OutgoingMessage("t", b"during", message_id="during"))
         with pytest.raises(DiskFull):  # a new topic needs its queue files and topic table
             await broker.create_topic("new")
-        with pytest.raises(DiskFull):  # so does one a receive would create
+        with pytest.raises(TopicNotFound):  # a receive creates no topic, full disk or not
             await broker.receive("g", "other")
         assert "new" not in broker.store.topics and "other" not in broker.store.topics
         assert not _tmp_files(data)
@@ -329,7 +329,7 @@ def test_sends_resume_without_a_restart_when_space_returns(disk: Disk) -> None:
         assert result.message_id == "during" and not result.duplicate
         assert await _receive_all(broker, "t") == ["before", "during"]
         await broker.create_topic("new")
-        assert await broker.receive("g", "other") == []
+        assert await broker.receive("g", "new") == []
         assert broker.fatal is None
         await broker.close()
 

@@ -74,8 +74,18 @@ def test_delivery_timestamp_outside_both_ranges_is_refused_with_40012(seconds):
     with pytest.raises(InvalidDeliveryTime) as info:
         rq.delivery_time_ms(seconds, 0)
     assert info.value.code == 40012
-    assert "neither epoch seconds" in info.value.message
+    assert "is not a date chronoq reads" in info.value.message
     assert str(seconds) in info.value.message
+    # Dates for the reader, the raw value kept for programs.
+    assert "between 2001-09-09T01:46:40Z and 5138-11-16T09:46:40Z" in info.value.message
+    assert info.value.details["seconds"] == seconds
+
+
+def test_delivery_timestamp_refusal_names_the_dates_it_would_mean():
+    with pytest.raises(InvalidDeliveryTime) as info:
+        rq.delivery_time_ms(1, 0)
+    assert "as epoch seconds it is 1970-01-01T00:00:01Z" in info.value.message
+    assert "as epoch milliseconds 1970-01-01T00:00:00.001Z" in info.value.message
 
 
 def test_delivery_timestamp_in_milliseconds_with_nanos_is_ambiguous():

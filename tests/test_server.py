@@ -25,7 +25,7 @@ async def send(h, *msgs: definition.Message) -> service.SendMessageResponse:
     return await h.stub.SendMessage(service.SendMessageRequest(messages=list(msgs)), timeout=10)
 
 
-def test_route_auto_creates_the_topic_and_names_this_server(tmp_path: Path) -> None:
+def test_route_of_a_new_topic_is_the_one_auto_create_will_make_and_names_this_server(tmp_path: Path) -> None:
     async def body() -> None:
         async with running(tmp_path, default_queue_count=3) as h:
             res = await h.stub.QueryRoute(service.QueryRouteRequest(topic=resource("orders")), timeout=10)
@@ -37,10 +37,13 @@ def test_route_auto_creates_the_topic_and_names_this_server(tmp_path: Path) -> N
                 assert [(a.host, a.port) for a in q.broker.endpoints.addresses] == [(host, int(port))]
                 assert set(q.accept_message_types) == {definition.NORMAL, definition.FIFO, definition.DELAY,
                                                        definition.TRANSACTION}
-            assert h.broker.get_topic("orders").queue_count == 3
+            # Consumers ask for routes too, so a route creates nothing; the first send does.
+            assert "orders" not in h.broker.store.topics
             assignment = await h.stub.QueryAssignment(service.QueryAssignmentRequest(
                 topic=resource("orders"), group=resource("g")), timeout=10)
             assert assignment.status.code == Code.OK and len(assignment.assignments) == 3
+            assert (await send(h, message("orders", b"x"))).status.code == Code.OK
+            assert h.broker.get_topic("orders").queue_count == 3
     run(body())
 
 
@@ -153,6 +156,7 @@ def test_undecodable_request_bytes_get_a_40000_status(tmp_path: Path) -> None:
 def test_long_poll_answers_before_the_client_deadline(tmp_path: Path) -> None:
     async def body() -> None:
         async with running(tmp_path) as h:
+            await h.admin("CreateTopic", {"name": "quiet"})
             started = time.monotonic()
             stream = await h.receive(receive_request("quiet", long_poll_s=20), timeout_s=2.5)
             elapsed_s = time.monotonic() - started
@@ -164,7 +168,7 @@ def test_long_poll_answers_before_the_client_deadline(tmp_path: Path) -> None:
 def test_long_poll_wakes_when_a_message_arrives(tmp_path: Path) -> None:
     async def body() -> None:
         async with running(tmp_path) as h:
-            await h.stub.QueryRoute(service.QueryRouteRequest(topic=resource("wake")), timeout=10)
+            await h.admin("CreateTopic", {"name": "wake"})
             poll = asyncio.create_task(h.receive(receive_request("wake", long_poll_s=10)))
             await asyncio.sleep(0.3)
             started = time.monotonic()

@@ -104,7 +104,7 @@ def test_error_names_the_value_and_the_limit(tmp_path: Path) -> None:
         try:
             with pytest.raises(InvalidDelayLevel) as info:
                 await b.send(OutgoingMessage(M, b"x", delay_level=19))
-            assert info.value.details == {"level": 19, "max_level": 18}
+            assert info.value.details == {"level": 19, "max_level": 18, "top_delay_ms": 7_200_000}
             assert "19" in str(info.value) and "18" in str(info.value)
             with pytest.raises(DeliveryTimeTooFar) as far:
                 await b.send(OutgoingMessage(M, b"x", delay_ms=30 * DAY_MS + 1))

@@ -428,6 +428,23 @@ def test_latency_histograms(engine: TimerEngine) -> None:
     assert (lat["delivery_error_ms"]["count"], lat["delivery_error_ms"]["max"]) == (1, 52)
 
 
+def test_a_deliver_at_already_past_when_accepted_is_late_only_from_its_acceptance(engine: TimerEngine) -> None:
+    """RocketMQ delivers a deliver-at in the past at once; the delivery error then counts from the
+    acceptance, not from a due time an hour before it existed (`stats` showed P90 11h32m)."""
+    log = Log(engine)
+    accepted = T0 + 3_600_000
+    handed, unhanded = log.position(), log.position()
+    adds = [entry(handed, T0, accepted_ms=accepted), entry(unhanded, T0 + 1, accepted_ms=accepted)]
+    engine.apply(IndexBatch(adds=adds, indexed_position=log.next))
+    # One fired through what due() handed out (the fast path), one by position alone (replay's path).
+    assert [e.position for e in engine.due(accepted + 1, 1)] == [handed]
+    log.apply(fired=[(handed, accepted + 5), (unhanded, accepted + 9)])
+    latencies = engine.metrics(accepted + 10).latencies
+    hist = latencies["delivery_error_ms"]
+    assert (hist["count"], hist["min"], hist["max"]) == (2, 5, 9)
+    assert (latencies["fire_lag_ms"]["count"], latencies["fire_lag_ms"]["max"]) == (1, 1)  # due() at accepted + 1
+
+
 # --- roll and pending_in -------------------------------------------------------------------------------
 
 

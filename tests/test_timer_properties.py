@@ -72,7 +72,8 @@ class Runner:
     async def drain_all(self) -> None:
         assert self.b is not None
         for t in TOPICS:
-            self.model.check(await drain(self.b, t))
+            if t in self.b.store.topics:  # a topic nothing was sent to does not exist (receive refuses it)
+                self.model.check(await drain(self.b, t))
 
     async def send(self, topic: str, how: str, amount: int, burst: int) -> None:
         assert self.b is not None

@@ -6,7 +6,11 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("demo", help="start chronoq serve on a data directory and run a short SDK demo")
+    p = sub.add_parser("demo", help="start chronoq serve on a data directory and run a short SDK demo",
+                       description="Start `chronoq serve` on a data directory, send normal and timer messages with "
+                                   "the SDK and print each as it arrives with how late it was; exit status 1 if "
+                                   "any arrived early, went missing or arrived after it was recalled. What "
+                                   "scripts/demo.sh runs.")
     p.add_argument("--data-dir", default="data", help="data directory (default: ./data)")
     p.add_argument("--port", type=int, default=None, help="port for chronoq serve (default: a free one)")
     p.set_defaults(func=run)

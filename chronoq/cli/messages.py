@@ -3,87 +3,43 @@
 Theory of operation: each command parses its arguments into SDK calls (`chronoq.client`),
 runs them in one `asyncio.run`, and prints for a person: rich tables, a progress bar while
 `consume --wait` counts up. Times are shown in the local zone with milliseconds, because a
-person reads "due 14:03:07.250, 12 ms late" faster than epoch numbers; `--at` without a zone
-means local time for the same reason (the SDK itself refuses naive datetimes).
+person reads "due 14:03:07.250, 12ms late" faster than epoch numbers (`chronoq.timefmt`); `--at`
+without a zone means local time for the same reason (the SDK itself refuses naive datetimes).
 
-The helpers every client-side command shares (`--server`, error printing, time formatting)
-live here too; `topics` and `stats` import them. Exit codes: 0 done, 1 the server or the
-connection refused, 2 bad arguments (argparse), 130 interrupted.
+What every client command shares (connection flags, error printing, exit statuses) is in
+`chronoq.cli.common`.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
-from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
 
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from chronoq.client import AsyncAdmin, AsyncConsumer, AsyncProducer, ReceivedMessage, default_server
+from chronoq.cli.common import (
+    add_command,
+    add_connection_arguments,
+    connection_of,
+    console,
+    err_console,
+    run_remote,
+)
+from chronoq.client import AsyncAdmin, AsyncConsumer, AsyncProducer, ReceivedMessage
+from chronoq.client.wire import EARLIEST_DELIVERY_TIMESTAMP_MS
 from chronoq.config import ConfigError, parse_duration_ms
-from chronoq.errors import ChronoqError
+from chronoq.timefmt import duration, instant, local_instant, relative
 
 LONG_POLL_MS = 20_000
 """One long poll of `consume --wait`; the loop polls again until --count messages arrived."""
 BODY_PREVIEW_CHARS = 200
 RECEIVE_BATCH = 32
-
-# soft_wrap: a message line or an error is one line however narrow the terminal (greppable).
-console = Console(highlight=False, soft_wrap=True)
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)
-
-
-# -- shared by the client-side commands -------------------------------------------------------
-
-
-def add_server_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--server", default=None, metavar="HOST:PORT",
-                        help="chronoq server (default: $CHRONOQ_SERVER or 127.0.0.1:8081)")
-
-
-def server_of(args: argparse.Namespace) -> str:
-    return args.server or default_server()
-
-
-def run_remote(body: Callable[[], Awaitable[int]]) -> int:
-    """Run one command's coroutine; a chronoq error becomes a one-line message and exit 1."""
-    try:
-        return asyncio.run(body())
-    except ChronoqError as e:
-        details = [type(e).__name__] + ([f"code {e.code}"] if e.code else []) + (["retriable"] if e.retriable else [])
-        err_console.print(f"error ({', '.join(details)}): {e.message}", markup=False)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-
-
-def format_ms(ms: int | None) -> str:
-    if ms is None:
-        return "-"
-    return datetime.fromtimestamp(ms / 1000).astimezone().isoformat(timespec="milliseconds")
-
-
-def format_delta_ms(delta_ms: int) -> str:
-    """A signed duration for people: '4m03s', '1.250s', '12ms'."""
-    sign = "-" if delta_ms < 0 else ""
-    ms = abs(delta_ms)
-    if ms < 1000:
-        return f"{sign}{ms}ms"
-    if ms < 60_000:
-        return f"{sign}{ms / 1000:.3f}s"
-    hours, rest = divmod(ms // 1000, 3600)
-    minutes, seconds = divmod(rest, 60)
-    return f"{sign}{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{sign}{minutes}m{seconds:02d}s"
-
-
-def relative_to_now(ms: int, now_ms: int) -> str:
-    delta = ms - now_ms
-    return f"in {format_delta_ms(delta)}" if delta >= 0 else f"{format_delta_ms(-delta)} ago"
+LEVEL_NOTE = ("no recall handle: a delay-level message waits in its level's queue, as in RocketMQ 4, so it cannot be "
+              "recalled, cancelled or shown; send with --in or --at for a timer you can")
+"""`send --level` and `show` of an unknown id say why a delay-level message has no handle and no status."""
 
 
 def _now_ms() -> int:
@@ -96,7 +52,12 @@ def _now_ms() -> int:
 def parse_at(text: str) -> int:
     """`--at`: ms since the epoch (digits) or ISO 8601; without a zone it means local time."""
     if text.isdigit():
-        return int(text)
+        ms = int(text)
+        if ms < EARLIEST_DELIVERY_TIMESTAMP_MS:
+            raise argparse.ArgumentTypeError(
+                f"{text} reads as ms since the epoch, {instant(ms)}: not a time a message can be due; for a delay "
+                f"use --in (--in {text}ms)")
+        return ms
     try:
         when = datetime.fromisoformat(text)
     except ValueError:
@@ -128,19 +89,24 @@ def _cmd_send(args: argparse.Namespace) -> int:
     body = sys.stdin.buffer.read() if args.body == "-" else args.body.encode()
 
     async def go() -> int:
-        async with AsyncProducer(server_of(args)) as p:
+        async with AsyncProducer(**connection_of(args).client_kwargs()) as p:
             r = await p.send(args.topic, body, deliver_at=args.at, delay=args.delay_ms, delay_level=args.level,
                              tag=args.tag, keys=args.key or (), properties=dict(args.prop or []))
             due_ms = r.deliver_at_ms
-            if due_ms is None and (args.delay_ms is not None or args.level is not None):
+            if due_ms is None and args.delay_ms is not None:
                 # The server's clock fixed the due time; ask it rather than guess.
                 statuses = await p.query(r.message_id, r.topic)
                 due_ms = statuses[0].deliver_at_ms if statuses else None
         console.print(f"sent {r.message_id} to {r.topic} (offset {r.offset})")
         if due_ms is not None:
-            console.print(f"due at {format_ms(due_ms)} ({relative_to_now(due_ms, _now_ms())})")
+            now_ms = _now_ms()
+            level = f"; delay level {args.level}" if args.level is not None else ""
+            past = ": delivered at once" if due_ms <= now_ms else ""
+            console.print(f"due at {local_instant(due_ms)} ({relative(due_ms, now_ms)}{level}{past})")
         if r.recall_handle:
             console.print(f"recall handle: {r.recall_handle}")
+        elif args.level is not None:
+            console.print(LEVEL_NOTE)
         return 0
 
     return run_remote(go)
@@ -160,8 +126,13 @@ def _describe(msg: ReceivedMessage) -> str:
         parts.append(f"keys={','.join(msg.keys)}")
     if msg.delivery_attempt > 1:
         parts.append(f"attempt={msg.delivery_attempt}")
-    if msg.lateness_ms is not None:
-        parts.append(f"due {format_ms(msg.deliver_at_ms)}, {format_delta_ms(msg.lateness_ms)} late")
+    if msg.lateness_ms is not None and msg.born_ms is not None and msg.deliver_at_ms is not None \
+            and msg.deliver_at_ms < msg.born_ms:
+        # Due before it was sent: delivered at once, so "hours late" would mislead (as in `stats`).
+        parts.append(f"due {local_instant(msg.deliver_at_ms)}, before it was sent: delivered at once, "
+                     f"{duration(msg.received_ms - msg.born_ms)} after sending")
+    elif msg.lateness_ms is not None:
+        parts.append(f"due {local_instant(msg.deliver_at_ms)}, {duration(msg.lateness_ms)} late")
     if msg.body_digest_ok is False:
         parts.append("BODY DIGEST MISMATCH")
     return " ".join(parts) + f"  {text}"
@@ -176,7 +147,7 @@ def _cmd_consume(args: argparse.Namespace) -> int:
                       disable=not (args.wait and target and err_console.is_terminal)) as progress:
             task = progress.add_task("consume", total=target)
             async with AsyncConsumer(args.group, args.topic, filter_expression=args.filter,
-                                     server=server_of(args)) as c:
+                                     **connection_of(args).client_kwargs()) as c:
                 while target is None or got < target:
                     want = RECEIVE_BATCH if target is None else min(RECEIVE_BATCH, target - got)
                     batch = await c.receive(want, invisible=args.invisible_ms,
@@ -200,11 +171,12 @@ def _cmd_consume(args: argparse.Namespace) -> int:
 
 def _cmd_show(args: argparse.Namespace) -> int:
     async def go() -> int:
-        async with AsyncAdmin(server_of(args)) as a:
+        async with AsyncAdmin(**connection_of(args).client_kwargs()) as a:
             statuses = await a.query(args.message_id, args.topic)
         if not statuses:
             err_console.print(f"no timer message with id {args.message_id}"
-                              f"{' on topic ' + args.topic if args.topic else ''}")
+                              f"{' on topic ' + args.topic if args.topic else ''} (`show` sees messages sent with "
+                              "--at or --in; a delay-level message is not tracked, as in RocketMQ 4)")
             return 1
         now_ms = _now_ms()
         for s in statuses:
@@ -214,13 +186,15 @@ def _cmd_show(args: argparse.Namespace) -> int:
             table.add_column("value")
             table.add_row("topic", s.topic)
             table.add_row("state", s.state)
-            table.add_row("deliver at", f"{format_ms(s.deliver_at_ms)} ({relative_to_now(s.deliver_at_ms, now_ms)})")
-            table.add_row("accepted", format_ms(s.accepted_ms))
+            table.add_row("deliver at", f"{local_instant(s.deliver_at_ms)} ({relative(s.deliver_at_ms, now_ms)})")
+            table.add_row("accepted", f"{local_instant(s.accepted_ms)} ({relative(s.accepted_ms, now_ms)})")
             if s.fired_ms is not None:
-                table.add_row("fired", f"{format_ms(s.fired_ms)} ({format_delta_ms(s.fired_ms - s.deliver_at_ms)} "
-                                       "after its time)")
+                # Late from the due time, or from the acceptance when it was due before it (as `stats` counts).
+                counted_from = max(s.deliver_at_ms, s.accepted_ms)
+                table.add_row("fired", f"{local_instant(s.fired_ms)} ({duration(s.fired_ms - counted_from)} "
+                                       f"after {'its time' if counted_from == s.deliver_at_ms else 'it was accepted'})")
             if s.cancelled_ms is not None:
-                table.add_row("cancelled", format_ms(s.cancelled_ms))
+                table.add_row("cancelled", local_instant(s.cancelled_ms))
             console.print(table)
         return 0
 
@@ -236,7 +210,7 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
         return 2
 
     async def go() -> int:
-        async with AsyncProducer(server_of(args)) as p:
+        async with AsyncProducer(**connection_of(args).client_kwargs()) as p:
             if args.handle is not None and args.topic is not None:
                 message_id = await p.recall(args.topic, args.handle)
             elif args.handle is not None:
@@ -253,21 +227,39 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: Any) -> None:
-    send = subparsers.add_parser("send", help="send a message (a timer message with --at, --in or --level)")
+    send = add_command(
+        subparsers, "send", "send a message (a timer message with --at, --in or --level)",
+        "Send one message and wait until the server has made it durable. A timer message is due at --at, "
+        "after --in, or after a RocketMQ 4 delay level; send prints its due time and the recall handle "
+        "`chronoq cancel --handle` takes.",
+        ["chronoq send orders 'ship it'", "chronoq send orders 'cancel if unpaid' --in 30m --key order-7",
+         "chronoq send reminders 'stand-up' --at 2026-11-23T09:00:00+01:00",
+         "chronoq send orders 'retry' --level 3",
+         "echo '{\"id\": 7}' | chronoq send orders - --tag created"])
     send.add_argument("topic")
     send.add_argument("body", help="message body; '-' reads it from stdin")
     when = send.add_mutually_exclusive_group()
-    when.add_argument("--at", type=parse_at, metavar="ISO8601|MS", help="deliver at this time")
+    when.add_argument("--at", type=parse_at, metavar="ISO8601|MS",
+                      help="deliver at this time: ISO 8601 (local time without a zone) or ms since the epoch; "
+                           "a time in the past is delivered at once")
     when.add_argument("--in", dest="delay_ms", type=parse_in, metavar="DURATION",
-                      help="deliver after this delay (30s, 5m, 2h, 1500ms), measured by the server's clock")
-    when.add_argument("--level", type=int, metavar="N", help="RocketMQ 4 delay level (1-based)")
-    send.add_argument("--tag")
+                      help="deliver after this delay (30s, 5m, 2h, 3d, 1500ms), measured by the server's clock")
+    when.add_argument("--level", type=int, metavar="N",
+                      help="RocketMQ 4 delay level, 1..18 with the default table (1s 5s 10s 30s 1m..10m 20m 30m 1h "
+                           "2h); a level above the server's table is refused; such a message cannot be recalled "
+                           "or shown, as in RocketMQ 4")
+    send.add_argument("--tag", help="message tag (consumers can filter on it)")
     send.add_argument("--key", action="append", metavar="KEY", help="message key (repeatable)")
     send.add_argument("--prop", action="append", type=parse_prop, metavar="K=V", help="user property (repeatable)")
-    add_server_argument(send)
+    add_connection_arguments(send)
     send.set_defaults(func=_cmd_send)
 
-    consume = subparsers.add_parser("consume", help="receive, print and ack messages of a topic")
+    consume = add_command(
+        subparsers, "consume", "receive, print and ack messages of a topic",
+        "Receive messages of an existing topic as consumer group --group, print each (a timer message with "
+        "its due time and how late it arrived) and acknowledge it. A consumer never creates a topic.",
+        ["chronoq consume orders --group billing", "chronoq consume orders --group billing --count 5 --wait",
+         "chronoq consume orders --group audit --filter 'created||paid' --no-ack"])
     consume.add_argument("topic")
     consume.add_argument("--group", required=True, help="consumer group")
     consume.add_argument("--count", type=int, default=None, metavar="N", help="stop after N messages")
@@ -277,18 +269,26 @@ def register(subparsers: Any) -> None:
     consume.add_argument("--invisible", dest="invisible_ms", type=parse_in, default=None, metavar="DURATION",
                          help="invisible duration per received message (default: the server's)")
     consume.add_argument("--no-ack", action="store_true", help="print only; the messages will be redelivered")
-    add_server_argument(consume)
+    add_connection_arguments(consume)
     consume.set_defaults(func=_cmd_consume)
 
-    show = subparsers.add_parser("show", help="state and delivery time of a timer message")
+    show = add_command(
+        subparsers, "show", "state and delivery time of a timer message",
+        "Show what the server knows about a timer message sent with --at or --in: pending, delivered or "
+        "cancelled, when it is or was due, and when it fired. Delay-level messages are not tracked (as in "
+        "RocketMQ 4). Exit status 1 when no such timer is known.",
+        ["chronoq show 0105582AB6E26FD1610B16A12F00000001", "chronoq show 0105582AB6E2... --topic orders"])
     show.add_argument("message_id")
-    show.add_argument("--topic", default=None)
-    add_server_argument(show)
+    show.add_argument("--topic", default=None, help="only this topic (an id may recur on several)")
+    add_connection_arguments(show)
     show.set_defaults(func=_cmd_show)
 
-    cancel = subparsers.add_parser("cancel", help="cancel a pending timer message")
+    cancel = add_command(
+        subparsers, "cancel", "cancel a pending timer message",
+        "Cancel a timer message that is not yet due, by the recall handle `send` printed or by topic and id.",
+        ["chronoq cancel --handle AQAAAaILbeX7dHIAMDEw...", "chronoq cancel --topic orders --id 0105582AB6E2..."])
     cancel.add_argument("--handle", default=None, help="recall handle printed by send")
-    cancel.add_argument("--topic", default=None)
+    cancel.add_argument("--topic", default=None, help="the message's topic (with --id)")
     cancel.add_argument("--id", default=None, help="message id (with --topic)")
-    add_server_argument(cancel)
+    add_connection_arguments(cancel)
     cancel.set_defaults(func=_cmd_cancel)

@@ -3,8 +3,10 @@
 Theory of operation: configuration layers as `Config.load` defines them: defaults < the TOML file
 (`--config`) < `CHRONOQ_*` environment variables < the flags given here. One line,
 "chronoq serving on HOST:PORT", goes to stdout (flushed) once the port accepts calls, so scripts
-and tests can wait for it; logs go to stderr. Exit code 0 after a clean shutdown, 1 when the broker fails
-(or cannot open its data directory), 2 on a configuration error.
+and tests can wait for it; logs go to stderr (gRPC's own C-core log only with GRPC_VERBOSITY set:
+`chronoq.cli.main`). Exit code 0 after a clean shutdown, 1 when the broker fails (or cannot open its
+data directory), 2 on a configuration error (a setting, a TLS file, a port, a data directory that
+is a file), each said in one line.
 """
 
 from __future__ import annotations
@@ -15,18 +17,26 @@ import logging
 import os
 import sys
 
+from chronoq.cli.common import add_command
 from chronoq.config import Config, ConfigError
 from chronoq.errors import ChronoqError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("serve", help="run the broker (RocketMQ 5 gRPC protocol + chronoq admin)",
-                              description="Run chronoq's broker and gRPC server until SIGTERM or SIGINT.")
-    p.add_argument("--data-dir", help="data directory (created if missing)")
+    p = add_command(
+        subparsers, "serve", "run the broker (RocketMQ 5 gRPC protocol + chronoq admin)",
+        "Run chronoq's broker and gRPC server until SIGTERM or SIGINT. Settings layer as defaults < --config "
+        "TOML < CHRONOQ_<SETTING> environment variables < these flags (settings: chronoq/config.py). Prints "
+        "\"chronoq serving on HOST:PORT\" once it accepts calls.",
+        ["chronoq serve --data-dir data", "chronoq serve --data-dir data --host 0.0.0.0 --port 9876",
+         "chronoq serve --data-dir data --tls-cert server.pem --tls-key server.key",
+         "CHRONOQ_TIMER_MAX_DELAY_MS=7776000000 chronoq serve --data-dir data   # 90 days"])
+    p.add_argument("--data-dir", help="data directory (created if missing; default ./data)")
     p.add_argument("--port", type=int, help="gRPC port (default 8081)")
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--config", metavar="FILE", help="TOML configuration file ([chronoq] table or top level)")
-    p.add_argument("--tls-cert", metavar="FILE", help="PEM certificate chain; enables TLS with --tls-key")
+    p.add_argument("--tls-cert", metavar="FILE",
+                   help="PEM certificate chain; enables TLS with --tls-key (clients then need --ca-cert or --tls)")
     p.add_argument("--tls-key", metavar="FILE", help="PEM private key")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(func=run)
@@ -60,6 +70,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except ChronoqError as exc:  # e.g. DataDirLocked: another broker owns the directory
         print(f"chronoq serve: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # e.g. no permission to create or write the data directory
+        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(config.data_dir) else ""
+        print(f"chronoq serve: cannot use the data directory {config.data_dir}: {exc.strerror or exc}{where}",
+              file=sys.stderr)
         return 1
 
 

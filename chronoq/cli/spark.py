@@ -2,7 +2,9 @@
 
 Theory of operation: argument parsing only; each command builds a SparkSession through
 `chronoq.spark.session` and calls the job in `chronoq.spark`. pyspark is imported inside the
-command functions, so `chronoq --help` works on a machine without Spark or Java.
+command functions, so `chronoq --help` works on a machine without Spark or Java; each command
+first checks for the Spark extra and Java (`require_spark`), so a set-up that lacks them is told
+`scripts/setup.sh --spark` rather than shown a ModuleNotFoundError.
 """
 
 from __future__ import annotations
@@ -10,15 +12,20 @@ from __future__ import annotations
 import argparse
 import sys
 
+from chronoq.cli.common import require_spark
 from chronoq.config import DAY_MS, MiB
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    spark = subparsers.add_parser("spark", help="data pipeline on Apache Spark (needs pyspark and Java 17)")
+    spark = subparsers.add_parser(
+        "spark", help="data pipeline on Apache Spark (needs `scripts/setup.sh --spark`)",
+        description="chronoq's data pipeline on Apache Spark: the delivery report, bulk scheduling and the Spark "
+                    "timer engine (docs/spark.md). Needs the Spark extra (pyspark, pyarrow, pandas, matplotlib) "
+                    "and Java 17: `scripts/setup.sh --spark` installs them.")
     sub = spark.add_subparsers(dest="spark_command", required=True, metavar="SPARK_COMMAND")
 
     report = sub.add_parser("report", help="delivery-accuracy report of a trace (Parquet)")
-    report.add_argument("trace", help="trace Parquet file or directory (see chronoq.spark.trace)")
+    report.add_argument("trace", help="trace Parquet file or directory (`chronoq trace export` writes one)")
     report.add_argument("--out", default="chronoq-report", help="output directory (report.md/.json/.png)")
     report.add_argument("--approx", action="store_true", help="approximate percentiles (very large traces)")
     report.add_argument("--master", default=None, help="Spark master (default: spark-submit's, else local[2])")
@@ -37,7 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     schedule.add_argument("--tag-column", default=None)
     schedule.add_argument("--keys-column", default=None)
     schedule.add_argument("--rejects", default=None, help="Parquet directory for rejected rows (with `reason`)")
-    schedule.add_argument("--server", required=True, help="chronoq server host:port")
+    schedule.add_argument("--server", required=True, help="chronoq server host:port (plaintext: the Spark "
+                          "pipeline does not speak TLS yet)")
     schedule.add_argument("--max-delay-ms", type=int, default=30 * DAY_MS)
     schedule.add_argument("--max-body-bytes", type=int, default=4 * MiB)
     schedule.add_argument("--batch-size", type=int, default=512, help="messages per SendBatch call")
@@ -45,7 +53,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     schedule.set_defaults(func=cmd_schedule)
 
     engine = sub.add_parser("engine", help="run the Spark timer engine (a Structured Streaming job)")
-    engine.add_argument("--server", required=True, help="chronoq server host:port")
+    engine.add_argument("--server", required=True, help="chronoq server host:port (plaintext: the Spark "
+                        "pipeline does not speak TLS yet)")
     engine.add_argument("--checkpoint", required=True, help="checkpoint directory (shared storage on a cluster)")
     engine.add_argument("--bucket-ms", type=int, default=5_000,
                         help="state key time bucket (smaller: cheaper firing, slower ingest)")
@@ -69,6 +78,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    require_spark("spark report")
     from chronoq.spark.report import compute_report, render_markdown, write_report
     from chronoq.spark.session import build_session
 
@@ -81,6 +91,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:
+    require_spark("spark schedule")
     from chronoq.spark.datasource import ChronoqSourceError
     from chronoq.spark.schedule import ScheduleInputError, ScheduleOptions, run_schedule
     from chronoq.spark.session import build_session
@@ -103,6 +114,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
+    require_spark("spark engine")
     from chronoq.spark.engine import EngineOptions, run_engine
     from chronoq.spark.session import build_session
 
@@ -116,6 +128,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
+    require_spark("spark measure-engine")
     from chronoq.spark.measure import MeasureOptions, run_measurement
     from chronoq.spark.report import write_report
     from chronoq.spark.session import build_session

@@ -1,11 +1,19 @@
-"""`chronoq stats`: pending timers by due-time bucket, consumer lags, delivery error percentiles.
+"""`chronoq stats`: pending timers by due time, delivery error, the log, the disk, in one screen.
 
-Theory of operation: the server's `Stats` admin call returns `Broker.stats()` as JSON. The broker
-owns that shape and may grow it, so this command does not hard-code it: it renders any JSON
-object as tables (scalars in a summary; a mapping of scalars as a two-column table; a mapping of
-mappings, or a list of mappings, as a table whose columns are the union of their keys). Values
-whose key ends in `_ms` are shown as times (epoch values) or durations. `--json` prints the raw
-object for scripts; `--watch N` redraws every N seconds for a person watching.
+Theory of operation: the server's `Stats` admin call returns `Broker.stats()` as JSON; `--json`
+prints it whole for programs. For a person, `render` lays the sections a person watches out as
+lines of at most 80 columns, most watched first (pending timers by due time, then latency
+percentiles), about 15 lines in all, so `--watch` fits an 80x24 terminal with room to spare.
+Counts are shortened to fit a column (12,345 / 340k / 1.2M), durations and times go through
+`chronoq.timefmt`, bytes are binary units. The broker may grow the object: a field this module
+does not know is shown as a `name: value` line at the end, never dropped (internal positions,
+which only a program needs, are in `--json` only).
+
+`--json` with `--watch` prints one object per line. `--watch SECONDS` redraws the whole screen in
+place (the terminal's alternate screen, as `watch` and `top` do) when stdout is a terminal;
+piped, it prints one snapshot after another, each headed by its time and flushed, so
+`chronoq stats --watch 5 | tee stats.log` records as it goes.
+A server that cannot be reached while watching is shown as such and asked again next time.
 """
 
 from __future__ import annotations
@@ -13,116 +21,265 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 from collections.abc import Mapping
 from typing import Any
 
-from rich.console import Group, RenderableType
 from rich.live import Live
-from rich.table import Table
 from rich.text import Text
 
-from chronoq.cli.messages import add_server_argument, console, format_delta_ms, format_ms, run_remote, server_of
+from chronoq.cli.common import (
+    Connection,
+    add_command,
+    add_connection_arguments,
+    connection_of,
+    console,
+    describe_error,
+    run_remote,
+)
 from chronoq.client import AsyncAdmin
+from chronoq.errors import ChronoqError
+from chronoq.timefmt import duration, local_instant, relative
 
-EPOCH_THRESHOLD_MS = 1_000_000_000_000
-"""A `_ms` value above this (2001-09-09) is a point in time, below it a duration."""
-COUNT_KEYS = frozenset({"count", "n", "samples", "total"})
-"""Keys that count things even inside a section named `..._ms`."""
+WIDTH = 80
+"""Every line of the person view fits this many columns (a standard terminal)."""
+DUE_LABELS = (("overdue", "overdue"), ("5s", "<5s"), ("1m", "<1m"), ("5m", "<5m"), ("15m", "<15m"), ("1h", "<1h"),
+              ("4h", "<4h"), ("8h", "<8h"), ("24h", "<24h"), ("more", "later"))
+"""`pending_by_due` keys (see `timer/metrics.py`: each bucket runs from the previous edge) and their headers."""
+LATENCIES = (("delivery_error_ms", "delivery error"), ("fire_lag_ms", "fire lag"), ("enqueue_lag_ms", "enqueue lag"))
+PERCENTILES = ("p50", "p90", "p99", "p999", "max")
+KNOWN_TOP = frozenset({"now_ms", "topics", "commitlog", "timer", "clock", "disk"})
+KNOWN_TIMER = frozenset({"now_ms", "pending_total", "pending_by_topic", "pending_by_due", "next_deadline_ms",
+                         "oldest_overdue_ms", "indexed_position", "latencies", "pending_by_delay_level", "damaged"})
+KNOWN_COMMITLOG = frozenset({"start_position", "end_position", "segments", "fsyncs", "damaged_ranges", "damaged",
+                             "reads_skipped_damaged"})
+KNOWN_DISK = frozenset({"free_bytes", "min_free_bytes", "reserve_file_bytes", "held_back", "dispatch_blocked"})
+LABEL = 12
+"""Width of the section names in the left column."""
 
 
-def _cell(key: str, value: Any, in_ms: bool = False) -> str:
-    """`in_ms`: the enclosing section's name ends in `_ms`, so its bare numbers are ms too."""
-    if value is None:
+def count(n: Any, width: int = 6) -> str:
+    """A count in at most `width` (5 or 6) columns: '12,345' (or '12k' in 5), '340k', '1.2M', '123M'."""
+    if not isinstance(n, int | float):
         return "-"
-    if isinstance(value, bool):
-        return str(value)
-    if isinstance(value, int | float) and (key.endswith("_ms") or (in_ms and key not in COUNT_KEYS)):
-        if value >= EPOCH_THRESHOLD_MS:
-            return format_ms(int(value))
-        return format_delta_ms(int(value)) if float(value).is_integer() else f"{value:.3f}ms"
-    if isinstance(value, int):
-        return f"{value:,}"
-    if isinstance(value, float):
-        return f"{value:,.3f}"
-    if isinstance(value, Mapping | list):
-        return json.dumps(value, separators=(",", ":"))
-    return str(value)
+    n = int(n)
+    if abs(n) < (100_000 if width >= 6 else 10_000):
+        return f"{n:,}"
+    if abs(n) < 1_000_000:
+        return f"{n // 1000}k"
+    if abs(n) < 10_000_000:
+        return f"{n / 1_000_000:.1f}M"
+    return f"{n // 1_000_000}M"
 
 
-def _is_scalar(value: Any) -> bool:
-    return not isinstance(value, Mapping | list)
+def size(n: Any) -> str:
+    if not isinstance(n, int | float):
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
 
 
-def _rows_table(title: str, rows: list[tuple[str, Mapping[str, Any]]]) -> Table:
-    in_ms = title.endswith("_ms")
-    columns: list[str] = []
-    for _, row in rows:
-        columns.extend(k for k in row if k not in columns)
-    table = Table(title=title, title_justify="left")
-    table.add_column("")
-    for col in columns:
-        table.add_column(col, justify="right")
-    for name, row in rows:
-        row_ms = in_ms or name.endswith("_ms")
-        table.add_row(name, *(_cell(c, row[c], row_ms) if c in row else "" for c in columns))
-    return table
+def _ms(value: Any) -> str:
+    return duration(value) if isinstance(value, int | float) else "-"
 
 
-def _section(title: str, value: Any) -> RenderableType:
-    if isinstance(value, Mapping | list) and not value:
-        return Text(f"{title}: none")
-    if isinstance(value, Mapping):
-        if all(_is_scalar(v) for v in value.values()):
-            table = Table(title=title, title_justify="left")
-            table.add_column("")
-            table.add_column("value", justify="right")
-            for k, v in value.items():
-                table.add_row(str(k), _cell(str(k), v, title.endswith("_ms")))
-            return table
-        if all(isinstance(v, Mapping) for v in value.values()):
-            return _rows_table(title, [(str(k), v) for k, v in value.items()])
-        # Mixed: scalars first, then each nested part as its own section.
-        parts: list[RenderableType] = []
-        scalars = {k: v for k, v in value.items() if _is_scalar(v)}
-        if scalars:
-            parts.append(_section(title, scalars))
-        parts.extend(_section(f"{title} / {k}", v) for k, v in value.items() if not _is_scalar(v))
-        return Group(*parts)
-    if isinstance(value, list) and value and all(isinstance(v, Mapping) for v in value):
-        return _rows_table(title, [(str(i), v) for i, v in enumerate(value)])
-    return Table(title=f"{title}: {_cell(title, value)}", title_justify="left", show_header=False)
+def _clip(line: str) -> str:
+    return line if len(line) <= WIDTH else line[:WIDTH - 3] + "..."
 
 
-def render_stats(stats: Mapping[str, Any]) -> RenderableType:
-    scalars = {k: v for k, v in stats.items() if _is_scalar(v)}
-    parts: list[RenderableType] = []
-    if scalars:
-        parts.append(_section("summary", scalars))
-    parts.extend(_section(str(k), v) for k, v in stats.items() if not _is_scalar(v))
-    return Group(*parts)
+def _named_counts(counts: Mapping[str, Any], width: int) -> str:
+    """'orders 1,200 · billing 4 · and 3 more', largest first, cut to `width` columns."""
+    items = sorted(counts.items(), key=lambda kv: (-int(kv[1]), str(kv[0])))
+    parts: list[str] = []
+    for i, (name, n) in enumerate(items):
+        part = f"{name} {count(n)}"
+        rest = len(items) - i - 1
+        tail = f" · and {rest} more" if rest else ""
+        if len(" · ".join([*parts, part]) + tail) > width and parts:
+            return " · ".join(parts) + f" · and {len(items) - i} more"
+        parts.append(part)
+    return " · ".join(parts)
+
+
+def _timer_lines(timer: Mapping[str, Any], now_ms: int) -> list[str]:
+    pending = timer.get("pending_total", 0)
+    deadline = timer.get("next_deadline_ms")
+    overdue = timer.get("oldest_overdue_ms") or 0
+    head = f"{'timers':<{LABEL}}{count(pending)} pending"
+    if deadline is not None:
+        head += f", next due {relative(int(deadline), now_ms)}"
+    head += f", oldest overdue by {duration(overdue)}" if overdue else ", none overdue"
+    if timer.get("damaged"):
+        head += f", {count(timer['damaged'])} damaged"
+    lines = [head]
+    by_due = timer.get("pending_by_due") or {}
+    # Ten columns of six (eight for "overdue") after the label: 74 columns, counts cut to five.
+    keys = [(key, label) for key, label in DUE_LABELS if key in by_due]
+    widths = [max(6, len(label) + 1) for _, label in keys]
+    columns = list(zip(keys, widths, strict=True))
+    lines.append(f"{'  by due':<{LABEL}}" + "".join(f"{label:>{w}}" for (_, label), w in columns))
+    lines.append(" " * LABEL + "".join(f"{count(by_due[key], 5):>{w}}" for (key, _), w in columns))
+    if timer.get("pending_by_topic"):
+        lines.append(f"{'  by topic':<{LABEL}}" + _named_counts(timer["pending_by_topic"], WIDTH - LABEL))
+    levels = timer.get("pending_by_delay_level") or {}
+    if levels:
+        text = " · ".join(f"level {k}: {count(v)}" for k, v in sorted(levels.items(), key=lambda kv: int(kv[0])))
+        lines.append(f"{'  by level':<{LABEL}}" + text)
+    return lines
+
+
+def _latency_lines(latencies: Mapping[str, Any]) -> list[str]:
+    name_width = 16
+    lines = [f"{'latency':<{name_width}}{'count':>8}" + "".join(f"{p:>9}" for p in PERCENTILES)]
+    for key, label in LATENCIES:
+        h = latencies.get(key)
+        if isinstance(h, Mapping):
+            lines.append(f"{'  ' + label:<{name_width}}{count(h.get('count')):>8}"
+                         + "".join(f"{_ms(h.get(p)):>9}" for p in PERCENTILES))
+    return lines
+
+
+def _commitlog_line(log: Mapping[str, Any]) -> str:
+    start, end = log.get("start_position", 0), log.get("end_position", 0)
+    segments = log.get("segments", 0)
+    text = (f"{'commit log':<{LABEL}}{size(end - start)} in {count(segments)} segment{'s' if segments != 1 else ''}, "
+            f"{count(log.get('fsyncs'))} fsyncs")
+    damaged = log.get("damaged_ranges") or 0
+    text += f", {count(damaged)} damaged ranges (run chronoq check)" if damaged else ", no damage"
+    if log.get("reads_skipped_damaged"):
+        text += f", {count(log['reads_skipped_damaged'])} reads skipped"
+    return text
+
+
+def _disk_line(disk: Mapping[str, Any]) -> str:
+    text = f"{'disk':<{LABEL}}{size(disk.get('free_bytes'))} free"
+    if disk.get("min_free_bytes"):
+        text += f" (sends refused below {size(disk['min_free_bytes'])})"
+    held = disk.get("held_back") or {}
+    blocked = disk.get("dispatch_blocked")
+    if held or blocked:
+        text += "; FULL: " + "; ".join([*(f"{k} held back" for k in held), *([str(blocked)] if blocked else [])])
+    return text
+
+
+def _clock_line(clock: Mapping[str, Any]) -> str:
+    behind = int(clock.get("behind_wall_ms") or 0)
+    if behind == 0:
+        state = "broker time = wall clock"
+    elif behind > 0:
+        state = f"broker time is {duration(behind)} behind the wall clock (a step forward; timers never fire early)"
+    else:
+        state = f"broker time is {duration(-behind)} ahead of the wall clock (paused after a step back)"
+    return f"{'clock':<{LABEL}}{state}"
+
+
+def _extra_lines(prefix: str, doc: Mapping[str, Any], known: frozenset[str]) -> list[str]:
+    return [f"{prefix}{k}: {json.dumps(v, separators=(',', ':'))}" for k, v in doc.items() if k not in known]
+
+
+def render(stats: Mapping[str, Any]) -> list[str]:
+    """The person view of a `Stats` reply: lines of at most `WIDTH` columns."""
+    now_ms = int(stats.get("now_ms") or 0)
+    timer = stats.get("timer") or {}
+    lines = _timer_lines(timer, now_ms)
+    lines += _latency_lines(timer.get("latencies") or {})
+    lines.append(_commitlog_line(stats.get("commitlog") or {}))
+    lines.append(_disk_line(stats.get("disk") or {}))
+    lines.append(_clock_line(stats.get("clock") or {}))
+    lines.append(f"{'topics':<{LABEL}}{count(stats.get('topics'))}")
+    lines += _extra_lines("", stats, KNOWN_TOP)
+    lines += _extra_lines("timer.", timer, KNOWN_TIMER)
+    lines += _extra_lines("commitlog.", stats.get("commitlog") or {}, KNOWN_COMMITLOG)
+    lines += _extra_lines("disk.", stats.get("disk") or {}, KNOWN_DISK)
+    return [_clip(line) for line in lines]
+
+
+def _title(conn: Connection, stats: Mapping[str, Any] | None, watch_s: float) -> str:
+    when = local_instant(stats["now_ms"])[:19].replace("T", " ") if stats and stats.get("now_ms") else ""
+    every = f"  every {duration(int(watch_s * 1000))}, Ctrl-C to stop" if watch_s else ""
+    return _clip(f"chronoq stats  {conn.server}  {when}{every}")
+
+
+def _frame(conn: Connection, stats: Mapping[str, Any] | None, watch_s: float, error: str | None = None) -> Text:
+    text = Text()
+    text.append(_title(conn, stats, watch_s), style="bold")
+    if error is not None:
+        text.append("\n" + _clip(error))
+    elif stats is not None:
+        text.append("\n" + "\n".join(render(stats)))
+    return text
+
+
+async def _watch(a: AsyncAdmin, conn: Connection, interval_s: float, *, as_json: bool = False) -> int:
+    async def snapshot() -> tuple[dict[str, Any] | None, str | None]:
+        try:
+            return await a.stats(), None
+        except ChronoqError as e:
+            if not e.retriable:
+                raise
+            return None, describe_error(e)
+
+    if as_json or not console.is_terminal:
+        while True:
+            stats, error = await snapshot()
+            if as_json:  # one object per line (JSON Lines), for a program reading as it goes
+                if stats is not None:
+                    console.out(json.dumps(stats, separators=(",", ":")), highlight=False)
+            else:
+                console.print(_frame(conn, stats, interval_s, error))
+                console.print()  # a blank line between snapshots
+            sys.stdout.flush()
+            await asyncio.sleep(interval_s)
+    # The alternate screen: each frame replaces the last whole, and the terminal's own contents
+    # come back on exit, as with `watch` and `top`.
+    with Live(console=console, screen=True, auto_refresh=False) as live:
+        while True:
+            stats, error = await snapshot()
+            live.update(_frame(conn, stats, interval_s, error), refresh=True)
+            await asyncio.sleep(interval_s)
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
+    conn = connection_of(args)
+
     async def go() -> int:
-        async with AsyncAdmin(server_of(args)) as a:
+        async with AsyncAdmin(**conn.client_kwargs()) as a:
+            if args.watch:
+                return await _watch(a, conn, args.watch, as_json=args.json)
             stats = await a.stats()
-            if args.json:
-                console.print_json(data=stats)
-                return 0
-            if not args.watch:
-                console.print(render_stats(stats))
-                return 0
-            with Live(render_stats(stats), console=console, refresh_per_second=4) as live:
-                while True:
-                    await asyncio.sleep(args.watch)
-                    live.update(render_stats(await a.stats()))
+        if args.json:
+            console.print_json(data=stats)
+        else:
+            console.print(_frame(conn, stats, 0))
+        return 0
 
     return run_remote(go)
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--watch takes seconds (e.g. 2 or 0.5), not {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"--watch takes a positive number of seconds, not {text!r}")
+    return value
+
+
 def register(subparsers: Any) -> None:
-    stats = subparsers.add_parser("stats", help="broker statistics: pending timers by due time, delivery errors")
-    stats.add_argument("--json", action="store_true", help="print the raw JSON object")
-    stats.add_argument("--watch", type=float, default=0, metavar="SECONDS", help="redraw every SECONDS")
-    add_server_argument(stats)
+    stats = add_command(
+        subparsers, "stats", "pending timers by due time, delivery error, log and disk",
+        "Broker statistics in one screen: pending timers by due time, topic and delay level; latency "
+        "percentiles (delivery error: how late timers fired, counted from their due time, or from their "
+        "acceptance when they were due before it); the commit log, the disk and the clock.",
+        ["chronoq stats", "chronoq stats --watch 2", "chronoq stats --json | jq .timer.pending_total"])
+    stats.add_argument("--json", action="store_true",
+                       help="print the server's whole JSON object (for programs); with --watch, one per line")
+    stats.add_argument("--watch", type=_seconds, default=None, metavar="SECONDS",
+                       help="redraw the screen every SECONDS until Ctrl-C; piped, print a snapshot every SECONDS")
+    add_connection_arguments(stats)
     stats.set_defaults(func=_cmd_stats)

@@ -1,8 +1,8 @@
 """`chronoq topics create | list | describe`: topic administration on a running server.
 
 Theory of operation: thin argument parsing over `AsyncAdmin`'s topic calls, printing rich
-tables; the shared `--server` option, error handling and time formatting come from
-`chronoq.cli.messages`.
+tables; the connection flags, error handling and exit statuses come from `chronoq.cli.common`,
+times from `chronoq.timefmt`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from typing import Any
 
 from rich.table import Table
 
-from chronoq.cli.messages import add_server_argument, console, format_ms, run_remote, server_of
+from chronoq.cli.common import add_command, add_connection_arguments, connection_of, console, run_remote
 from chronoq.client import AsyncAdmin
 from chronoq.model import MessageType
+from chronoq.timefmt import local_instant
 
 
 def _types(text: str) -> list[str]:
@@ -28,7 +29,7 @@ def _types(text: str) -> list[str]:
 
 def _cmd_create(args: argparse.Namespace) -> int:
     async def go() -> int:
-        async with AsyncAdmin(server_of(args)) as a:
+        async with AsyncAdmin(**connection_of(args).client_kwargs()) as a:
             t = await a.create_topic(args.name, args.queues, args.types)
         console.print(f"created topic {t.name}: {t.queue_count} queues, accepts {', '.join(t.message_types)}")
         return 0
@@ -38,13 +39,18 @@ def _cmd_create(args: argparse.Namespace) -> int:
 
 def _cmd_list(args: argparse.Namespace) -> int:
     async def go() -> int:
-        async with AsyncAdmin(server_of(args)) as a:
+        async with AsyncAdmin(**connection_of(args).client_kwargs()) as a:
             topics = await a.list_topics()
-        table = Table(title=f"{len(topics)} topic(s)")
+        if not topics:
+            console.print("no topics yet: create one with `chronoq topics create NAME`, or send to one")
+            return 0
+        table = Table(title=f"{len(topics)} topic(s)", title_justify="left")
         for col in ("topic", "queues", "message types", "created"):
             table.add_column(col)
         for t in sorted(topics, key=lambda t: t.name):
-            table.add_row(t.name, str(t.queue_count), ", ".join(t.message_types), format_ms(t.created_ms))
+            # All four types is the default: say "all" so the table stays narrow.
+            types = "all" if len(t.message_types) == len(MessageType) else ", ".join(t.message_types)
+            table.add_row(t.name, str(t.queue_count), types, local_instant(t.created_ms) if t.created_ms else "-")
         console.print(table)
         return 0
 
@@ -53,11 +59,12 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 def _cmd_describe(args: argparse.Namespace) -> int:
     async def go() -> int:
-        async with AsyncAdmin(server_of(args)) as a:
+        async with AsyncAdmin(**connection_of(args).client_kwargs()) as a:
             d = await a.describe_topic(args.name)
         t = d.topic
+        created = local_instant(t.created_ms) if t.created_ms else "unknown"
         console.print(f"topic {t.name}: {t.queue_count} queues, accepts {', '.join(t.message_types)}, "
-                      f"created {format_ms(t.created_ms)}")
+                      f"created {created}")
         table = Table()
         for col in ("queue", "min offset", "max offset", "messages"):
             table.add_column(col, justify="right")
@@ -70,22 +77,31 @@ def _cmd_describe(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: Any) -> None:
-    topics = subparsers.add_parser("topics", help="create, list and describe topics")
+    topics = subparsers.add_parser("topics", help="create, list and describe topics",
+                                   description="Create, list and describe the topics of a running server.")
     sub = topics.add_subparsers(dest="topics_command", required=True, metavar="ACTION")
 
-    create = sub.add_parser("create", help="create a topic")
+    create = add_command(
+        sub, "create", "create a topic",
+        "Create a topic. With auto_create_topics on (the default) a send creates a missing topic with the "
+        "server's default queue count and every message type; create it first to choose them. Consumers never "
+        "create topics.",
+        ["chronoq topics create orders", "chronoq topics create reminders --queues 8 --types DELAY"])
     create.add_argument("name")
     create.add_argument("--queues", type=int, default=None, metavar="N", help="queue count (default: the server's)")
     create.add_argument("--types", type=_types, default=None, metavar="T,T",
                         help="accepted message types, e.g. NORMAL,DELAY (default: all)")
-    add_server_argument(create)
+    add_connection_arguments(create)
     create.set_defaults(func=_cmd_create)
 
-    lst = sub.add_parser("list", help="list topics")
-    add_server_argument(lst)
+    lst = add_command(sub, "list", "list topics", "List the topics (not chronoq's system topics).",
+                      ["chronoq topics list"])
+    add_connection_arguments(lst)
     lst.set_defaults(func=_cmd_list)
 
-    describe = sub.add_parser("describe", help="a topic's queues and offsets")
+    describe = add_command(sub, "describe", "a topic's queues and offsets",
+                           "A topic's settings and, per queue, the offsets of its first and next message.",
+                           ["chronoq topics describe orders"])
     describe.add_argument("name")
-    add_server_argument(describe)
+    add_connection_arguments(describe)
     describe.set_defaults(func=_cmd_describe)

@@ -10,7 +10,10 @@ statuses into exceptions lives in `chronoq.client.wire` and `chronoq.client.erro
 module only makes calls, so every gRPC failure is translated at one point (`_translate`).
 
 The channel is opened lazily on first use, inside the running loop (grpc.aio binds a channel to
-the loop that created it), and closed by `close()` / `async with`. A client holds no background
+the loop that created it), and closed by `close()` / `async with`. TLS: `tls=True` trusts the
+system's CAs, `root_certificates=` (PEM bytes) a CA of your own, such as a self-signed server
+certificate; `tls_server_name=` checks the certificate against another name than the host in
+`server` (an address reached by IP whose certificate names a host). A client holds no background
 tasks: nothing outlives a call. The SDK, unlike the broker core, may read the real clock: it
 stamps born and received times with the wall clock as it is (`WallClock`), as any client does
 (the step-proof `SystemClock` is for the broker's decisions; its timeouts are gRPC deadlines).
@@ -77,6 +80,22 @@ def default_server() -> str:
     return os.environ.get(SERVER_ENV) or DEFAULT_SERVER
 
 
+def unavailable_hint(detail: str, tls: bool) -> str | None:
+    """What a person can do about a connection failure, read from gRPC's detail text (which
+    names the TLS or socket error but not the likely cause)."""
+    if "Connection refused" in detail:
+        return "nothing listens there: is `chronoq serve` running, on this host and port?"
+    if "CERTIFICATE_VERIFY_FAILED" in detail:
+        return ("the server's certificate is not trusted: give the CA certificate that signed it "
+                "(CLI: --ca-cert FILE or $CHRONOQ_CA_CERT; SDK: root_certificates=)")
+    if "WRONG_VERSION_NUMBER" in detail:
+        return "the server does not seem to use TLS: connect without TLS"
+    if not tls and "Socket closed" in detail:
+        return ("the server may require TLS: connect with TLS (CLI: --tls, or --ca-cert FILE for a "
+                "self-signed certificate; SDK: tls=True, root_certificates=)")
+    return None
+
+
 def _json_bytes(doc: Mapping[str, Any]) -> bytes:
     return json.dumps(doc, separators=(",", ":")).encode()
 
@@ -97,15 +116,17 @@ class AsyncAdmin:
     """Topics, timer queries, cancel by id, stats and read by offset; the base of both clients."""
 
     def __init__(self, server: str | None = None, *, timeout_ms: int = DEFAULT_TIMEOUT_MS,
-                 tls: bool = False, root_certificates: bytes | None = None) -> None:
+                 tls: bool = False, root_certificates: bytes | None = None,
+                 tls_server_name: str | None = None) -> None:
         self.server = server or default_server()
         host, sep, port = self.server.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise InvalidArgument("server", self.server, "use host:port")
         self._host, self._port = host, int(port)
         self.timeout_ms = timeout_ms
-        self._tls = tls
+        self._tls = tls or root_certificates is not None or tls_server_name is not None
         self._root_certificates = root_certificates
+        self._tls_server_name = tls_server_name
         self._channel: grpc.aio.Channel | None = None
         self._calls: dict[str, Any] = {}
         self._clock = WallClock()
@@ -120,10 +141,12 @@ class AsyncAdmin:
 
     def _open(self) -> grpc.aio.Channel:
         if self._channel is None:
-            options = [("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
+            options: list[tuple[str, Any]] = [("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
                        ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES)]
             if self._tls:
                 creds = grpc.ssl_channel_credentials(root_certificates=self._root_certificates)
+                if self._tls_server_name:
+                    options.append(("grpc.ssl_target_name_override", self._tls_server_name))
                 self._channel = grpc.aio.secure_channel(self.server, creds, options=options)
             else:
                 self._channel = grpc.aio.insecure_channel(self.server, options=options)
@@ -162,7 +185,8 @@ class AsyncAdmin:
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return RequestTimedOut(method, timeout_ms)
         if code == grpc.StatusCode.UNAVAILABLE:
-            return ServerUnavailable(self.server, e.details() or "unavailable")
+            detail = e.details() or "unavailable"
+            return ServerUnavailable(self.server, detail, unavailable_hint(detail, self._tls))
         if code == grpc.StatusCode.UNIMPLEMENTED:
             return RemoteError(50100, f"the server does not implement {method}")
         return RemoteError(50000, f"{method} failed with gRPC {code.name}: {e.details()}",
@@ -256,8 +280,10 @@ class AsyncProducer(AsyncAdmin):
 
     def __init__(self, server: str | None = None, *, timeout_ms: int = DEFAULT_TIMEOUT_MS,
                  send_attempts: int = DEFAULT_SEND_ATTEMPTS, max_batch: int = DEFAULT_MAX_BATCH,
-                 batch_via: str = "admin", tls: bool = False, root_certificates: bytes | None = None) -> None:
-        super().__init__(server, timeout_ms=timeout_ms, tls=tls, root_certificates=root_certificates)
+                 batch_via: str = "admin", tls: bool = False, root_certificates: bytes | None = None,
+                 tls_server_name: str | None = None) -> None:
+        super().__init__(server, timeout_ms=timeout_ms, tls=tls, root_certificates=root_certificates,
+                         tls_server_name=tls_server_name)
         if send_attempts < 1:
             raise InvalidArgument("send_attempts", send_attempts, "at least 1")
         if max_batch < 1:
@@ -279,10 +305,19 @@ class AsyncProducer(AsyncAdmin):
         """Store one message; returns once the server has made it durable.
 
         At most one of `deliver_at` (timezone-aware datetime, or ms since the epoch), `delay`
-        (timedelta or ms, added by the server's clock) and `delay_level` (RocketMQ 4 level)."""
+        (timedelta or ms, added by the server's clock) and `delay_level` (RocketMQ 4 level, 1-based;
+        a level above the server's table is refused with `InvalidDelayLevel`). The receipt's
+        `deliver_at_ms` is the due time the server fixed; `recall_handle` is None for a
+        delay-level message (it waits in its level's queue, as in RocketMQ 4, and cannot be
+        recalled or queried)."""
         msg = wire.outgoing(topic, body, deliver_at=deliver_at, delay=delay, delay_level=delay_level, tag=tag,
                             keys=keys, properties=properties, message_id=message_id, message_group=message_group)
-        result = (await self._with_retries(self._send_grpc, [msg]))[0]
+        # RocketMQ's protocol carries a level only as the DELAY property, which clamps a level above
+        # the table's top to the top (RocketMQ 4's rule, kept for its clients). `delay_level=` is
+        # chronoq's own field, which refuses such a level; only SendBatch carries that field, and
+        # its receipt names the due time the server fixed.
+        send = self._send_admin if delay_level is not None else self._send_grpc
+        result = (await self._with_retries(send, [msg]))[0]
         if isinstance(result, Exception):
             raise result
         return result
@@ -295,7 +330,9 @@ class AsyncProducer(AsyncAdmin):
         each message alone, and if any is refused `BatchSendError` carries a receipt or an error
         for every message while the others are stored. `batch_via="grpc"` sends RocketMQ's
         SendMessage with many messages: one malformed message refuses its whole request (raised
-        as that message's error; earlier requests stay stored). SendBatch is the default because
+        as that message's error; earlier requests stay stored), and a `delay_level` travels as
+        RocketMQ's `DELAY` property, which clamps a level above the table's top instead of
+        refusing it. SendBatch is the default because
         it was as fast or faster in `bench/bench_sdk.py` (100-byte bodies, batches of 256: about
         6,700 vs 5,500 timer messages/s, interleaved runs on a loaded 2-core machine) and costs
         the client less CPU (JSON encoding beats building protobuf objects in Python); with large
@@ -354,8 +391,9 @@ class AsyncConsumer(AsyncAdmin):
 
     def __init__(self, group: str, topic: str, *, filter_expression: str = "*", server: str | None = None,
                  timeout_ms: int = DEFAULT_TIMEOUT_MS, tls: bool = False,
-                 root_certificates: bytes | None = None) -> None:
-        super().__init__(server, timeout_ms=timeout_ms, tls=tls, root_certificates=root_certificates)
+                 root_certificates: bytes | None = None, tls_server_name: str | None = None) -> None:
+        super().__init__(server, timeout_ms=timeout_ms, tls=tls, root_certificates=root_certificates,
+                         tls_server_name=tls_server_name)
         self.group = group
         self.topic = topic
         self.filter_expression = filter_expression

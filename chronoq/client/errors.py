@@ -19,6 +19,7 @@ from typing import Any
 from chronoq import errors as core
 from chronoq.client.types import BatchOutcome
 from chronoq.protocol import errors as protocol_errors
+from chronoq.timefmt import duration
 
 OK_CODES = frozenset({20000, 30000})
 """RocketMQ v2: OK and MULTIPLE_RESULTS both mean success."""
@@ -46,8 +47,9 @@ class ServerUnavailable(ClientError):
 
     retriable = True
 
-    def __init__(self, server: str, detail: str) -> None:
-        super().__init__(f"cannot reach chronoq server at {server}: {detail}", server=server, detail=detail)
+    def __init__(self, server: str, detail: str, hint: str | None = None) -> None:
+        super().__init__(f"cannot reach chronoq server at {server}: {detail}" + (f" ({hint})" if hint else ""),
+                         server=server, detail=detail, hint=hint)
 
 
 class RequestTimedOut(ClientError):
@@ -56,7 +58,7 @@ class RequestTimedOut(ClientError):
     retriable = True
 
     def __init__(self, method: str, timeout_ms: int) -> None:
-        super().__init__(f"{method} got no answer within {timeout_ms} ms", method=method, timeout_ms=timeout_ms)
+        super().__init__(f"{method} got no answer within {duration(timeout_ms)}", method=method, timeout_ms=timeout_ms)
 
 
 class ProtocolViolation(ClientError):

@@ -49,10 +49,14 @@ from chronoq.model import (
     OutgoingMessage,
     new_message_id,
 )
+from chronoq.protocol.requests import EPOCH_SECONDS_MIN
 from chronoq.protocol.v2 import Duration, Timestamp, set_duration_ms, set_timestamp_ms
 from chronoq.protocol.v2 import definition as pb
 
 ADMIN_OK = 20000
+EARLIEST_DELIVERY_TIMESTAMP_MS = EPOCH_SECONDS_MIN * 1000
+"""A `delivery_timestamp` before this (2001-09-09) is not a time the server reads (`protocol/requests.py`
+refuses it, with the dates); the CLI's `--at` checks against it to say so before sending."""
 
 # -- times ----------------------------------------------------------------------------------
 

@@ -66,6 +66,7 @@ from chronoq.protocol.v2 import (
     service,
     timestamp_parts,
 )
+from chronoq.timefmt import instant
 
 EPOCH_SECONDS_MIN = 1_000_000_000
 EPOCH_SECONDS_END = 100_000_000_000
@@ -201,14 +202,16 @@ def delivery_time_ms(seconds: int, nanos: int) -> int:
     if EPOCH_MILLIS_MIN <= seconds < EPOCH_MILLIS_END:
         if nanos:
             raise InvalidDeliveryTime(
-                f"delivery_timestamp.seconds={seconds} reads as epoch milliseconds, but nanos={nanos} is set; "
-                "give either epoch seconds with nanos, or epoch milliseconds alone",
+                f"delivery_timestamp.seconds={seconds} reads as epoch milliseconds ({instant(seconds)}), but "
+                f"nanos={nanos} is set; give either epoch seconds with nanos, or epoch milliseconds alone",
                 seconds=seconds, nanos=nanos)
         return seconds
+    # Dates, not the raw ranges: a person reads "1970-01-01T00:00:01Z" and sees the mistake.
     raise InvalidDeliveryTime(
-        f"delivery_timestamp.seconds={seconds} is neither epoch seconds in [{EPOCH_SECONDS_MIN}, "
-        f"{EPOCH_SECONDS_END}) nor epoch milliseconds in [{EPOCH_MILLIS_MIN}, {EPOCH_MILLIS_END}); "
-        "it must be an absolute time, not a delay",
+        f"delivery_timestamp.seconds={seconds} is not a date chronoq reads: as epoch seconds it is "
+        f"{instant(seconds * 1000)}, as epoch milliseconds {instant(seconds)}; chronoq takes either between "
+        f"{instant(EPOCH_SECONDS_MIN * 1000)} and {instant(EPOCH_SECONDS_END * 1000)} (an absolute time, "
+        "not a delay)",
         seconds=seconds, nanos=nanos)
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 
 from chronoq.config import Config
-from chronoq.errors import ChronoqError, TopicExists, TopicNotFound
+from chronoq.errors import ChronoqError
 from chronoq.model import TopicConfig
 from chronoq.protocol import requests as rq
 from chronoq.protocol import responses as rs
@@ -151,16 +151,10 @@ class MessagingService:
         return access_point or rq.Endpoint("127.0.0.1", self.port)
 
     async def _topic(self, name: str) -> TopicConfig:
-        """The topic, created with all message types if it is new and auto-create is on."""
-        try:
-            return self.broker.get_topic(name)
-        except TopicNotFound:
-            if not self.config.auto_create_topics:
-                raise
-        try:
-            return await self.broker.create_topic(name)
-        except TopicExists:
-            return self.broker.get_topic(name)
+        """The topic; for a new one with auto-create on, the route it will have. A route query
+        creates nothing (consumers ask too, and a mistyped topic must not appear): the first
+        send creates the topic, with these queues."""
+        return self.broker.topics.for_send(name)
 
     # -- unary RPCs -------------------------------------------------------------------------------
 

@@ -11,6 +11,12 @@ last, so every acknowledged send is durable before the process exits. If a broke
 dies (the broker then refuses all work), a watchdog stops the server the same way and `serve`
 returns 1.
 
+Start-up failures a person can fix are `ConfigError`s that say what to fix, checked before the
+broker opens or read back from the failure: a data directory that is a file; TLS files that are
+not a PEM certificate and its private key (swapped, a key that belongs to another certificate),
+checked with Python's `ssl` because gRPC only says "cannot bind"; a port that cannot be bound,
+whose cause (in use, permission, no such address) a plain socket bind names.
+
 The server owns the real clock; everything below gets it through the broker.
 """
 
@@ -18,8 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
+import socket
+import ssl
 from collections.abc import Callable
 from pathlib import Path
 
@@ -62,13 +71,65 @@ def server_credentials(config: Config) -> grpc.ServerCredentials | None:
     if not config.tls_cert_file and not config.tls_key_file:
         return None
     if not (config.tls_cert_file and config.tls_key_file):
-        raise ConfigError("TLS needs both tls_cert_file and tls_key_file")
+        raise ConfigError("TLS needs both tls_cert_file and tls_key_file (--tls-cert and --tls-key)")
     try:
         cert = Path(config.tls_cert_file).read_bytes()
         key = Path(config.tls_key_file).read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read TLS file: {exc}") from None
+    check_tls_pair(config.tls_cert_file, cert, config.tls_key_file, key)
     return grpc.ssl_server_credentials([(key, cert)])
+
+
+def check_tls_pair(cert_path: str, cert: bytes, key_path: str, key: bytes) -> None:
+    """Refuse TLS files gRPC would refuse with only "cannot bind", saying which file is wrong."""
+    cert_has_cert, key_has_key = b"-----BEGIN CERTIFICATE-----" in cert, b"PRIVATE KEY-----" in key
+    if not cert_has_cert and not key_has_key and b"PRIVATE KEY-----" in cert and b"BEGIN CERTIFICATE" in key:
+        raise ConfigError(f"the TLS files are swapped: {cert_path} (--tls-cert) holds a private key and {key_path} "
+                          "(--tls-key) a certificate")
+    if not cert_has_cert:
+        raise ConfigError(f"{cert_path} (--tls-cert) holds no PEM certificate (-----BEGIN CERTIFICATE-----)")
+    if not key_has_key:
+        raise ConfigError(f"{key_path} (--tls-key) holds no PEM private key (-----BEGIN PRIVATE KEY-----)")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        # A password callback that gives none: an encrypted key fails here instead of prompting.
+        context.load_cert_chain(cert_path, key_path, password=lambda: b"")
+    except ssl.SSLError as exc:
+        if "KEY_VALUES_MISMATCH" in str(exc) or "key values mismatch" in str(exc):
+            raise ConfigError(f"{key_path} (--tls-key) is not the private key of the certificate in {cert_path} "
+                              "(--tls-cert)") from None
+        raise ConfigError(f"cannot use {cert_path} and {key_path} for TLS: {exc.reason or exc} (an encrypted "
+                          "key is not supported: decrypt it with `openssl pkey -in KEY -out PLAIN-KEY`)") from None
+
+
+def bind_failure(host: str, port: int) -> str:
+    """Why a port cannot be bound, found by binding it with a plain socket the way gRPC does
+    (gRPC's own error only says "Failed to bind")."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"cannot resolve host {host!r} ({exc.strerror})"
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return f"port {port} is in use (another chronoq serve, or another program); choose another --port"
+                if exc.errno == errno.EACCES:
+                    return f"no permission to bind port {port} (ports below 1024 need root); choose another --port"
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    return f"{host} is not an address of this machine; choose another --host"
+                return exc.strerror or str(exc)
+    return "gRPC could not bind it (set GRPC_VERBOSITY=debug for gRPC's own log)"
+
+
+def check_data_dir_path(data_dir: Path) -> None:
+    if data_dir.exists() and not data_dir.is_dir():
+        raise ConfigError(f"data directory {data_dir} is a file, not a directory; give --data-dir a directory "
+                          "(it is created if missing)")
 
 
 async def serve(config: Config, *, stop: asyncio.Event | None = None,
@@ -79,6 +140,7 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None,
 
     stop = stop or asyncio.Event()
     credentials = server_credentials(config)
+    check_data_dir_path(config.data_dir)
     broker = await Broker.open(config)
     server: grpc.aio.Server | None = None
     try:
@@ -92,10 +154,10 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None,
         address = bind_address(config.host, config.port)
         try:
             port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
-        except RuntimeError as exc:
-            raise ConfigError(f"cannot bind {address}: {exc}") from None
+        except RuntimeError:
+            port = 0
         if port == 0:
-            raise ConfigError(f"cannot bind {address}")
+            raise ConfigError(f"cannot bind {address}: {bind_failure(config.host, config.port)}")
         await server.start()
         for name in ("", SERVICE_NAME, admin_codec.SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

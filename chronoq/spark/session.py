@@ -7,12 +7,19 @@ provider; the loopback address avoids a DNS query and a warning. On a cluster, `
 supplies the master and the executors' environment, so `build_session` only fills in what the
 caller left unset (`getOrCreate` keeps the settings of a session that already exists).
 pyspark is imported inside the function, so importing this module costs nothing without Spark.
+
+`quiet=True` (the CLI's way) keeps Spark's start-up noise off the terminal: log4j gets a
+configuration of errors only (`log4j2-quiet.properties`, given to the driver JVM at launch, the only
+time it reads one), and the JVM's own warning about the incubator module the Spark 4 launcher
+always adds is dropped from its stderr, which is otherwise passed through line by line.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -35,6 +42,11 @@ LOCAL_CONF: dict[str, str] = {
     "spark.driver.host": "127.0.0.1",
 }
 """Settings for a small local run (tests, a laptop): small shuffles, no web UI, loopback only."""
+
+QUIET_LOG4J = Path(__file__).with_name("log4j2-quiet.properties")
+JVM_NOISE = (b"WARNING: Using incubator modules:",)
+"""Lines the JVM prints at every start that say nothing to a chronoq user (Spark's launcher adds
+`--add-modules=jdk.incubator.vector`, and the JVM warns about it)."""
 
 
 def package_root() -> str:
@@ -71,11 +83,38 @@ def build_session(app_name: str, *, master: str | None = None, conf: Mapping[str
     settings = dict(BASE_CONF)
     if chosen is not None and chosen.startswith("local"):
         settings.update(LOCAL_CONF)
+    if quiet and "spark.driver.extraJavaOptions" not in (conf or {}) and not submitted:
+        settings["spark.driver.extraJavaOptions"] = f"-Dlog4j.configurationFile=file:{QUIET_LOG4J}"
     settings.update(conf or {})
     for key, value in settings.items():
         builder = builder.config(key, value)
+    if quiet and not submitted:
+        _launch_filtered_gateway({**settings, "spark.app.name": app_name,
+                                  **({"spark.master": chosen} if chosen else {})})
     spark = builder.getOrCreate()
     if quiet:
         spark.sparkContext.setLogLevel("ERROR")
     return spark
 
+
+def _launch_filtered_gateway(settings: Mapping[str, str]) -> None:
+    """Start the driver JVM ourselves, its stderr through a pipe that drops `JVM_NOISE` and passes
+    everything else on (executors' and Python workers' errors included), unless a JVM runs already."""
+    from pyspark import SparkConf
+    from pyspark.core.context import SparkContext
+    from pyspark.java_gateway import launch_gateway
+
+    if SparkContext._gateway is not None:
+        return
+    conf = SparkConf(loadDefaults=False).setAll(list(settings.items()))
+    gateway = launch_gateway(conf, popen_kwargs={"stderr": subprocess.PIPE})
+    threading.Thread(target=_pass_stderr, args=(gateway.proc.stderr,), name="spark-jvm-stderr", daemon=True).start()
+    SparkContext._ensure_initialized(gateway=gateway, conf=conf)
+
+
+def _pass_stderr(pipe: Any) -> None:
+    out = sys.stderr.buffer
+    for line in iter(pipe.readline, b""):
+        if not line.startswith(JVM_NOISE):
+            out.write(line)
+            out.flush()

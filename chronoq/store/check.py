@@ -11,6 +11,10 @@ It reads each file the way recovery would and sorts what it finds in three:
   cut short, with nothing valid after it), a consume queue to rebuild, a missing or damaged
   checkpoint. Exit status 3 (REPAIRABLE), when there are no problems.
 - *notes*: facts, not findings (records a restart will dispatch).
+And one verdict before any of these: a path that does not exist, is not a directory, or holds
+none of chronoq's files is not a data directory at all (`unusable`, exit status 2, as for a
+usage error): calling it DAMAGED would send a person looking for lost data that never existed,
+and OK would bless a mistyped `--data-dir`.
 A torn tail and damage are told apart as recovery does (`store/damage.py`): by whether a valid
 record follows the bad one. Magic, version and checksum failures are named apart, as bbolt's
 check does. The consume queues are checked against the log in one pass over the log: every
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from chronoq.errors import CorruptRecord
+from chronoq.model import is_system_topic
 from chronoq.store import files
 from chronoq.store.commitlog import SEGMENT_HEADER_SIZE, check_frame, decode_segment_header
 from chronoq.store.consumequeue import CQ_HEADER_SIZE, ENTRY_SIZE, decode_cq_header, decode_entry, tag_hash
@@ -32,9 +37,15 @@ from chronoq.store.damage import DAMAGED, classify
 from chronoq.store.meta import decode_checkpoint, decode_topics
 from chronoq.store.record import decode_record
 
+DATA_DIR_MARKERS = (files.COMMITLOG_DIR, files.TOPICS, files.CHECKPOINT, files.QUEUES_DIR, files.TIMER_DIR,
+                    files.GROUPS_DIR, files.LOCK)
+"""A chronoq data directory holds at least one of these (a broker that opened it once made them all)."""
+
 
 @dataclass
 class CheckReport:
+    unusable: str | None = None
+    """Why there was nothing to check (no such path, not a directory, not a data directory): exit status 2."""
     problems: list[str] = field(default_factory=list)
     """Damage that costs data or needs a person (exit status 1)."""
     repairs: list[str] = field(default_factory=list)
@@ -50,8 +61,8 @@ class CheckReport:
 
     @property
     def ok(self) -> bool:
-        """Nothing to repair and nothing damaged."""
-        return not self.problems and not self.repairs
+        """A data directory with nothing to repair and nothing damaged."""
+        return self.unusable is None and not self.problems and not self.repairs
 
     @property
     def damaged(self) -> bool:
@@ -59,6 +70,8 @@ class CheckReport:
 
     @property
     def exit_status(self) -> int:
+        if self.unusable is not None:
+            return 2
         return 1 if self.problems else 3 if self.repairs else 0
 
 
@@ -73,8 +86,15 @@ class _Queue:
 def check_data_dir(data_dir: str | Path) -> CheckReport:
     data_dir = Path(data_dir)
     report = CheckReport()
+    if not data_dir.exists():
+        report.unusable = f"{data_dir} does not exist"
+        return report
     if not data_dir.is_dir():
-        report.problems.append(f"{data_dir}: not a directory")
+        report.unusable = f"{data_dir} is a file, not a directory"
+        return report
+    if not any((data_dir / name).exists() for name in DATA_DIR_MARKERS):
+        report.unusable = (f"{data_dir} is not a chronoq data directory: it holds none of "
+                           f"{', '.join(DATA_DIR_MARKERS)}")
         return report
     _check_topics(data_dir, report)
     checkpoint = _check_checkpoint(data_dir, report)
@@ -102,8 +122,17 @@ def _check_topics(data_dir: Path, report: CheckReport) -> None:
     try:
         decode_topics(path.read_bytes())
     except CorruptRecord as e:
-        report.problems.append(f"{path}: {e.reason} (a restart rebuilds the table from the queues and the log; "
-                               "queue counts of empty queues and accepted message types are lost)")
+        # What `MessageStore._load_topics` will do, so the person knows what a restart costs.
+        root = data_dir / files.QUEUES_DIR
+        names = sorted(n for n in os.listdir(root) if (root / n).is_dir() and not is_system_topic(n)) \
+            if root.is_dir() else []
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        report.problems.append(
+            f"{path}: the topic table is damaged ({e.reason}). A restart moves it aside to "
+            f"{path.name}.damaged-<ms> and rebuilds it from {root}: {len(names)} topic(s)"
+            f"{' (' + shown + ')' if names else ''} come back with their queue counts, but every topic "
+            "accepts every message type again and its creation time is lost. Start the broker to repair it; "
+            "copy the file first if you want to inspect it")
 
 
 def _check_checkpoint(data_dir: Path, report: CheckReport) -> int | None:
@@ -261,6 +290,9 @@ def _check_entry(report: CheckReport, queues: dict[tuple[str, int], _Queue], top
 
 
 def format_report(report: CheckReport, data_dir: str | Path) -> str:
+    if report.unusable is not None:
+        return "\n".join([f"chronoq check {data_dir}", f"  NOT A DATA DIRECTORY: {report.unusable}",
+                          "  (nothing was checked; give the directory `chronoq serve --data-dir` uses)"])
     lines = [f"chronoq check {data_dir}",
              f"  commit log: {report.segments} segments, {report.records} records, "
              f"positions [{report.log_start}, {report.log_end})",

@@ -622,7 +622,7 @@ class RocksTimerIndex:
                 handed.clear()  # a broker that asks and never fires: forget, rather than grow
         if txn.fired_times:
             self._latencies.delivery_error_ms.record_many(
-                [fired_ms - deliver_at_ms for deliver_at_ms, fired_ms in txn.fired_times])
+                [fired_ms - counted_from_ms for counted_from_ms, fired_ms in txn.fired_times])
         if batch.applied_ms is not None and txn.added_entries:
             applied_ms = batch.applied_ms
             self._latencies.enqueue_lag_ms.record_many([applied_ms - e.accepted_ms for e in txn.added_entries])
@@ -650,7 +650,7 @@ class RocksTimerIndex:
                 out.append(entry)
                 if entry.position not in handed:
                     handed[entry.position] = (tk, value)
-                    lags.append(now_ms - entry.deliver_at_ms)
+                    lags.append(now_ms - max(entry.deliver_at_ms, entry.accepted_ms))  # as delivery_error_ms
                 if len(out) >= limit:
                     break
         self._latencies.fire_lag_ms.record_many(lags)

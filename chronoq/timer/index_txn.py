@@ -29,6 +29,8 @@ from chronoq.timer.index_codec import (
     CF_META,
     CF_POS,
     CF_TIME,
+    ENTRY_HEAD,
+    FACTS_HEAD,
     HIST_REDIRECT,
     HIST_STATUS,
     HISTORY_KEY,
@@ -86,6 +88,9 @@ class IndexTxn:
         self.removed: set[bytes] = set()
         self.added_entries: list[TimerEntry] = []
         self.fired_times: list[tuple[int, int]] = []
+        """(due_or_accepted_ms, fired_ms) per timer fired: the delivery error counts from the due
+        time, or from the acceptance when the due time had already passed then (a deliver-at in
+        the past fires at once and is late by no more than the time since it was accepted)."""
         self.finished_positions: list[int] = []
         self.new_minutes: dict[int, array[int]] = {}
         self.new_hours: dict[int, int] = {}
@@ -183,6 +188,7 @@ class IndexTxn:
         slot_delta, topic_delta = self.slot_delta, self.topic_delta
         removed, finished, fired_times = self.removed, self.finished_positions, self.fired_times
         pack_position, pack_history, unpack_time = U64.pack, HISTORY_KEY.pack, TIME_KEY.unpack
+        unpack_entry_head = ENTRY_HEAD.unpack_from
         for position, fired_ms in fired:
             if position in pos:
                 self.fire(position, fired_ms)
@@ -199,7 +205,7 @@ class IndexTxn:
             wb_put(pack_position(position), done, h_pos)
             pos[position] = done
             wb_put(pack_history(fired_ms, position), _HISTORY_STATUS_KIND + ik, h_history)
-            fired_times.append((deliver_at_ms, fired_ms))
+            fired_times.append((max(deliver_at_ms, unpack_entry_head(value)[3]), fired_ms))
 
     def _follow(self, position: int) -> tuple[int, bytes | None]:
         """Where the timer first recorded at `position` lives now (roll redirects followed)."""
@@ -217,8 +223,10 @@ class IndexTxn:
         position, pos_value = self._follow(position)
         if pos_value is None or pos_value[0] != POS_PENDING:
             return  # unknown, or already fired or cancelled: replay or a lost race
+        facts = self.get_facts(decode_pos_pending(pos_value)[1])
         deliver_at_ms = self._finish(position, pos_value, STATE_DELIVERED, fired_ms)
-        self.fired_times.append((deliver_at_ms, fired_ms))
+        accepted_ms = FACTS_HEAD.unpack_from(facts)[3] if facts and len(facts) >= FACTS_HEAD.size else deliver_at_ms
+        self.fired_times.append((max(deliver_at_ms, accepted_ms), fired_ms))
 
     def damage(self, position: int, damaged_ms: int) -> None:
         """Take the pending timer recorded at `position` out of the time order as DAMAGED."""

@@ -54,7 +54,7 @@ class DelayLevels:
     def clamp(self, level: int) -> int:
         """`level` itself, or the top level if it is above the table; < 1 is refused."""
         if isinstance(level, bool) or not isinstance(level, int) or level < 1:
-            raise InvalidDelayLevel(level, self.max_level)
+            raise InvalidDelayLevel(level, self.max_level, self._levels_ms[-1])
         return min(level, self.max_level)
 
     def delay_ms(self, level: int) -> int:

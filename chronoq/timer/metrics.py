@@ -200,12 +200,14 @@ class TimerLatencies:
     """The three histograms every engine keeps (in memory; they restart empty)."""
 
     delivery_error_ms: LatencyHistogram = field(default_factory=LatencyHistogram)
-    """fired_ms - deliver_at_ms per fired timer: lateness as consumers see it (< 0 = early)."""
+    """fired_ms - max(deliver_at_ms, accepted_ms) per fired timer: lateness as consumers see it
+    (< 0 = early). A timer whose due time had passed when it was accepted (RocketMQ delivers it
+    at once) counts from its acceptance: it cannot be late by more than the time since then."""
     enqueue_lag_ms: LatencyHistogram = field(default_factory=LatencyHistogram)
     """applied_ms - accepted_ms per live add: from durable in the log to visible in the index."""
     fire_lag_ms: LatencyHistogram = field(default_factory=LatencyHistogram)
-    """now_ms - deliver_at_ms when `due()` first hands a timer to the broker: the engine's own
-    share of the delivery error, before the fired copy is written."""
+    """now_ms - max(deliver_at_ms, accepted_ms) when `due()` first hands a timer to the broker:
+    the engine's own share of the delivery error, before the fired copy is written."""
 
     def summaries(self) -> dict[str, dict[str, Any]]:
         return {

@@ -1,0 +1,106 @@
+"""Times and durations for people: the one formatter behind every error message, CLI table and report.
+
+Theory of operation: chronoq keeps time as integer milliseconds everywhere a program reads it
+(errors' `details`, the admin JSON, the disk): ms since the epoch for instants, plain ms for
+durations. A person reads "2026-11-23T09:00:00Z" and "3h12m" faster and with fewer mistakes than
+1795424400000 and 11520000, so every text meant for a person goes through here, and the raw
+values stay beside it for programs. Pure functions, no clock: `relative` takes `now_ms`.
+
+Instants are ISO 8601 in UTC with a "Z" (`instant`): text made on the server cannot know the
+reader's zone, and ISO 8601 can be pasted back into `chronoq send --at`. The CLI, which knows
+its reader's zone, shows local time with the offset (`local_instant`).
+
+Durations keep the two largest units a person uses, truncated toward zero: 12ms, 1.25s, 4m03s,
+3h12m, 2d03h, 400 days. Truncation can make two different durations read the same (30 days and
+30 days 1 s); where a message compares a value with a limit, `exact` says the difference.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+SECOND_MS = 1000
+MINUTE_MS = 60 * SECOND_MS
+HOUR_MS = 60 * MINUTE_MS
+DAY_MS = 24 * HOUR_MS
+DAYS_ALONE_FROM = 10
+"""From this many days on, hours are dropped ("400 days", not "400d05h"): they no longer matter."""
+
+
+def duration(ms: int | float) -> str:
+    """A signed duration in its two largest units: '12ms', '1.25s', '4m03s', '3h12m', '2d03h', '30 days'."""
+    ms = int(ms)
+    sign = "-" if ms < 0 else ""
+    ms = abs(ms)
+    if ms < SECOND_MS:
+        return f"{sign}{ms}ms"
+    if ms < MINUTE_MS:
+        seconds = f"{ms / SECOND_MS:.3f}".rstrip("0").rstrip(".")
+        return f"{sign}{seconds}s"
+    if ms < HOUR_MS:
+        minutes, rest = divmod(ms, MINUTE_MS)
+        return f"{sign}{minutes}m{rest // SECOND_MS:02d}s"
+    if ms < DAY_MS:
+        hours, rest = divmod(ms, HOUR_MS)
+        return f"{sign}{hours}h{rest // MINUTE_MS:02d}m"
+    days, rest = divmod(ms, DAY_MS)
+    hours = rest // HOUR_MS
+    if hours and days < DAYS_ALONE_FROM:
+        return f"{sign}{days}d{hours:02d}h"
+    return f"{sign}{days} day{'s' if days != 1 else ''}"
+
+
+def exact(ms: int) -> str:
+    """Every non-zero unit down to the millisecond: '30d 0h 0m 1s', '1h 0m 0.25s'. For the rare
+    text where `duration`'s rounding would hide the point (a value just over a limit)."""
+    ms = int(ms)
+    sign = "-" if ms < 0 else ""
+    ms = abs(ms)
+    parts = []
+    for unit, size in (("d", DAY_MS), ("h", HOUR_MS), ("m", MINUTE_MS)):
+        count, ms = divmod(ms, size)
+        if count or parts:
+            parts.append(f"{count}{unit}")
+    if ms or not parts:
+        parts.append(f"{ms / SECOND_MS:.3f}".rstrip("0").rstrip(".") + "s")
+    return sign + " ".join(parts)
+
+
+def duration_against(value_ms: int, limit_ms: int) -> tuple[str, str]:
+    """`value_ms` and `limit_ms` as durations, the value exact when both would read the same."""
+    value, limit = duration(value_ms), duration(limit_ms)
+    if value == limit and value_ms != limit_ms:
+        value = exact(value_ms)
+    return value, limit
+
+
+def instant(ms: int | float) -> str:
+    """ms since the epoch as ISO 8601 UTC: '2026-11-23T09:00:00Z', '...T09:00:00.250Z'. A value
+    no calendar date can hold says so rather than raising (it is shown in an error, usually)."""
+    ms = int(ms)
+    try:
+        when = datetime.fromtimestamp(ms / SECOND_MS, tz=UTC)
+    except (OverflowError, OSError, ValueError):
+        return f"{ms} ms since the epoch (no calendar date)"
+    text = when.strftime("%Y-%m-%dT%H:%M:%S")
+    if ms % SECOND_MS:
+        text += f".{ms % SECOND_MS:03d}"
+    return text + "Z"
+
+
+def local_instant(ms: int | float | None) -> str:
+    """ms since the epoch in the local zone, with milliseconds and the offset (for the CLI)."""
+    if ms is None:
+        return "-"
+    try:
+        return datetime.fromtimestamp(int(ms) / SECOND_MS).astimezone().isoformat(timespec="milliseconds")
+    except (OverflowError, OSError, ValueError):
+        return instant(ms)
+
+
+def relative(ms: int, now_ms: int) -> str:
+    """'in 4m03s', '3h12m ago' or 'now'."""
+    delta = int(ms) - int(now_ms)
+    if delta == 0:
+        return "now"
+    return f"in {duration(delta)}" if delta > 0 else f"{duration(-delta)} ago"

@@ -1,0 +1,426 @@
+"""Issue 13, "the first hour": each rough edge a new user hit, as the real `chronoq` command in a
+subprocess against a real `chronoq serve` started here.
+
+Every test runs `python -m chronoq ...` with a clean environment (no CHRONOQ_* of the caller) and
+judges what a person sees: the exit status, stdout, stderr. The `chronoq check` tests need no
+server and run in the fast suite; the others start servers and are `slow`. This module imports
+nothing newer than the command itself, so the same tests can be run against an older checkout
+(PYTHONPATH=that checkout) to see each one fail there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import chronoq
+from chronoq.client.testing import ServerProcess
+
+ROOT = Path(chronoq.__file__).resolve().parent.parent
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+GRPC_LOG_LINE = re.compile(r"^[EWI]\d{4} \d\d:\d\d:\d\d", re.MULTILINE)
+"""gRPC's C-core log format ("E1123 03:40:50.989144 1468 add_port.cc:83] ...")."""
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHRONOQ_") and k != "GRPC_VERBOSITY"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env.update(extra or {})
+    return env
+
+
+def chronoq_cmd(*args: str, env: dict[str, str] | None = None, timeout: float = 60,
+                cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "chronoq", *args], capture_output=True, text=True,
+                          env=_env(env), timeout=timeout, cwd=cwd)
+
+
+def _one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
+    """stderr, checked to be what a person should see: no traceback, no gRPC log lines."""
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert not GRPC_LOG_LINE.search(proc.stderr), proc.stderr
+    return proc.stderr
+
+
+def _openssl_cert(directory: Path, san: str = "DNS:localhost,IP:127.0.0.1", name: str = "server") -> tuple[Path, Path]:
+    cert, key = directory / f"{name}.pem", directory / f"{name}.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=chronoq",
+                    "-addext", f"subjectAltName={san}", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A plain server with the defaults a newcomer gets (auto_create_topics on)."""
+    with ServerProcess(tmp_path_factory.mktemp("first-hour") / "data") as proc:
+        yield proc.address
+
+
+def fresh(prefix: str) -> str:
+    return f"{prefix}-{time.time_ns() % 10**9}"
+
+
+# -- check: verdicts that mean what they say (no server) -------------------------------------------
+
+
+def test_check_calls_a_missing_path_missing_not_damaged(tmp_path: Path) -> None:
+    proc = chronoq_cmd("check", str(tmp_path / "nosuch"))
+    assert proc.returncode == 2
+    assert "does not exist" in proc.stdout and "DAMAGED" not in proc.stdout
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    proc = chronoq_cmd("check", str(a_file))
+    assert proc.returncode == 2 and "is a file, not a directory" in proc.stdout
+
+
+def test_check_does_not_call_a_foreign_directory_ok(tmp_path: Path) -> None:
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos" / "cat.jpg").write_bytes(b"\xff\xd8")
+    for directory in (tmp_path / "photos", tmp_path):
+        proc = chronoq_cmd("check", str(directory))
+        assert proc.returncode == 2, proc.stdout
+        assert "not a chronoq data directory" in proc.stdout
+        assert not re.search(r"^\s*OK\s*$", proc.stdout, re.MULTILINE)
+
+
+@pytest.mark.slow
+def test_check_names_a_damaged_topics_file_and_what_a_restart_does(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    with ServerProcess(data) as proc:
+        assert chronoq_cmd("send", "orders", "x", env={"CHRONOQ_SERVER": proc.address}).returncode == 0
+    (data / "topics").write_bytes(b"garbage")
+    result = chronoq_cmd("check", str(data))
+    assert result.returncode == 1
+    [line] = [line for line in result.stdout.splitlines() if "PROBLEM" in line]
+    assert str(data / "topics") in line
+    assert "A restart moves it aside" in line and "orders" in line and "message type" in line
+
+
+# -- the connection, before any server (no server) -------------------------------------------------
+
+
+CLIENT_COMMANDS = (["send", "t", "x"], ["consume", "t", "--group", "g"], ["show", "ID"], ["cancel", "--handle", "H"],
+                   ["topics", "create", "t"], ["topics", "list"], ["topics", "describe", "t"], ["stats"])
+
+
+def test_every_client_command_takes_the_tls_flags() -> None:
+    for argv in CLIENT_COMMANDS:
+        proc = chronoq_cmd(*argv[:2 if argv[0] == "topics" else 1], "--help")
+        assert proc.returncode == 0
+        for flag in ("--server", "--tls", "--ca-cert", "--tls-server-name", "CHRONOQ_CA_CERT", "examples:"):
+            assert flag in proc.stdout, (argv, flag)
+
+
+def test_connection_mistakes_are_usage_errors_and_a_missing_server_is_named(tmp_path: Path) -> None:
+    proc = chronoq_cmd("topics", "list", "--server", "localhost")
+    assert proc.returncode == 2 and "must be HOST:PORT" in _one_line_error(proc)
+    proc = chronoq_cmd("stats", env={"CHRONOQ_TLS": "maybe"})
+    assert proc.returncode == 2 and "$CHRONOQ_TLS must be" in _one_line_error(proc)
+    proc = chronoq_cmd("topics", "list", "--ca-cert", str(tmp_path / "nosuch.pem"))
+    assert proc.returncode == 2 and "cannot read the CA certificate" in _one_line_error(proc)
+    proc = chronoq_cmd("topics", "list", "--server", f"127.0.0.1:{_free_port()}")
+    assert proc.returncode == 1 and "nothing listens there" in _one_line_error(proc)
+
+
+# -- start-up --------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_serve_on_a_data_dir_that_is_a_file_says_so(tmp_path: Path) -> None:
+    a_file = tmp_path / "data"
+    a_file.write_text("not a directory")
+    proc = chronoq_cmd("serve", "--data-dir", str(a_file), "--port", str(_free_port()))
+    assert proc.returncode == 2
+    assert f"data directory {a_file} is a file, not a directory" in _one_line_error(proc)
+
+
+@pytest.mark.slow
+def test_serve_on_a_busy_port_names_the_cause_without_grpc_log_lines(tmp_path: Path, server: str) -> None:
+    port = server.rsplit(":", 1)[1]
+    proc = chronoq_cmd("serve", "--data-dir", str(tmp_path / "d"), "--port", port)
+    assert proc.returncode == 2
+    err = _one_line_error(proc)
+    assert f"port {port} is in use" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.slow
+def test_serve_with_cert_and_key_swapped_or_mismatched_says_which(tmp_path: Path) -> None:
+    cert, key = _openssl_cert(tmp_path)
+    _, other_key = _openssl_cert(tmp_path, name="other")
+    port = str(_free_port())
+    proc = chronoq_cmd("serve", "--data-dir", str(tmp_path / "d"), "--port", port, "--tls-cert", str(key),
+                       "--tls-key", str(cert))
+    assert proc.returncode == 2 and "the TLS files are swapped" in _one_line_error(proc)
+    assert "cannot bind" not in proc.stderr
+    proc = chronoq_cmd("serve", "--data-dir", str(tmp_path / "d"), "--port", port, "--tls-cert", str(cert),
+                       "--tls-key", str(other_key))
+    assert proc.returncode == 2 and "is not the private key of the certificate" in _one_line_error(proc)
+
+
+# -- TLS on every client command ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_client_commands_talk_to_a_tls_server(tmp_path: Path) -> None:
+    cert, key = _openssl_cert(tmp_path)
+    settings = {"tls_cert_file": str(cert), "tls_key_file": str(key)}
+    with ServerProcess(tmp_path / "data", settings=settings, tls_root_certificates=cert.read_bytes()) as proc:
+        address = proc.address
+        # Without TLS: refused, with the likely cause.
+        plain = chronoq_cmd("topics", "list", "--server", address)
+        assert plain.returncode == 1 and "may require TLS" in _one_line_error(plain)
+        # Flags: the self-signed certificate as the CA.
+        sent = chronoq_cmd("send", "orders", "over tls", "--in", "1s", "--server", address, "--ca-cert", str(cert))
+        assert sent.returncode == 0, sent.stderr
+        assert "recall handle:" in sent.stdout
+        # The same through the environment, as kubectl and nats take theirs.
+        env = {"CHRONOQ_SERVER": address, "CHRONOQ_CA_CERT": str(cert)}
+        got = chronoq_cmd("consume", "orders", "--group", "g", "--count", "1", "--wait", env=env)
+        assert got.returncode == 0 and "over tls" in got.stdout, got.stderr
+        for argv in (["topics", "list"], ["stats"], ["show", re.search(r"sent (\S+)", sent.stdout).group(1)]):
+            assert chronoq_cmd(*argv, env=env).returncode == 0, argv
+        # TLS trusting only the system's CAs: the self-signed certificate is not trusted, and said so.
+        system = chronoq_cmd("topics", "list", "--tls", env={"CHRONOQ_SERVER": address})
+        assert system.returncode == 1 and "certificate is not trusted" in _one_line_error(system)
+        # The key given as the CA: a usage error naming the mistake, before any connection.
+        wrong = chronoq_cmd("topics", "list", "--ca-cert", str(key), env={"CHRONOQ_SERVER": address})
+        assert wrong.returncode == 2 and "holds a private key" in _one_line_error(wrong)
+
+
+@pytest.mark.slow
+def test_tls_server_name_for_a_certificate_that_names_a_host(tmp_path: Path) -> None:
+    cert, key = _openssl_cert(tmp_path, san="DNS:broker.chronoq.test")
+    port = _free_port()
+    serve = subprocess.Popen([sys.executable, "-m", "chronoq", "serve", "--data-dir", str(tmp_path / "data"),
+                              "--port", str(port), "--tls-cert", str(cert), "--tls-key", str(key)],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_env())
+    try:
+        assert serve.stdout is not None
+        assert serve.stdout.readline().startswith("chronoq serving on")
+        env = {"CHRONOQ_SERVER": f"127.0.0.1:{port}", "CHRONOQ_CA_CERT": str(cert)}
+        assert chronoq_cmd("topics", "list", env=env).returncode == 1  # the certificate does not name 127.0.0.1
+        ok = chronoq_cmd("topics", "list", "--tls-server-name", "broker.chronoq.test", env=env)
+        assert ok.returncode == 0, ok.stderr
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(20)
+
+
+@pytest.mark.slow
+def test_tls_to_a_plain_server_is_told_so(server: str) -> None:
+    proc = chronoq_cmd("topics", "list", "--tls", "--server", server)
+    assert proc.returncode == 1 and "does not seem to use TLS" in _one_line_error(proc)
+
+
+# -- optional parts --------------------------------------------------------------------------------
+
+
+def _without(tmp_path: Path, *modules: str) -> dict[str, str]:
+    """An environment in which importing `modules` fails as it does where they are not installed."""
+    hook = tmp_path / "hide-modules"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(
+        "import sys\n"
+        f"HIDDEN = {set(modules)!r}\n"
+        "class _Hide:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in HIDDEN:\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, _Hide())\n")
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(hook), str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+
+
+@pytest.mark.slow
+def test_commands_of_the_spark_extra_name_the_setup_step(tmp_path: Path) -> None:
+    env = _without(tmp_path, "pyarrow", "pyspark")
+    probe = subprocess.run([sys.executable, "-c", "import pyarrow"], env=_env(env), capture_output=True, text=True)
+    assert "No module named 'pyarrow'" in probe.stderr  # the hiding works
+    (tmp_path / "data").mkdir()
+    for argv in (["trace", "export", str(tmp_path / "data"), str(tmp_path / "t.parquet")],
+                 ["spark", "report", str(tmp_path / "t.parquet")],
+                 ["spark", "schedule", "--input", "x.csv", "--topic", "t", "--delay-column", "d", "--server", "h:1"],
+                 ["spark", "engine", "--server", "h:1", "--checkpoint", str(tmp_path / "ckpt")]):
+        proc = chronoq_cmd(*argv, env=env)
+        assert proc.returncode == 1, (argv, proc.stderr)
+        err = _one_line_error(proc)
+        assert "scripts/setup.sh --spark" in err and "ModuleNotFoundError" not in err, argv
+
+
+# -- dates and durations in errors ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_refusals_show_dates_and_durations(server: str) -> None:
+    env = {"CHRONOQ_SERVER": server}
+    proc = chronoq_cmd("send", fresh("far"), "x", "--at", "2099-01-01T00:00:00Z", env=env)
+    assert proc.returncode == 1
+    err = _one_line_error(proc)
+    assert "delivery time 2099-01-01T00:00:00Z is" in err and "days ahead" in err and "is 30 days" in err, err
+    assert not re.search(r"\d{10,}", err), err  # no epoch milliseconds
+    proc = chronoq_cmd("send", fresh("far"), "x", "--at", "1000", env=env)
+    assert proc.returncode == 2 and "1970-01-01T00:00:01Z" in proc.stderr and "--in" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_deliver_at_in_the_past_is_late_only_since_it_was_accepted(server: str) -> None:
+    env = {"CHRONOQ_SERVER": server}
+    topic = fresh("past")
+    an_hour_ago_ms = int(time.time() * 1000) - 3_600_000
+    sent = chronoq_cmd("send", topic, "late?", "--at", str(an_hour_ago_ms), env=env)
+    assert sent.returncode == 0, sent.stderr
+    got = chronoq_cmd("consume", topic, "--group", "g", "--count", "1", "--wait", env=env)
+    assert got.returncode == 0 and "late?" in got.stdout
+    stats = json.loads(chronoq_cmd("stats", "--json", env=env).stdout)
+    error = stats["timer"]["latencies"]["delivery_error_ms"]
+    assert error["count"] >= 1 and error["max"] < 60_000, error  # not the hour it was "due" before it existed
+    assert "before it was sent: delivered at once" in got.stdout and "1h00m" not in got.stdout, got.stdout
+    assert "delivered at once" in sent.stdout, sent.stdout
+    message_id = re.search(r"sent (\S+)", sent.stdout).group(1)
+    show = chronoq_cmd("show", message_id, env=env)
+    assert re.search(r"fired .*\((\d+ms|[\d.]+s) after it was accepted\)", show.stdout), show.stdout
+
+
+# -- consumers never create topics -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_consume_of_a_mistyped_topic_creates_nothing_and_says_what_to_do(server: str) -> None:
+    env = {"CHRONOQ_SERVER": server}
+    typo = fresh("ordrs")
+    proc = chronoq_cmd("consume", typo, "--group", "g", env=env)
+    assert proc.returncode == 1
+    err = _one_line_error(proc)
+    assert f"topic '{typo}' does not exist" in err and f"chronoq topics create {typo}" in err
+    assert "auto-create is off" not in err  # it is on here
+    assert typo not in chronoq_cmd("topics", "list", env=env).stdout
+    described = chronoq_cmd("topics", "describe", typo, env=env)
+    assert described.returncode == 1 and "auto-create is off" not in described.stderr
+
+
+# -- delay levels -----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_send_level_prints_its_due_time_and_why_it_has_no_handle(server: str) -> None:
+    env = {"CHRONOQ_SERVER": server}
+    topic = fresh("levels")
+    proc = chronoq_cmd("send", topic, "x", "--level", "3", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"due at \S+ \(in (9\.\d+s|10s); delay level 3\)", proc.stdout), proc.stdout
+    assert "no recall handle" in proc.stdout and "as in RocketMQ 4" in proc.stdout
+    message_id = re.search(r"sent (\S+)", proc.stdout).group(1)
+    show = chronoq_cmd("show", message_id, env=env)
+    assert show.returncode == 1 and "delay-level message is not tracked, as in RocketMQ 4" in show.stderr
+
+
+@pytest.mark.slow
+def test_send_level_above_the_table_is_refused_naming_the_top(server: str) -> None:
+    env = {"CHRONOQ_SERVER": server}
+    topic = fresh("levels")
+    proc = chronoq_cmd("send", topic, "x", "--level", "99", env=env)
+    assert proc.returncode == 1
+    err = _one_line_error(proc)
+    assert "InvalidDelayLevel" in err and "level 18 = 2h00m" in err and "levels are 1..18" in err
+
+
+# -- stats ------------------------------------------------------------------------------------------
+
+
+def _stats_env(server: str) -> dict[str, str]:
+    return {"CHRONOQ_SERVER": server}
+
+
+@pytest.mark.slow
+def test_stats_fits_80_columns_and_a_24_line_screen(server: str) -> None:
+    env = _stats_env(server)
+    for i in range(3):
+        chronoq_cmd("send", fresh("stats"), "x", "--in", f"{i + 1}h", env=env)
+    proc = chronoq_cmd("stats", env=env)
+    assert proc.returncode == 0
+    lines = proc.stdout.rstrip("\n").splitlines()
+    assert len(lines) <= 22 and max(map(len, lines)) <= 80, proc.stdout
+    text = proc.stdout
+    assert "by due" in text and "delivery error" in text and "p99" in text
+
+
+def _pty_run(argv: list[str], env: dict[str, str], seconds: float) -> str:
+    """Run `argv` on a pseudo-terminal of 80x24 for `seconds`, then Ctrl-C; return what it drew."""
+    import fcntl
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    full_env = _env(env)
+    full_env.pop("COLUMNS", None)
+    full_env.pop("LINES", None)
+    full_env["TERM"] = "xterm-256color"
+    proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=full_env, start_new_session=True)
+    os.close(slave)
+    out = b""
+    deadline = time.monotonic() + seconds
+    try:
+        while True:
+            now = time.monotonic()
+            if now >= deadline and proc.poll() is None:
+                os.kill(proc.pid, signal.SIGINT)
+                deadline = now + 10
+            ready, _, _ = select.select([master], [], [], 0.2)
+            if ready:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                out += chunk
+            elif proc.poll() is not None:
+                break
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        os.close(master)
+    return out.decode(errors="replace")
+
+
+@pytest.mark.slow
+def test_stats_watch_redraws_the_whole_screen_in_80x24(server: str) -> None:
+    drawn = _pty_run([sys.executable, "-m", "chronoq", "stats", "--watch", "0.5"], _stats_env(server), 4)
+    assert "\x1b[?1049h" in drawn and "\x1b[?1049l" in drawn, repr(drawn[:200])  # alternate screen, restored
+    frames = [f for f in drawn.split("\x1b[H") if "chronoq stats" in f]
+    assert len(frames) >= 2, repr(drawn[:400])  # redrawn, not appended
+    screen = [line.rstrip() for line in ANSI.sub("", frames[-1]).replace("\r", "").split("\n")]
+    while screen and not screen[-1]:
+        screen.pop()
+    assert len(screen) <= 24 and max(map(len, screen)) <= 80, screen
+    shown = "\n".join(screen)
+    assert "by due" in shown and "delivery error" in shown, shown
+
+
+@pytest.mark.slow
+def test_stats_watch_piped_prints_a_snapshot_every_interval(server: str) -> None:
+    with pytest.raises(subprocess.TimeoutExpired) as info:
+        chronoq_cmd("stats", "--watch", "0.5", env=_stats_env(server), timeout=5)
+    out = info.value.stdout or b""
+    out = out.decode() if isinstance(out, bytes) else out
+    assert out.count("chronoq stats") >= 3 and "\x1b[" not in out, out[:500]
