@@ -424,3 +424,18 @@ def test_stats_watch_piped_prints_a_snapshot_every_interval(server: str) -> None
     out = info.value.stdout or b""
     out = out.decode() if isinstance(out, bytes) else out
     assert out.count("chronoq stats") >= 3 and "\x1b[" not in out, out[:500]
+
+
+# -- connection flags before the command --------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_connection_flags_may_come_before_the_command(server: str) -> None:
+    """`chronoq --server H:P send ...` as kubectl and gh take global flags; a flag after the
+    command still wins."""
+    topic = fresh("global")
+    sent = chronoq_cmd("--server", server, "send", topic, "first")
+    assert sent.returncode == 0, sent.stderr
+    got = chronoq_cmd("--server", "127.0.0.1:1", "consume", topic, "--group", "g", "--count", "1",
+                      "--server", server)
+    assert got.returncode == 0 and "first" in got.stdout, got.stderr

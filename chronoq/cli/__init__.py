@@ -40,10 +40,34 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run `chronoq COMMAND --help` for a command's flags and examples. Client commands take "
                "--server, --tls and --ca-cert, or $CHRONOQ_SERVER, $CHRONOQ_TLS and $CHRONOQ_CA_CERT.")
     parser.add_argument("--version", action="version", version=f"chronoq {__version__}")
+    # The connection flags also before the command (`chronoq --server H:P send ...`), as kubectl
+    # and gh take theirs; kept under other names so a subcommand's own defaults cannot clobber them.
+    for flag, kind in _GLOBAL_FLAGS.items():
+        if kind is bool:
+            parser.add_argument(flag, dest=_global_dest(flag), action="store_true", default=None,
+                                help=argparse.SUPPRESS)
+        else:
+            parser.add_argument(flag, dest=_global_dest(flag), default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
     return parser
+
+
+_GLOBAL_FLAGS = {"--server": str, "--tls": bool, "--ca-cert": str, "--tls-server-name": str}
+
+
+def _global_dest(flag: str) -> str:
+    return "global_" + flag.lstrip("-").replace("-", "_")
+
+
+def _apply_global_flags(args: argparse.Namespace) -> None:
+    """A connection flag given before the command counts unless the command got its own."""
+    for flag in _GLOBAL_FLAGS:
+        value = getattr(args, _global_dest(flag), None)
+        name = flag.lstrip("-").replace("-", "_")
+        if value is not None and getattr(args, name, None) is None:
+            setattr(args, name, value)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(args, "passthrough", False):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.args = [*extra, *args.args]  # a pass-through command hands its arguments on whole
+    _apply_global_flags(args)
     try:
         return int(args.func(args) or 0)
     except CliError as e:
