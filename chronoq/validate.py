@@ -60,17 +60,52 @@ class TimerRequest:
 
 
 def check_topic_name(topic: str, config: Config) -> None:
+    """The topic-name rule, for every door (gRPC, admin JSON, in process). An over-long name is
+    quoted only in part: the error goes back to whoever sent it, and into logs."""
     if not isinstance(topic, str):
         raise InvalidTopicName(str(topic), "not a string")
     problem = topic_name_problem(topic, config.max_topic_name_length)
     if problem:
-        raise InvalidTopicName(topic, problem)
+        raise InvalidTopicName(topic[: config.max_topic_name_length + 16], problem)
 
 
 def check_group_name(group: str, config: Config) -> None:
+    """Consumer groups follow the topic rule (same characters, `max_topic_name_length`)."""
     problem = topic_name_problem(group, config.max_topic_name_length) if isinstance(group, str) else "not a string"
     if problem:
-        raise InvalidGroupName(str(group), problem)
+        raise InvalidGroupName(str(group)[: config.max_topic_name_length + 16], problem)
+
+
+def check_message_id(message_id: object, config: Config) -> str:
+    """The message-id rule, for every door: 1..`max_message_id_length` characters of printable
+    ASCII without spaces. Ids are echoed in logs, recall and receipt handles and the admin JSON,
+    and RocketMQ's clients make them from hex digits; one rule, so that an id stored through one
+    door is never refused through another."""
+    if not isinstance(message_id, str):
+        raise InvalidMessageId(repr(message_id)[:64], "must be text")
+    if not message_id:
+        raise InvalidMessageId(message_id, "empty")
+    if len(message_id) > config.max_message_id_length:
+        raise InvalidMessageId(message_id[:64], f"{len(message_id)} characters; the limit "
+                                                f"(max_message_id_length) is {config.max_message_id_length}")
+    if not _message_id_chars_ok(message_id):
+        raise InvalidMessageId(message_id, "only printable ASCII without spaces is allowed")
+    return message_id
+
+
+def _message_id_chars_ok(message_id: str) -> bool:
+    # isascii and isprintable are C loops; together with "no space" they are exactly 0x21..0x7E.
+    return message_id.isascii() and message_id.isprintable() and " " not in message_id
+
+
+def check_keys_count(count: int, config: Config) -> None:
+    if count > config.max_keys_count:
+        raise InvalidKeys(f"{count} keys; the limit (max_keys_count) is {config.max_keys_count}")
+
+
+def check_property_count(count: int, config: Config) -> None:
+    if count > config.max_property_count:
+        raise PropertiesTooLarge("property count", count, config.max_property_count)
 
 
 def _text_ok(value: str) -> bool:
@@ -160,8 +195,7 @@ def _check_tag(tag: str, config: Config) -> None:
 
 def _check_keys(keys: tuple[str, ...], config: Config) -> int:
     """The keys' encoded size, or the error naming the first rule they break."""
-    if len(keys) > config.max_keys_count:
-        raise InvalidKeys(f"{len(keys)} keys; the limit (max_keys_count) is {config.max_keys_count}")
+    check_keys_count(len(keys), config)
     for key in keys:
         if not isinstance(key, str) or not key or not _text_ok(key):
             raise InvalidKeys(f"key {key!r} is empty or has control characters")
@@ -180,8 +214,7 @@ def _check_properties(given: Mapping[str, str], config: Config) -> tuple[dict[st
         if k in RESERVED_PROPERTIES or k.startswith(RESERVED_PREFIX):
             raise ReservedProperty(k)
         props[k] = v
-    if len(props) > config.max_property_count:
-        raise PropertiesTooLarge("property count", len(props), config.max_property_count)
+    check_property_count(len(props), config)
     props_size = sum(len(k.encode()) + len(v.encode()) + 6 for k, v in props.items())
     if props_size > config.max_properties_size_bytes:
         raise PropertiesTooLarge("encoded size in bytes", props_size, config.max_properties_size_bytes)
@@ -206,23 +239,24 @@ def prepare(msg: OutgoingMessage, config: Config, now_ms: int, levels: DelayLeve
     check_topic_name(msg.topic, config)
     if is_system_topic(msg.topic):
         raise SystemTopicForbidden(msg.topic)
-    if not isinstance(msg.body, bytes | bytearray | memoryview):
-        raise InvalidProperty("body", f"must be bytes, not {type(msg.body).__name__}")
-    body = bytes(msg.body)
+    body = msg.body
+    if type(body) is not bytes:
+        if not isinstance(body, bytes | bytearray | memoryview):
+            raise InvalidProperty("body", f"must be bytes, not {type(body).__name__}")
+        body = bytes(body)
     if not body:
         raise MessageBodyEmpty()
-    message_id = msg.message_id if msg.message_id is not None else new_message_id()
-    if not isinstance(message_id, str) or not message_id or len(message_id) > config.max_message_id_length \
-            or not message_id.isprintable() or " " in message_id:
-        raise InvalidMessageId(str(message_id), f"must be 1..{config.max_message_id_length} printable "
-                                                "characters without spaces")
+    message_id = new_message_id() if msg.message_id is None else check_message_id(msg.message_id, config)
     # The empty tag, keys and properties are the usual case: checked by truth value, so an
     # ordinary message costs no loop (this runs for every message a producer sends).
     tag = msg.tag or ""
     if tag:
         _check_tag(tag, config)
-    keys = tuple(msg.keys)
-    keys_size = _check_keys(keys, config) if keys else 0
+    keys: tuple[str, ...] = ()
+    keys_size = 0
+    if msg.keys:
+        keys = tuple(msg.keys)
+        keys_size = _check_keys(keys, config)
     props: dict[str, str] = {}
     props_size = 0
     if msg.properties:
@@ -235,13 +269,17 @@ def prepare(msg: OutgoingMessage, config: Config, now_ms: int, levels: DelayLeve
     group = msg.message_group
     if group is not None and not isinstance(group, str):
         raise InvalidProperty("message_group", f"must be text, not {type(group).__name__}")
-    born_ms = msg.born_ms if msg.born_ms is not None else now_ms
-    if isinstance(born_ms, bool) or not isinstance(born_ms, int) or not 0 <= born_ms < 2**63:
+    born_ms = msg.born_ms
+    if born_ms is None:
+        born_ms = now_ms
+    elif isinstance(born_ms, bool) or not isinstance(born_ms, int) or not 0 <= born_ms < 2**63:
         raise InvalidProperty("born_ms", f"must be ms since the epoch in [0, 2^63), not {born_ms!r}")
-    # Encoded bytes, not characters: a multi-byte tag or id counts what it takes on disk. The
-    # message group is stored as a system property, so it counts too.
-    size = (HEADER_SIZE + len(body) + props_size + len(message_id.encode()) + len(msg.topic.encode())
-            + len(tag.encode()) + keys_size + (len(encode_properties({SYS_MESSAGE_GROUP: group})) if group else 0)
+    # Encoded bytes, not characters: a multi-byte tag counts what it takes on disk (ids and topic
+    # names are ASCII by their rules, so their lengths are their sizes). The message group is
+    # stored as a system property, so it counts too.
+    size = (HEADER_SIZE + len(body) + props_size + len(message_id) + len(msg.topic)
+            + (len(tag.encode()) if tag else 0) + keys_size
+            + (len(encode_properties({SYS_MESSAGE_GROUP: group})) if group else 0)
             + 256)  # 256: room for the system properties we add
     if size > config.max_message_size_bytes:
         raise MessageTooLarge(size, config.max_message_size_bytes)
@@ -249,15 +287,11 @@ def prepare(msg: OutgoingMessage, config: Config, now_ms: int, levels: DelayLeve
         mtype = msg.message_type
     elif timer is not None:
         mtype = MessageType.DELAY
-    elif msg.message_group:
+    elif group:
         mtype = MessageType.FIFO
     else:
         mtype = MessageType.NORMAL
-    sysprops: dict[str, str] = {}
-    if msg.message_group:
-        sysprops[SYS_MESSAGE_GROUP] = msg.message_group
-    prepared = PreparedMessage(
-        topic=msg.topic, message_id=message_id, message_type=mtype, body=body, born_ms=born_ms,
-        tag=tag, keys=keys, properties=props, system_properties=sysprops, queue_id=msg.queue_id,
-        queue_key=msg.message_group or None)
+    # Positional: this runs for every message a producer sends.
+    prepared = PreparedMessage(msg.topic, message_id, mtype, body, born_ms, tag, keys, props,
+                               {SYS_MESSAGE_GROUP: group} if group else {}, msg.queue_id, group or None)
     return prepared, timer

@@ -4,18 +4,23 @@ on the values decoders accept. Bounded: `max_examples` per decoder."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from protocol_strategies import message_strategy, request_strategy
 
 from chronoq.config import Config
-from chronoq.errors import ChronoqError
+from chronoq.errors import ChronoqError, MessageTooLarge
+from chronoq.model import topic_name_problem
 from chronoq.protocol import admin
 from chronoq.protocol import requests as rq
 from chronoq.protocol import responses as rs
 from chronoq.protocol.v2 import definition, service
+from chronoq.timer.levels import DelayLevels
+from chronoq.validate import check_message_id, prepare
 
 CONFIG = Config(max_message_size_bytes=4096, max_send_batch=8)
+NOW_MS = 1_800_000_000_000
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 DECODERS = [
@@ -53,8 +58,12 @@ def test_accepted_messages_respect_the_limits(message):
     out = _decode_or_error(rq.decode_message, message)
     if isinstance(out, ChronoqError):
         return
-    assert len(out.body) <= CONFIG.max_message_size_bytes
-    assert rq.topic_name_problem(out.topic, CONFIG.max_topic_name_length) is None
+    if len(out.body) > CONFIG.max_message_size_bytes:  # refused by admission, the next room
+        with pytest.raises(MessageTooLarge):
+            prepare(out, CONFIG, NOW_MS, DelayLevels(CONFIG.delay_levels_ms))
+    assert topic_name_problem(out.topic, CONFIG.max_topic_name_length) is None
+    if out.message_id is not None:  # what the decoder let through, admission lets through
+        assert check_message_id(out.message_id, CONFIG) == out.message_id
     if out.deliver_at_ms is not None:
         assert rq.EPOCH_SECONDS_MIN * 1000 <= out.deliver_at_ms < rq.EPOCH_MILLIS_END
 

@@ -32,7 +32,6 @@ Decisions the protocol leaves open, and chronoq's rule for each:
 
 from __future__ import annotations
 
-import re
 import zlib
 from dataclasses import dataclass
 
@@ -41,15 +40,10 @@ from chronoq.errors import (
     InvalidBatchSize,
     InvalidDeliveryTime,
     InvalidFilterExpression,
-    InvalidGroupName,
     InvalidInvisibleDuration,
-    InvalidKeys,
-    InvalidMessageId,
-    InvalidTopicName,
     MessageTooLarge,
-    PropertiesTooLarge,
 )
-from chronoq.model import PRODUCER_TIMER_PROPERTIES, MessageType, OutgoingMessage, topic_name_problem
+from chronoq.model import PRODUCER_TIMER_PROPERTIES, MessageType, OutgoingMessage
 from chronoq.protocol.errors import (
     InvalidField,
     InvalidPollingTime,
@@ -67,15 +61,18 @@ from chronoq.protocol.v2 import (
     timestamp_parts,
 )
 from chronoq.timefmt import instant
+from chronoq.validate import (
+    check_group_name,
+    check_keys_count,
+    check_message_id,
+    check_property_count,
+    check_topic_name,
+)
 
 EPOCH_SECONDS_MIN = 1_000_000_000
 EPOCH_SECONDS_END = 100_000_000_000
 EPOCH_MILLIS_MIN = 1_000_000_000_000
 EPOCH_MILLIS_END = 100_000_000_000_000
-
-_MESSAGE_ID_RE = re.compile(r"^[\x21-\x7e]+$")
-"""Printable ASCII, no spaces: ids are echoed in logs, handles and the admin JSON."""
-
 
 # -- commands ----------------------------------------------------------------------------------
 
@@ -164,9 +161,7 @@ def _resource_name(resource: definition.Resource, field_name: str, rpc: str) -> 
 
 
 def decode_topic_name(name: str, config: Config) -> str:
-    problem = topic_name_problem(name, config.max_topic_name_length)
-    if problem is not None:
-        raise InvalidTopicName(name[: config.max_topic_name_length + 16], problem)
+    check_topic_name(name, config)
     return name
 
 
@@ -177,9 +172,7 @@ def decode_topic(resource: definition.Resource, config: Config, rpc: str, field_
 def decode_group(resource: definition.Resource, config: Config, rpc: str) -> str:
     """Group names follow the topic rule (same characters, `max_topic_name_length`)."""
     name = _resource_name(resource, "group", rpc)
-    problem = topic_name_problem(name, config.max_topic_name_length)
-    if problem is not None:
-        raise InvalidGroupName(name[: config.max_topic_name_length + 16], problem)
+    check_group_name(name, config)
     return name
 
 
@@ -250,8 +243,8 @@ def _decode_body(message: definition.Message, config: Config) -> bytes:
             raise InvalidField("body", "GZIP body is truncated")
     else:
         raise InvalidField("system_properties.body_encoding", f"unknown encoding {encoding}")
-    if len(body) > limit_bytes:
-        raise MessageTooLarge(len(body), limit_bytes)
+    # An identity body's size is admission's rule (`validate.prepare`: the whole record counts),
+    # the same for every door; gRPC's receive limit (`server_options`) bounds what arrives.
     return body
 
 
@@ -300,37 +293,44 @@ def _check_type_consistency(model_type: MessageType | None, deliver_at_ms: int |
 
 
 def decode_message(message: definition.Message, config: Config) -> OutgoingMessage:
-    """One `apache.rocketmq.v2.Message` from a SendMessage request -> an `OutgoingMessage`."""
+    """One `apache.rocketmq.v2.Message` from a SendMessage request -> an `OutgoingMessage`.
+
+    The wire's own rules are checked here (namespaces, encodings, timestamps, types); the rules
+    every door shares (names, ids, counts) through `chronoq.validate`'s checkers, the same
+    functions admission runs, so a message is refused alike whichever door it came through.
+    Fields are read only when set (an empty repeated field or map still costs a conversion):
+    this runs for every message a producer sends."""
     topic = decode_topic(message.topic, config, "SendMessage")
     system = message.system_properties
     if system.lite_topic:
         raise Unsupported("lite topics")
     if system.HasField("priority"):
         raise Unsupported("PRIORITY messages")
-    message_id = system.message_id or None
-    if message_id is not None:
-        if len(message_id) > config.max_message_id_length:
-            raise InvalidMessageId(message_id[:64], f"{len(message_id)} characters; the limit "
-                                                    f"(max_message_id_length) is {config.max_message_id_length}")
-        if not _MESSAGE_ID_RE.match(message_id):
-            raise InvalidMessageId(message_id, "only printable ASCII without spaces is allowed")
-    keys = tuple(system.keys)
-    if len(keys) > config.max_keys_count:
-        raise InvalidKeys(f"{len(keys)} keys; the limit (max_keys_count) is {config.max_keys_count}")
-    properties = dict(message.user_properties)
-    if len(properties) > config.max_property_count:
-        raise PropertiesTooLarge("property count", len(properties), config.max_property_count)
+    message_id = system.message_id
+    if message_id:
+        check_message_id(message_id, config)
+    wire_keys = system.keys
+    keys: tuple[str, ...] = ()
+    if wire_keys:
+        check_keys_count(len(wire_keys), config)
+        keys = tuple(wire_keys)
+    wire_properties = message.user_properties
+    properties: dict[str, str] = {}
+    if wire_properties:
+        check_property_count(len(wire_properties), config)
+        properties = dict(wire_properties)
     deliver_at_ms = None
     if system.HasField("delivery_timestamp"):
-        deliver_at_ms = delivery_time_ms(system.delivery_timestamp.seconds, system.delivery_timestamp.nanos)
-    message_group = system.message_group if system.HasField("message_group") and system.message_group else None
+        stamp = system.delivery_timestamp
+        deliver_at_ms = delivery_time_ms(stamp.seconds, stamp.nanos)
+    message_group = system.message_group or None  # proto3 optional: unset and "" both read ""
     model_type = _decode_message_type(system)
     _check_type_consistency(model_type, deliver_at_ms, message_group, properties)
     return OutgoingMessage(
         topic=topic,
         body=_decode_body(message, config),
-        message_id=message_id,
-        tag=system.tag if system.HasField("tag") and system.tag else None,
+        message_id=message_id or None,
+        tag=system.tag or None,
         keys=keys,
         properties=properties,
         message_group=message_group,

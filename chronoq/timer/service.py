@@ -139,8 +139,8 @@ class TimerService:
         """Rewrite a validated timer message to the timer or schedule topic (raises if refused)."""
         if not self.config.timer_wheel_enable:
             raise TimerDisabled()
-        sysprops = dict(msg.system_properties)
-        sysprops[SYS_REAL_TOPIC] = msg.topic
+        sysprops = {**msg.system_properties, SYS_REAL_TOPIC: msg.topic} if msg.system_properties \
+            else {SYS_REAL_TOPIC: msg.topic}
         if msg.queue_id is not None:
             sysprops[SYS_REAL_QUEUE_ID] = str(msg.queue_id)
         sysprops[SYS_TIMER_OUT_MS] = str(deliver_at_ms)
