@@ -20,12 +20,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Awaitable, Callable
 
 from chronoq.clock import Clock
 from chronoq.config import Config
 from chronoq.errors import DiskFull
-from chronoq.model import SCHEDULE_TOPIC, TIMER_TOPIC, StoredMessage
+from chronoq.model import SCHEDULE_TOPIC, SYS_TIMER_DEL_UNIQKEY, SYS_TIMER_OUT_MS, TIMER_TOPIC, StoredMessage
 from chronoq.store import files
 from chronoq.store.messagestore import MessageStore, PreparedMessage
 from chronoq.timer.index import RocksTimerIndex, TimerIndexCorrupt
@@ -45,6 +46,13 @@ class TimerLoop:
         self._index_damaged: TimerIndexCorrupt | None = None
         """Set when the timer index failed while running: the loop rebuilds it."""
         self.index_rebuilds = 0
+        self._asleep_until_ms: float = 0
+        """While the loop sleeps, the time it will wake by itself (inf: it waits for a wake-up
+        only); 0 while it runs. A new timer due at or after it needs no wake-up: the loop wakes
+        by then anyway and finds it in the index."""
+        self.passes = 0
+        """Times the loop asked the index what is due (each costs a RocksDB seek): for `stats`
+        and the tests of when the loop wakes."""
 
     def poke(self) -> None:
         """Something changed what is due first (a cancel): look again now."""
@@ -61,10 +69,23 @@ class TimerLoop:
                 # rebuilds it (from the log, these records included); senders go on.
                 self._index_damaged = e
                 self._wakeup.set()
+        if self._wakeup.is_set():
+            return
+        asleep_until_ms = self._asleep_until_ms
         for m in msgs:
-            if m.topic == TIMER_TOPIC or m.topic == SCHEDULE_TOPIC:
+            topic = m.topic
+            if topic == TIMER_TOPIC:
+                sp = m.system_properties
+                due = sp.get(SYS_TIMER_OUT_MS)
+                # A timer due before the loop's own wake-up wakes it (a running loop reads the
+                # index again before it sleeps, so it needs none); so does
+                # a tombstone (the head may be cancelled; a cancel also pokes the loop itself).
+                if due is None or SYS_TIMER_DEL_UNIQKEY in sp or int(due) < asleep_until_ms:
+                    self._wakeup.set()
+                    return
+            elif topic == SCHEDULE_TOPIC:
                 self._wakeup.set()
-                break
+                return
 
     async def run(self) -> None:
         """The background task: fire what is due, sleep until the next deadline, repeat."""
@@ -78,6 +99,7 @@ class TimerLoop:
                     continue
             now = self.clock.now_ms()
             self._wakeup.clear()
+            self.passes += 1
             try:
                 fired = await self.service.fire_due(now)
             except TimerIndexCorrupt as e:
@@ -94,15 +116,22 @@ class TimerLoop:
                 continue
             deadline = self.service.next_deadline_ms()
             if deadline is None:
-                await self._wakeup.wait()
+                self._asleep_until_ms = math.inf
+                try:
+                    await self._wakeup.wait()
+                finally:
+                    self._asleep_until_ms = 0
             elif deadline > now or fired == 0:
                 # fired == 0 with a past deadline: the head is held by a cancel in progress;
                 # its completion (or any new timer) sets the wake-up.
-                sleeper = asyncio.ensure_future(self.clock.sleep_until(max(deadline, now + (fired == 0))))
+                wake_ms = max(deadline, now + (fired == 0))
+                sleeper = asyncio.ensure_future(self.clock.sleep_until(wake_ms))
                 waker = asyncio.ensure_future(self._wakeup.wait())
+                self._asleep_until_ms = wake_ms
                 try:
                     await asyncio.wait((sleeper, waker), return_when=asyncio.FIRST_COMPLETED)
                 finally:
+                    self._asleep_until_ms = 0
                     sleeper.cancel()
                     waker.cancel()
 
@@ -127,6 +156,7 @@ class TimerLoop:
         RocksTimerIndex.destroy(path)
         self.service.engine = RocksTimerIndex.open(path, **_index_memory(self.config), disk=self.store.disk)
         self.service.recover(self.store.dispatched_position)
+        self.service.forget_level_heads()
         self._index_damaged = None
         self.index_rebuilds += 1
 

@@ -268,13 +268,25 @@ class TimerService:
     def _levels_deadline(self) -> int | None:
         best: int | None = None
         for level in range(1, self.levels.max_level + 1):
-            if level not in self._level_head_cache:
-                head = next(self._level_head(level, 1), None)
-                self._level_head_cache[level] = int(head[1].system_properties[SYS_TIMER_OUT_MS]) if head else None
-            due = self._level_head_cache[level]
+            due = self._level_head_due(level)
             if due is not None and (best is None or due < best):
                 best = due
         return best
+
+    def _level_head_due(self, level: int) -> int | None:
+        """The due time of the level's head (None: the level is empty), cached until a dispatch
+        brings schedule-topic records or level progress, or the index is replaced. A stale entry
+        can only be early (retention took the head): the caller then reads the queue and finds
+        the real head not due, so nothing fires late or early because of the cache."""
+        cache = self._level_head_cache
+        if level not in cache:
+            head = next(self._level_head(level, 1), None)
+            cache[level] = int(head[1].system_properties[SYS_TIMER_OUT_MS]) if head else None
+        return cache[level]
+
+    def forget_level_heads(self) -> None:
+        """The index was replaced (rebuilt): level progress may read differently now."""
+        self._level_head_cache.clear()
 
     def _level_next_offset(self, level: int) -> int:
         cq = self.store.queue(SCHEDULE_TOPIC, level - 1)
@@ -321,6 +333,9 @@ class TimerService:
         for level in range(1, self.levels.max_level + 1):
             if len(copies) >= batch:
                 break
+            head_due_ms = self._level_head_due(level)
+            if head_due_ms is None or head_due_ms > now_ms:
+                continue  # known from the cache: nothing due on this level, no queue read
             for off, rec in self._level_head(level, batch - len(copies)):
                 # A level's head being fired by another call: leave the whole level to it, so
                 # the level's progress (committed as max offset + 1) never skips an entry.
