@@ -13,6 +13,10 @@ Theory of operation: a message walks through rooms, each a module of its own:
 This module builds them (`open`), owns their background tasks (the flusher, the timer loop, the
 checkpoint and retention ticks), stops them (`close`), and refuses work once one of them failed
 (`fatal`). Its public methods only check that the broker is open and hand over to a room.
+The two doors also count what passed them, per topic, in plain dicts (`accepted_by_topic`,
+`timers_by_topic`, `delivered_by_topic`): one dict update per message or receive, read by the
+Prometheus collector at scrape time (`http/metrics.py`), never a lock or a metrics library call
+on the hot path.
 
 One asyncio event loop owns all broker state; blocking work is limited to short page-cache writes
 and RocksDB calls on the loop, with fsync in a worker thread. With `background=False` only the
@@ -86,6 +90,14 @@ class Broker:
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self.fatal: BaseException | None = None
+        # Counted at the doors (see the module docstring); restart at zero, as Prometheus expects.
+        self.accepted_by_topic: dict[str, int] = {}
+        self.timers_by_topic: dict[str, int] = {}
+        self.delivered_by_topic: dict[str, int] = {}
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -251,7 +263,15 @@ class Broker:
         """Store `msgs` durably (see `accept.py`). All-or-nothing validation by default; with
         `partial=True` each bad message yields its error in its slot and the good ones are stored."""
         self._check_open()
-        return await self.accept.send_batch(msgs, partial=partial)
+        outcomes = await self.accept.send_batch(msgs, partial=partial)
+        accepted, timers = self.accepted_by_topic, self.timers_by_topic
+        for outcome in outcomes:
+            if type(outcome) is SendResult and not outcome.duplicate:
+                topic = outcome.topic
+                accepted[topic] = accepted.get(topic, 0) + 1
+                if outcome.deliver_at_ms is not None:
+                    timers[topic] = timers.get(topic, 0) + 1
+        return outcomes
 
     # -- deliver ----------------------------------------------------------------------------
 
@@ -259,9 +279,12 @@ class Broker:
                       invisible_duration_ms: int | None = None, wait_ms: int = 0,
                       queue_id: int | None = None) -> list[ReceivedMessage]:
         self._check_open()
-        return await self.deliver.receive(group, topic, filter_expression=filter_expression, batch_size=batch_size,
-                                          invisible_duration_ms=invisible_duration_ms, wait_ms=wait_ms,
-                                          queue_id=queue_id)
+        received = await self.deliver.receive(group, topic, filter_expression=filter_expression,
+                                              batch_size=batch_size, invisible_duration_ms=invisible_duration_ms,
+                                              wait_ms=wait_ms, queue_id=queue_id)
+        if received:
+            self.delivered_by_topic[topic] = self.delivered_by_topic.get(topic, 0) + len(received)
+        return received
 
     async def ack(self, group: str, topic: str, receipt_handle: str) -> None:
         self._check_open()
@@ -333,7 +356,21 @@ class Broker:
             "timer": self.timer.stats(now),
             "clock": {"behind_wall_ms": self._behind_wall_ms()},
             "disk": self.store.disk_stats(),
+            "groups": self.group_stats(),
         }
+
+    def group_stats(self) -> list[dict[str, Any]]:
+        """Per (consumer group, topic) with stored offsets: messages not yet handed out (`lag`)
+        and handed out but not acked (`inflight`). O(groups x queues), no scan of messages."""
+        out = []
+        for group, topic in self.groups.groups():
+            try:
+                config = self.topics.get(topic)
+            except ChronoqError:
+                continue  # a topic gone since (not possible today; never fail stats for it)
+            out.append({"group": group, "topic": topic, "lag": self.consumers.lag(group, config),
+                        "inflight": self.groups.inflight_count(group, topic)})
+        return out
 
     def _behind_wall_ms(self) -> int:
         """How far broker time is behind the wall clock (< 0: ahead, paused after a step back);

@@ -133,6 +133,23 @@ class Config:
     port: int = 8081
     tls_cert_file: str = ""
     tls_key_file: str = ""
+
+    # -- HTTP: metrics, health, web console (chronoq/http/) -------------------------------------
+    http_port: int = 0
+    """Port for GET /metrics (Prometheus), /healthz and the web console, on `host`; 0 = off."""
+    timer_search_max_range_ms: int = 31 * DAY_MS
+    """Widest due-time range one search of pending timers (admin SearchTimers, the console) may cover."""
+    timer_search_max_rows: int = 500
+    """Most pending timers one search returns (the reply says when there are more)."""
+    timer_search_max_scanned: int = 100_000
+    """Most index entries one search reads while filtering by topic; past it the reply says the
+    search stopped early, so a search never holds the event loop for long."""
+    console_sample_interval_ms: int = 10 * SECOND_MS
+    """How often the console samples the delivery error for its over-time chart."""
+    console_history_samples: int = 360
+    """Samples kept for that chart (360 x 10 s = the last hour), in memory only."""
+    timer_chart_max_bars: int = 400
+    """Most bars one pending-by-due-time chart (admin PendingByDue) may ask for."""
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -154,7 +171,9 @@ class Config:
             "retention_check_interval_ms", "max_send_batch", "max_message_id_length",
             "timer_spark_backstop_ms", "dedupe_window_max_entries",
             "timer_index_block_cache_bytes", "timer_index_write_buffer_bytes", "groups_block_cache_bytes",
-            "groups_write_buffer_bytes", "disk_full_retry_ms",
+            "groups_write_buffer_bytes", "disk_full_retry_ms", "timer_search_max_range_ms",
+            "timer_search_max_rows", "timer_search_max_scanned", "console_sample_interval_ms",
+            "console_history_samples", "timer_chart_max_bars",
         ]
         for name in positive:
             value = getattr(self, name)
@@ -178,6 +197,8 @@ class Config:
             raise ConfigError("default_queue_count must not exceed max_queue_count")
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be in 1..65535, not {self.port}")
+        if isinstance(self.http_port, bool) or not isinstance(self.http_port, int) or not 0 <= self.http_port < 65536:
+            raise ConfigError(f"http_port must be in 1..65535 (0 = no HTTP), not {self.http_port!r}")
         parse_delay_levels(self.delay_levels)
 
     def replace(self, **changes: Any) -> Config:

@@ -5,7 +5,8 @@ Theory of operation: starts `chronoq serve` as a child process (as a deployment 
 sends three normal messages and five timer messages (a delay, a deliver-at, a RocketMQ 4 delay
 level, and one that is recalled before it is due), then long-polls a consumer group until every
 expected message has arrived or a timeout passes, printing each with how late it was. The exit
-code is non-zero if a message is missing, arrives early, or the recalled one arrives.
+code is non-zero if a message is missing, arrives early, or the recalled one arrives. The server
+runs with its web console and /metrics on (`--http-port`), and the demo prints their URL.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from chronoq.client import AsyncConsumer, AsyncProducer
-from chronoq.client.testing import ServerProcess
+from chronoq.client.testing import ServerProcess, free_port
 from chronoq.errors import TopicExists
 from chronoq.timefmt import duration
 
@@ -78,8 +79,19 @@ async def _demo(server: str, timeout_s: float) -> int:
     return 0 if not problems else 1
 
 
-def main(data_dir: str = "data", port: int | None = None, timeout_s: float = 20.0) -> int:
+def main(data_dir: str = "data", port: int | None = None, timeout_s: float = 20.0, *,
+         http_port: int | None = None, stay: bool = False) -> int:
+    """`http_port`: the web console's port (default: a free one). `stay`: keep the server (and the
+    console) running after the demo until Ctrl-C, so a person can look around."""
     path = Path(data_dir)
-    with ServerProcess(path, port=port) as server:
+    http_port = http_port or free_port()
+    with ServerProcess(path, port=port, settings={"http_port": http_port}) as server:
         print(f"chronoq serve is running on {server.address} (pid {server.pid}), data in {path.resolve()}")
-        return asyncio.run(_demo(server.address, timeout_s))
+        print(f"web console: http://127.0.0.1:{http_port}/  (Prometheus metrics: /metrics, health: /healthz)")
+        status = asyncio.run(_demo(server.address, timeout_s))
+        if stay:
+            print(f"still serving; the console is at http://127.0.0.1:{http_port}/ ; Ctrl-C stops", flush=True)
+            with contextlib.suppress(KeyboardInterrupt):
+                while True:
+                    time.sleep(3600)
+        return status

@@ -5,16 +5,18 @@
 #   --node    the official Node.js RocketMQ client for the interop tests
 #   --spark   PySpark and friends (Java 17 must be present)
 #   --peers   the benchmark peers (Redis, RabbitMQ, beanstalkd, NATS)
+#   --browser Debian's chromium and chromium-driver, for the web console's browser test
 set -euo pipefail
 cd "$(dirname "$0")/.."
-want_test=0 want_node=0 want_spark=0 want_peers=0
+want_test=0 want_node=0 want_spark=0 want_peers=0 want_browser=0
 for arg in "$@"; do
   case "$arg" in
     --test) want_test=1 ;;
     --node) want_node=1 ;;
     --spark) want_spark=1 ;;
     --peers) want_peers=1 ;;
-    --all) want_test=1 want_node=1 want_spark=1 want_peers=1 ;;
+    --browser) want_browser=1 ;;
+    --all) want_test=1 want_node=1 want_spark=1 want_peers=1 want_browser=1 ;;
     *) echo "setup.sh: unknown option $arg" >&2; exit 2 ;;
   esac
 done
@@ -34,4 +36,5 @@ spec="."
 if [ "$want_node" = 1 ] && [ -x scripts/install-node-client.sh ]; then scripts/install-node-client.sh; fi
 if [ "$want_spark" = 1 ] && [ -x scripts/install-spark.sh ]; then scripts/install-spark.sh; fi
 if [ "$want_peers" = 1 ] && [ -x scripts/install-peers.sh ]; then scripts/install-peers.sh; fi
+if [ "$want_browser" = 1 ] && [ -x scripts/install-browser.sh ]; then scripts/install-browser.sh; fi
 echo "setup.sh: ready (.venv)"

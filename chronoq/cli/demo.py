@@ -10,13 +10,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                        description="Start `chronoq serve` on a data directory, send normal and timer messages with "
                                    "the SDK and print each as it arrives with how late it was; exit status 1 if "
                                    "any arrived early, went missing or arrived after it was recalled. What "
-                                   "scripts/demo.sh runs.")
+                                   "scripts/demo.sh runs. The server runs with its web console and /metrics on; "
+                                   "the demo prints their URL (--stay keeps them running afterwards).")
     p.add_argument("--data-dir", default="data", help="data directory (default: ./data)")
     p.add_argument("--port", type=int, default=None, help="port for chronoq serve (default: a free one)")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="port for the web console and /metrics (default: a free one; the URL is printed)")
+    p.add_argument("--stay", action="store_true",
+                   help="keep the server and its console running after the demo, until Ctrl-C")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from chronoq.demo import main
 
-    return main(args.data_dir, args.port)
+    return main(args.data_dir, args.port, http_port=args.http_port, stay=args.stay)

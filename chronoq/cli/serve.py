@@ -3,7 +3,8 @@
 Theory of operation: configuration layers as `Config.load` defines them: defaults < the TOML file
 (`--config`) < `CHRONOQ_*` environment variables < the flags given here. One line,
 "chronoq serving on HOST:PORT", goes to stdout (flushed) once the port accepts calls, so scripts
-and tests can wait for it; logs go to stderr (gRPC's own C-core log only with GRPC_VERBOSITY set:
+and tests can wait for it (with --http-port, a second line names the console's URL); logs go to
+stderr (gRPC's own C-core log only with GRPC_VERBOSITY set:
 `chronoq.cli.main`). Exit code 0 after a clean shutdown, 1 when the broker fails (or cannot open its
 data directory), 2 on a configuration error (a setting, a TLS file, a port, a data directory that
 is a file), each said in one line.
@@ -29,11 +30,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "TOML < CHRONOQ_<SETTING> environment variables < these flags (settings: chronoq/config.py). Prints "
         "\"chronoq serving on HOST:PORT\" once it accepts calls.",
         ["chronoq serve --data-dir data", "chronoq serve --data-dir data --host 0.0.0.0 --port 9876",
+         "chronoq serve --data-dir data --http-port 8090   # console on http://127.0.0.1:8090/",
          "chronoq serve --data-dir data --tls-cert server.pem --tls-key server.key",
          "CHRONOQ_TIMER_MAX_DELAY_MS=7776000000 chronoq serve --data-dir data   # 90 days"])
     p.add_argument("--data-dir", help="data directory (created if missing; default ./data)")
     p.add_argument("--port", type=int, help="gRPC port (default 8081)")
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--http-port", type=int, metavar="PORT",
+                   help="also serve the web console, /metrics (Prometheus) and /healthz on this port (default: off)")
     p.add_argument("--config", metavar="FILE", help="TOML configuration file ([chronoq] table or top level)")
     p.add_argument("--tls-cert", metavar="FILE",
                    help="PEM certificate chain; enables TLS with --tls-key (clients then need --ca-cert or --tls)")
@@ -44,6 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def load_config(args: argparse.Namespace) -> Config:
     return Config.load(args.config, env=os.environ, data_dir=args.data_dir, port=args.port, host=args.host,
+                       http_port=getattr(args, "http_port", None),  # callers may build args without it
                        tls_cert_file=args.tls_cert, tls_key_file=args.tls_key)
 
 

@@ -14,6 +14,7 @@ outcome in its slot (one bad message does not fail the others).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -25,6 +26,7 @@ from chronoq.errors import ChronoqError, InvalidBatchSize
 from chronoq.model import OutgoingMessage
 from chronoq.protocol import admin as codec
 from chronoq.protocol.errors import InvalidField, MalformedRequest, MissingField
+from chronoq.timefmt import duration
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +43,7 @@ class AdminService:
             "CreateTopic": self.create_topic, "ListTopics": self.list_topics, "DescribeTopic": self.describe_topic,
             "QueryMessage": self.query_message, "CancelMessage": self.cancel_message,
             "ReadMessages": self.read_messages, "Stats": self.stats, "SendBatch": self.send_batch,
-            "FireTimers": self.fire_timers,
+            "FireTimers": self.fire_timers, "SearchTimers": self.search_timers, "PendingByDue": self.pending_by_due,
         }
         handlers = {name: grpc.unary_unary_rpc_method_handler(self._handler(name, body))
                     for name, body in methods.items()}
@@ -103,6 +105,50 @@ class AdminService:
             message_id = await self.broker.cancel(topic=codec.arg_topic(doc, self.config),
                                                   message_id=codec.arg_str(doc, "message_id"))
         return codec.ok_json(message_id=message_id)
+
+    async def search_timers(self, doc: dict[str, Any]) -> dict[str, Any]:
+        """Pending timers due in [from_ms, to_ms), of `topic` if given, earliest first. Bounded by
+        `timer_search_max_range_ms`, `timer_search_max_rows` (or a smaller `limit`) and
+        `timer_search_max_scanned`; `truncated` says a bound stopped it with more in the range."""
+        topic = codec.arg_topic(doc, self.config) if doc.get("topic") else None
+        from_ms, to_ms = codec.arg_int(doc, "from_ms") or 0, codec.arg_int(doc, "to_ms") or 0
+        limit = codec.arg_int(doc, "limit", required=False) or self.config.timer_search_max_rows
+        if from_ms < 0:
+            raise InvalidField("from_ms", f"{from_ms} is before 1970")
+        if to_ms <= from_ms:
+            raise InvalidField("to_ms", f"the range must end after it starts ({from_ms} .. {to_ms})")
+        max_range_ms = self.config.timer_search_max_range_ms
+        if to_ms - from_ms > max_range_ms:
+            raise InvalidField("to_ms", f"the range covers {duration(to_ms - from_ms)}, more than "
+                                        f"timer_search_max_range_ms ({duration(max_range_ms)}); search a narrower one")
+        if not 0 < limit <= self.config.timer_search_max_rows:
+            raise InvalidField("limit", f"{limit} is not in 1..{self.config.timer_search_max_rows} "
+                                        "(timer_search_max_rows)")
+        if topic is not None:
+            self.broker.get_topic(topic)  # TopicNotFound names an unknown topic
+        entries, truncated = self.broker.timer.engine.pending_between(
+            from_ms, to_ms, topic, limit, self.config.timer_search_max_scanned)
+        return codec.ok_json(timers=[{"message_id": e.message_id, "topic": e.topic, "deliver_at_ms": e.deliver_at_ms,
+                                      "accepted_ms": e.accepted_ms, "keys": list(e.keys)} for e in entries],
+                             truncated=truncated)
+
+    async def pending_by_due(self, doc: dict[str, Any]) -> dict[str, Any]:
+        """Pending timers (all topics) per bar of `bar_s` seconds from `from_s` on, `bars` bars,
+        from the index's per-second counters (no scan of the timers)."""
+        bar_s, bars = codec.arg_int(doc, "bar_s") or 0, codec.arg_int(doc, "bars") or 0
+        from_s = codec.arg_int(doc, "from_s", required=False)
+        if bar_s <= 0:
+            raise InvalidField("bar_s", f"{bar_s} must be positive")
+        if not 0 < bars <= self.config.timer_chart_max_bars:
+            raise InvalidField("bars", f"{bars} is not in 1..{self.config.timer_chart_max_bars} (timer_chart_max_bars)")
+        now_ms = self.broker.clock.now_ms()
+        if from_s is None:
+            from_s = now_ms // 1000
+        engine = self.broker.timer.engine
+        edges = [engine.pending_due_before_s(from_s + i * bar_s) for i in range(bars + 1)]
+        total = engine.metrics(now_ms).pending_total
+        return codec.ok_json(from_s=from_s, bar_s=bar_s, counts=[b - a for a, b in itertools.pairwise(edges)],
+                             before=edges[0], after=total - edges[-1], total=total)
 
     async def fire_timers(self, doc: dict[str, Any]) -> dict[str, Any]:
         """For the Spark timer engine: fire the pending timers whose records lie at these

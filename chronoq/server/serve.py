@@ -3,7 +3,9 @@
 Theory of operation: `serve(config)` opens the broker, binds the gRPC port (TLS when a certificate
 and key are configured), and registers three services: `apache.rocketmq.v2.MessagingService`
 (the official clients), `chronoq.admin.v1.Admin` (JSON admin), and the standard
-`grpc.health.v1.Health` (SERVING while the broker is open). It then waits for `stop` (SIGTERM or
+`grpc.health.v1.Health` (SERVING while the broker is open). With `http_port` set it also starts
+the HTTP side on the same loop (`chronoq/http/`: /metrics, /healthz, the web console) and prints
+a second line naming its URL. It then waits for `stop` (SIGTERM or
 SIGINT when run from the CLI). Shutdown runs in the reverse order of start: health says
 NOT_SERVING, the server refuses new calls and gives running ones `SHUTDOWN_GRACE_S` (long polls
 are cancelled; their messages stay unreceived), the auto-renew loop stops, and the broker closes
@@ -143,12 +145,13 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None,
     check_data_dir_path(config.data_dir)
     broker = await Broker.open(config)
     server: grpc.aio.Server | None = None
+    http = None
     try:
         advertised = None if config.host in WILDCARD_HOSTS else Endpoint(config.host, config.port)
         messaging = MessagingService(broker, config, advertised=advertised, port=config.port)
+        admin = AdminService(broker, config)
         server = grpc.aio.server(options=server_options(config))
-        server.add_generic_rpc_handlers((messaging.generic_handler(),
-                                         AdminService(broker, config).generic_handler()))
+        server.add_generic_rpc_handlers((messaging.generic_handler(), admin.generic_handler()))
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         address = bind_address(config.host, config.port)
@@ -158,25 +161,45 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None,
             port = 0
         if port == 0:
             raise ConfigError(f"cannot bind {address}: {bind_failure(config.host, config.port)}")
+        if config.http_port:
+            from chronoq.http.server import HttpServer  # aiohttp and prometheus_client: only when asked for
+
+            http = HttpServer(broker, config, admin)
+            http_port = await http.start()
         await server.start()
         for name in ("", SERVICE_NAME, admin_codec.SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         if on_ready is not None:
             on_ready(f"chronoq serving on {bind_address(config.host, port)}" + (" (TLS)" if credentials else ""))
+            if http is not None:
+                on_ready(f"chronoq console, /metrics and /healthz on {http_url(config.host, http_port)}")
         async with asyncio.TaskGroup() as tasks:
             renewals = tasks.create_task(messaging.renewals.run(), name="auto-renew")
             watchdog = tasks.create_task(_watch_broker(broker, stop), name="broker-watchdog")
+            sampler = tasks.create_task(http.run(), name="console-sampler") if http is not None else None
             await stop.wait()
             log.info("shutting down")
+            if http is not None:
+                http.stopping = True  # /healthz says so while gRPC drains
             await health_servicer.enter_graceful_shutdown()
             await server.stop(SHUTDOWN_GRACE_S)
             renewals.cancel()
             watchdog.cancel()
+            if sampler is not None:
+                sampler.cancel()
         return 1 if broker.fatal is not None else 0
     finally:
+        if http is not None:
+            await http.stop()
         if server is not None:
             await server.stop(0)  # no-op after a clean stop; closes the port after a failure
         await broker.close()
+
+
+def http_url(host: str, port: int) -> str:
+    """The console's address as a person would open it (a wildcard host: this machine's loopback)."""
+    shown = "127.0.0.1" if host in WILDCARD_HOSTS else host
+    return f"http://{bind_address(shown, port)}/"
 
 
 async def _watch_broker(broker: object, stop: asyncio.Event) -> None:

@@ -142,6 +142,17 @@ class TimerEngine(Protocol):
         order, at most `limit`: what must be rolled forward before that stretch of log is deleted."""
         ...
 
+    def pending_due_before_s(self, slot_s: int) -> int:
+        """Pending timers due in seconds < `slot_s`, from counters (no scan of the entries)."""
+        ...
+
+    def pending_between(self, from_ms: int, to_ms: int, topic: str | None, limit: int,
+                        max_scanned: int) -> tuple[list[TimerEntry], bool]:
+        """Pending timers due in [from_ms, to_ms), of `topic` (None: all), earliest first, at most
+        `limit`; reads at most `max_scanned` entries. The flag is True when the search stopped at
+        a bound with more entries left in the range (the console says so)."""
+        ...
+
     def level_progress(self, level: int) -> int | None:
         """The next offset of delay level `level`'s queue to fire; None if none has fired."""
         ...

@@ -719,6 +719,29 @@ class RocksTimerIndex:
                 out.append(decode_entry(tk, value))
             return out
 
+    def pending_due_before_s(self, slot_s: int) -> int:
+        if self._closed:
+            raise TimerIndexClosed(self._path)
+        return self._count_before_s(slot_s)  # the in-memory mirror of the counters
+
+    def pending_between(self, from_ms: int, to_ms: int, topic: str | None, limit: int,
+                        max_scanned: int) -> tuple[list[TimerEntry], bool]:
+        if to_ms <= from_ms or limit <= 0:
+            return [], False
+        out: list[TimerEntry] = []
+        scanned = 0
+        with self._guard():
+            upper = time_key(min(to_ms, (1 << 64) - 1), 0)
+            for tk, value in self._cf[CF_TIME].items(from_key=time_key(max(from_ms, 0), 0),
+                                                     read_opt=_read_bounded(upper)):
+                if len(out) >= limit or scanned >= max_scanned:
+                    return out, True
+                scanned += 1
+                entry = decode_entry(tk, value)
+                if topic is None or entry.topic == topic:
+                    out.append(entry)
+        return out, False
+
     def metrics(self, now_ms: int) -> TimerMetricsSnapshot:
         with self._guard():
             total = self.pending_total

@@ -116,6 +116,21 @@ class LatencyHistogram:
         return self._count
 
     @property
+    def sum(self) -> int:
+        return self._sum
+
+    def buckets(self) -> list[tuple[int, int]]:
+        """(bucket key, count) of the non-empty buckets, for exporters (`bucket_high`)."""
+        return list(self._buckets.items())
+
+    @staticmethod
+    def bucket_high(key: int) -> int:
+        """The largest value a bucket key holds (for negative keys, the one nearest zero)."""
+        if key >= 0:
+            return _bucket_bounds(key)[1]
+        return -_bucket_bounds(-key - 1)[0]
+
+    @property
     def min(self) -> int | None:
         return self._min if self._count else None
 

@@ -131,6 +131,8 @@ class TimerService:
         """Per-second count of timers accepted but not yet indexed (for slot congestion)."""
         self._level_head_cache: dict[int, int | None] = {}
         self.fires_by_level = Counter[int]()
+        self.fired_by_topic: dict[str, int] = {}
+        """Fired copies appended, per real topic, since start (metrics read it at scrape time)."""
 
     # -- accept -----------------------------------------------------------------------------
 
@@ -381,6 +383,9 @@ class TimerService:
         finally:
             self._firing -= positions
             self._firing_ids -= ids
+        fired = self.fired_by_topic  # for metrics (rocketmq_timer_dequeue_total): once per batch
+        for copy in copies:
+            fired[copy.topic] = fired.get(copy.topic, 0) + 1
 
     async def fire_positions(self, positions: list[int], now_ms: int) -> tuple[int, int]:
         """Fire the pending timers at these positions (the Spark engine decides when).

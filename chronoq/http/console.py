@@ -1,0 +1,253 @@
+"""The web console's logic: reading people's input, the charts, the delivery-error history, access.
+
+Theory of operation: the console is a static page (`static/index.html` + a small script, no
+build step, nothing fetched from the internet) that calls the JSON endpoints of `http/server.py`.
+Those endpoints call the admin service's methods in process (`AdminService`: ListTopics, Stats,
+QueryMessage, CancelMessage, SearchTimers, PendingByDue), the same code the gRPC admin API and
+`chronoq` CLI go through, so the console has no second path into the broker. This module holds
+what is the console's own:
+
+- `parse_time_ms` reads a time as a person types it ("now", "+10m", "2026-11-24T07:00Z", epoch
+  ms) and `ConsoleInputError` says what was wrong with it, never a stack trace;
+- `pending_chart_svg` and `error_chart_svg` draw the two charts on the server as SVG (no
+  JavaScript chart library to vendor; they are images the page reloads);
+- `ErrorHistory` samples the delivery-error histogram every `console_sample_interval_ms` and keeps
+  the last `console_history_samples` intervals (count, p50, p99, max of *that* interval, from the
+  difference of two snapshots of the cumulative histogram); it is in memory and restarts empty;
+- `Access.check(request, role)` is the one door every console call goes through: "read" for
+  views, "admin" for cancel. There is no authentication on this branch, so it allows all; the
+  trust work (issue 14) replaces its body with a role check on the caller's credentials.
+
+Nothing here blocks: each function does bounded work (limits in `config.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import re
+from collections import deque
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from chronoq.config import DAY_MS, HOUR_MS, MINUTE_MS, SECOND_MS
+from chronoq.errors import ChronoqError
+from chronoq.timefmt import duration
+from chronoq.timer.metrics import LatencyHistogram
+
+Role = Literal["read", "admin"]
+
+MAX_TIME_INPUT_CHARS = 64
+"""Longest time text the console reads (an ISO date with zone is ~30)."""
+MAX_EPOCH_MS = 253_402_300_799_999
+"""9999-12-31T23:59:59.999Z: the last time `datetime` can show."""
+
+
+class ConsoleInputError(ChronoqError):
+    """What a person typed into the console cannot be read; the message says what to type."""
+
+    code = 40000
+
+
+class Forbidden(ChronoqError):
+    """The caller's role does not allow this console action."""
+
+    code = 40300
+
+
+class Access:
+    """The console's single authorization point (see the module docstring)."""
+
+    def check(self, request: Any, role: Role) -> None:
+        # No authentication exists yet (issue 14 adds it): every caller may read and cancel.
+        return None
+
+
+# -- input --------------------------------------------------------------------------------------
+
+_RELATIVE = re.compile(r"^(?:now)?\s*([+-])\s*(\d{1,9})\s*(ms|s|m|h|d)$")
+_UNIT_MS = {"ms": 1, "s": SECOND_MS, "m": MINUTE_MS, "h": HOUR_MS, "d": DAY_MS}
+
+
+def parse_time_ms(text: str, now_ms: int, field: str) -> int:
+    """A time typed by a person, as epoch ms: "now", "+10m" / "now-1h" (ms, s, m, h, d), an ISO
+    8601 date and time (no zone = UTC), or epoch milliseconds."""
+    raw = (text or "").strip()
+    if not raw:
+        raise ConsoleInputError(f"{field}: give a time (now, +10m, 2026-11-24T07:00Z or epoch ms)")
+    if len(raw) > MAX_TIME_INPUT_CHARS:
+        raise ConsoleInputError(f"{field}: {len(raw)} characters is too long for a time")
+    lowered = raw.lower()
+    if lowered == "now":
+        return now_ms
+    if m := _RELATIVE.match(lowered):
+        sign = 1 if m.group(1) == "+" else -1
+        return now_ms + sign * int(m.group(2)) * _UNIT_MS[m.group(3)]
+    if raw.isdigit():
+        value = int(raw)
+        if value > MAX_EPOCH_MS:
+            raise ConsoleInputError(f"{field}: {raw} ms is after the year 9999")
+        return value
+    try:
+        parsed = datetime.fromisoformat(raw.replace("z", "Z"))
+    except ValueError:
+        raise ConsoleInputError(f"{field}: cannot read {raw!r} as a time; use now, +10m, -1h, "
+                                "2026-11-24T07:00Z or epoch milliseconds") from None
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=UTC)
+    return int(parsed.timestamp() * 1000)
+
+
+def format_utc(ms: int | None) -> str:
+    if ms is None:
+        return "-"
+    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
+
+
+# -- the pending-by-due chart -------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Horizon:
+    name: str
+    bar_s: int
+    bars: int
+    label: str
+
+
+HORIZONS: dict[str, Horizon] = {h.name: h for h in (
+    Horizon("10m", 10, 60, "next 10 minutes, 10 s bars"),
+    Horizon("1h", 60, 60, "next hour, 1 min bars"),
+    Horizon("1d", 3600, 24, "next 24 hours, 1 h bars"),
+    Horizon("7d", 6 * 3600, 28, "next 7 days, 6 h bars"),
+    Horizon("30d", 86_400, 30, "next 30 days, 1 day bars"),
+)}
+
+
+def horizon(name: str) -> Horizon:
+    found = HORIZONS.get(name)
+    if found is None:
+        raise ConsoleInputError(f"horizon: {name!r} is not one of {', '.join(HORIZONS)}")
+    return found
+
+
+_W, _H, _PAD_L, _PAD_B, _PAD_T = 720, 220, 56, 30, 24
+
+
+def _svg(title: str, body: list[str]) -> str:
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_W} {_H}" width="{_W}" height="{_H}" '
+            f'role="img" aria-label="{html.escape(title)}" font-family="sans-serif" font-size="11">'
+            f'<title>{html.escape(title)}</title><rect width="{_W}" height="{_H}" fill="#fff"/>'
+            + "".join(body) + "</svg>")
+
+
+def _axis(top: float, label_top: str) -> list[str]:
+    return [f'<line x1="{_PAD_L}" y1="{_H - _PAD_B}" x2="{_W - 8}" y2="{_H - _PAD_B}" stroke="#888"/>',
+            f'<line x1="{_PAD_L}" y1="{_PAD_T}" x2="{_PAD_L}" y2="{_H - _PAD_B}" stroke="#888"/>',
+            f'<text x="{_PAD_L - 4}" y="{_PAD_T + 4}" text-anchor="end">{html.escape(label_top)}</text>',
+            f'<text x="{_PAD_L - 4}" y="{_H - _PAD_B}" text-anchor="end">0</text>',
+            f'<line x1="{_PAD_L}" y1="{_PAD_T}" x2="{_W - 8}" y2="{_PAD_T}" stroke="#eee"/>']
+
+
+def pending_chart_svg(counts: list[int], from_s: int, h: Horizon, before: int, after: int) -> str:
+    """Bars of pending timers per interval from `from_s` on, with what lies outside the chart."""
+    top = max([*counts, 1])
+    width = (_W - _PAD_L - 8) / max(len(counts), 1)
+    plot_h = _H - _PAD_B - _PAD_T
+    body = _axis(top, str(top))
+    for i, n in enumerate(counts):
+        if n:
+            bar_h = max(1.0, plot_h * n / top)
+            x = _PAD_L + i * width
+            when = format_utc((from_s + i * h.bar_s) * 1000)
+            body.append(f'<rect class="bar" x="{x + 1:.1f}" y="{_H - _PAD_B - bar_h:.1f}" '
+                        f'width="{max(width - 2, 1):.1f}" height="{bar_h:.1f}" fill="#3b78c2">'
+                        f"<title>{n} due from {when}</title></rect>")
+    for i in range(0, len(counts) + 1, max(1, len(counts) // 6)):
+        x = _PAD_L + i * width
+        label = "now" if i == 0 else "+" + duration(i * h.bar_s * 1000)
+        anchor = "end" if i == len(counts) else "start" if i == 0 else "middle"  # the ends stay inside
+        body.append(f'<text x="{x:.1f}" y="{_H - _PAD_B + 14}" text-anchor="{anchor}">{html.escape(label)}</text>')
+    note = f"{sum(counts)} due in the {h.label}; {before} overdue; {after} later"
+    body.append(f'<text x="{_PAD_L}" y="14">{html.escape(note)}</text>')
+    return _svg(f"pending timers by due time, {h.label}", body)
+
+
+# -- delivery error over time -------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class ErrorSample:
+    at_ms: int
+    count: int
+    p50_ms: int | None
+    p99_ms: int | None
+    max_ms: int | None
+
+
+def _interval_percentile(diff: list[tuple[int, int]], p: float) -> int:
+    total = sum(n for _, n in diff)
+    rank = max(1, -(-total * p // 100))
+    seen = 0
+    for key, n in diff:
+        seen += n
+        if seen >= rank:
+            return LatencyHistogram.bucket_high(key)
+    return LatencyHistogram.bucket_high(diff[-1][0])
+
+
+class ErrorHistory:
+    """The delivery error per sampling interval (see the module docstring)."""
+
+    def __init__(self, histogram: LatencyHistogram, max_samples: int) -> None:
+        self._histogram = histogram
+        self._previous: dict[int, int] = dict(histogram.buckets())
+        self.samples: deque[ErrorSample] = deque(maxlen=max_samples)
+
+    def sample(self, now_ms: int) -> ErrorSample:
+        current = dict(self._histogram.buckets())
+        diff = sorted((k, n - self._previous.get(k, 0)) for k, n in current.items() if n > self._previous.get(k, 0))
+        self._previous = current
+        if diff:
+            sample = ErrorSample(now_ms, sum(n for _, n in diff), _interval_percentile(diff, 50),
+                                 _interval_percentile(diff, 99), LatencyHistogram.bucket_high(diff[-1][0]))
+        else:
+            sample = ErrorSample(now_ms, 0, None, None, None)
+        self.samples.append(sample)
+        return sample
+
+    async def run(self, now_ms: Any, interval_ms: int) -> None:
+        """Sample every `interval_ms` until cancelled (owned by the HTTP server's task group)."""
+        while True:
+            await asyncio.sleep(interval_ms / 1000)
+            self.sample(now_ms())
+
+
+def error_chart_svg(samples: list[ErrorSample], interval_ms: int) -> str:
+    """P50 and P99 of the delivery error per sampling interval, oldest left."""
+    points = [s for s in samples if s.count]
+    top = max([s.p99_ms or 0 for s in points] + [1])
+    n = max(len(samples), 2)
+    step = (_W - _PAD_L - 8) / (n - 1)
+    plot_h = _H - _PAD_B - _PAD_T
+    body = _axis(top, duration(top))
+
+    def line(values: list[tuple[int, int]], color: str, name: str) -> None:
+        if not values:
+            return
+        coords = " ".join(f"{_PAD_L + i * step:.1f},{_H - _PAD_B - plot_h * v / top:.1f}" for i, v in values)
+        body.append(f'<polyline fill="none" stroke="{color}" stroke-width="2" points="{coords}">'
+                    f"<title>{name}</title></polyline>")
+        for i, v in values:
+            body.append(f'<circle cx="{_PAD_L + i * step:.1f}" cy="{_H - _PAD_B - plot_h * v / top:.1f}" r="2" '
+                        f'fill="{color}"/>')
+
+    line([(i, s.p99_ms) for i, s in enumerate(samples) if s.p99_ms is not None], "#c0392b", "p99")
+    line([(i, s.p50_ms) for i, s in enumerate(samples) if s.p50_ms is not None], "#27ae60", "p50")
+    span = duration(interval_ms * max(len(samples) - 1, 0))
+    fired = sum(s.count for s in samples)
+    note = (f"fired minus due, per {duration(interval_ms)}: p99 (red), p50 (green); {fired} fired in the last {span}"
+            if samples else f"no sample yet (one every {duration(interval_ms)})")
+    body.append(f'<text x="{_PAD_L}" y="14">{html.escape(note)}</text>')
+    body.append(f'<text x="{_PAD_L}" y="{_H - _PAD_B + 14}">-{html.escape(span)}</text>')
+    body.append(f'<text x="{_W - 8}" y="{_H - _PAD_B + 14}" text-anchor="end">now</text>')
+    return _svg("delivery error over time", body)

@@ -1,0 +1,241 @@
+"""chronoq's HTTP side: `/metrics` for Prometheus, `/healthz`, and the web console.
+
+Theory of operation: `chronoq serve --http-port PORT` (config `http_port`; 0 = off) starts one
+aiohttp application on the broker's own event loop, beside the gRPC server, on the same host.
+Sharing the loop is what makes it cheap and consistent: a handler reads broker state between two
+broker steps, with no lock and no copy, and costs the hot path nothing until someone asks
+(`http/metrics.py` says how little the counters cost). Each handler does bounded work (the
+search and chart limits in `config.py`), so a scrape or a console click never stalls the loop.
+
+Routes:
+- `GET /metrics`: the Prometheus text format, by prometheus_client from `BrokerCollector`.
+- `GET /healthz`: 200 `{"ready": true, ...}` while the broker accepts sends; otherwise 503 with
+  the reason (the broker failed, shutting down, the disk below `disk_min_free_bytes`).
+- `GET /`: the console page (`static/`); its script calls the JSON endpoints under `/api/` and
+  shows the SVG charts under `/chart/`. They call the admin service's methods in process (the same
+  API as the gRPC admin service and the CLI) through `Access.check` (`http/console.py`).
+
+Errors are converted at one point, `_errors`: a `ChronoqError` (bad input, unknown topic or
+message, a refused cancel) becomes a JSON reply `{"error", "message"}` with a 4xx status, and
+anything else a 500 with "internal error; see the server log" and a log line: never a traceback
+in a reply.
+
+The server owns its one background task, the delivery-error sampler (`run`); `serve` runs it in
+its task group and stops the HTTP side before the broker closes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from importlib import resources
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from chronoq.config import Config, ConfigError
+from chronoq.errors import ChronoqError
+from chronoq.http.console import (
+    HORIZONS,
+    Access,
+    ConsoleInputError,
+    ErrorHistory,
+    Forbidden,
+    error_chart_svg,
+    format_utc,
+    horizon,
+    parse_time_ms,
+    pending_chart_svg,
+)
+from chronoq.http.metrics import make_registry
+from chronoq.server.admin_service import AdminService
+
+log = logging.getLogger(__name__)
+
+MAX_CANCEL_BODY_BYTES = 4096
+"""A cancel request is a topic and a message id; anything larger is refused unread."""
+NOT_FOUND_ERRORS = frozenset({"TopicNotFound", "MessageNotFound", "TimerNotFound"})
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(body: dict[str, Any], status: int = 200) -> web.Response:
+    return web.Response(text=json.dumps(body), status=status, content_type="application/json")
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except ChronoqError as err:
+        name = type(err).__name__
+        status = 403 if isinstance(err, Forbidden) else 404 if name in NOT_FOUND_ERRORS else \
+            503 if err.retriable else 400
+        return _json({"error": name, "message": err.message}, status)
+    except Exception:
+        log.exception("HTTP %s %s failed", request.method, request.path)
+        return _json({"error": "InternalError", "message": "internal error; see the server log"}, 500)
+
+
+class HttpServer:
+    def __init__(self, broker: Any, config: Config, admin: AdminService, access: Access | None = None) -> None:
+        self.broker = broker
+        self.config = config
+        self.admin = admin
+        self.access = access or Access()
+        self.registry = make_registry(broker)
+        self.history = ErrorHistory(broker.timer.engine.latencies.delivery_error_ms, config.console_history_samples)
+        self.stopping = False
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[_errors], client_max_size=MAX_CANCEL_BODY_BYTES)
+        static = resources.files("chronoq.http") / "static"
+        app.router.add_get("/", self.index)
+        app.router.add_static("/static/", str(static), show_index=False)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/api/overview", self.overview)
+        app.router.add_get("/api/message", self.message)
+        app.router.add_post("/api/cancel", self.cancel)
+        app.router.add_get("/api/search", self.search)
+        app.router.add_get("/chart/pending.svg", self.pending_chart)
+        app.router.add_get("/chart/error.svg", self.error_chart)
+        return app
+
+    async def start(self) -> int:
+        """Bind and serve; returns the bound port. A port that cannot be bound is a ConfigError."""
+        from chronoq.server.serve import bind_failure
+
+        runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, self.config.host, self.config.http_port, reuse_address=True)
+        try:
+            await site.start()
+        except OSError:
+            await runner.cleanup()
+            why = bind_failure(self.config.host, self.config.http_port).replace("--port", "--http-port")
+            raise ConfigError(f"cannot bind the HTTP port {self.config.http_port}: {why}") from None
+        self._runner = runner
+        server = getattr(site, "_server", None)
+        sockets = getattr(server, "sockets", None) or []
+        self.port = sockets[0].getsockname()[1] if sockets else self.config.http_port
+        return self.port
+
+    async def run(self) -> None:
+        """The sampler behind the delivery-error chart, until cancelled."""
+        await self.history.run(self.broker.clock.now_ms, self.config.console_sample_interval_ms)
+
+    async def stop(self) -> None:
+        self.stopping = True
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
+    # -- operators' endpoints ------------------------------------------------------------------
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def not_ready_reason(self) -> str | None:
+        broker = self.broker
+        if broker.fatal is not None:
+            return f"the broker failed: {broker.fatal!r}; it refuses all work and is stopping"
+        if self.stopping or broker.closed:
+            return "shutting down"
+        disk = broker.store.disk_stats()
+        if disk["min_free_bytes"] and disk["free_bytes"] < disk["min_free_bytes"]:
+            return (f"disk full: {disk['free_bytes']} bytes free, below disk_min_free_bytes "
+                    f"({disk['min_free_bytes']}); sends are refused until space is freed")
+        return None
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        reason = self.not_ready_reason()
+        if reason is None:
+            return _json({"ready": True, "reason": "serving"})
+        return _json({"ready": False, "reason": reason}, 503)
+
+    # -- the console ---------------------------------------------------------------------------
+
+    async def index(self, request: web.Request) -> web.Response:
+        self.access.check(request, "read")
+        page = (resources.files("chronoq.http") / "static" / "index.html").read_text(encoding="utf-8")
+        return web.Response(text=page, content_type="text/html")
+
+    async def overview(self, request: web.Request) -> web.Response:
+        self.access.check(request, "read")
+        topics = (await self.admin.list_topics({}))["topics"]
+        stats = await self.admin.stats({})
+        timer = stats["timer"]
+        pending = timer["pending_by_topic"]
+        rows = [{"name": t["name"], "queues": t.get("queue_count"), "pending": pending.get(t["name"], 0),
+                 "accepted": self.broker.accepted_by_topic.get(t["name"], 0),
+                 "delivered": self.broker.delivered_by_topic.get(t["name"], 0)}
+                for t in topics if not t["name"].startswith(("rmq_sys_", "SCHEDULE_TOPIC"))]
+        return _json({"now_ms": stats["now_ms"], "now": format_utc(stats["now_ms"]), "topics": rows,
+                      "groups": stats["groups"], "pending_total": timer["pending_total"],
+                      "pending_by_due": timer["pending_by_due"], "next_deadline": format_utc(timer["next_deadline_ms"]),
+                      "oldest_overdue_ms": timer["oldest_overdue_ms"],
+                      "delivery_error_ms": timer["latencies"]["delivery_error_ms"],
+                      "horizons": {name: h.label for name, h in HORIZONS.items()}})
+
+    async def message(self, request: web.Request) -> web.Response:
+        self.access.check(request, "read")
+        message_id = request.query.get("id", "").strip()
+        key = request.query.get("key", "").strip()
+        if not message_id and not key:
+            raise ConsoleInputError("give a message id or a key to look up")
+        doc: dict[str, Any] = {"message_id": message_id} if message_id else {"key": key}
+        statuses = (await self.admin.query_message(doc))["statuses"]
+        if not statuses:
+            what = f"message id {message_id!r}" if message_id else f"key {key!r}"
+            return _json({"error": "NotFound", "message": f"no timer message with {what} (only scheduled and "
+                                                          "delayed messages are kept in the time index)"}, 404)
+        for s in statuses:
+            for field in ("deliver_at_ms", "accepted_ms", "fired_ms", "cancelled_ms"):
+                s[field.replace("_ms", "")] = format_utc(s[field])
+        return _json({"statuses": statuses})
+
+    async def cancel(self, request: web.Request) -> web.Response:
+        self.access.check(request, "admin")
+        try:
+            doc = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            raise ConsoleInputError("the cancel request must be JSON: {\"topic\": ..., \"message_id\": ...}") \
+                from None
+        if not isinstance(doc, dict) or not doc.get("topic") or not doc.get("message_id"):
+            raise ConsoleInputError("a cancel names the topic and the message id")
+        reply = await self.admin.cancel_message({"topic": doc["topic"], "message_id": doc["message_id"]})
+        log.info("console: cancelled %s on %s", reply["message_id"], doc["topic"])
+        return _json({"cancelled": reply["message_id"], "topic": doc["topic"]})
+
+    async def search(self, request: web.Request) -> web.Response:
+        self.access.check(request, "read")
+        now_ms = self.broker.clock.now_ms()
+        from_ms = parse_time_ms(request.query.get("from", "now"), now_ms, "from")
+        to_ms = parse_time_ms(request.query.get("to", ""), now_ms, "to")
+        doc: dict[str, Any] = {"topic": request.query.get("topic") or None, "from_ms": from_ms, "to_ms": to_ms}
+        reply = await self.admin.search_timers(doc)
+        for t in reply["timers"]:
+            t["deliver_at"] = format_utc(t["deliver_at_ms"])
+            t["accepted"] = format_utc(t["accepted_ms"])
+        return _json({"timers": reply["timers"], "truncated": reply["truncated"], "from": format_utc(from_ms),
+                      "to": format_utc(to_ms), "max_rows": self.config.timer_search_max_rows})
+
+    async def pending_chart(self, request: web.Request) -> web.Response:
+        self.access.check(request, "read")
+        h = horizon(request.query.get("horizon", "1h"))
+        reply = await self.admin.pending_by_due({"bar_s": h.bar_s, "bars": h.bars})
+        svg = pending_chart_svg(reply["counts"], reply["from_s"], h, reply["before"], reply["after"])
+        return web.Response(text=svg, content_type="image/svg+xml", headers={"Cache-Control": "no-store"})
+
+    async def error_chart(self, request: web.Request) -> web.Response:
+        self.access.check(request, "read")
+        svg = error_chart_svg(list(self.history.samples), self.config.console_sample_interval_ms)
+        return web.Response(text=svg, content_type="image/svg+xml", headers={"Cache-Control": "no-store"})

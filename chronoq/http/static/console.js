@@ -1,0 +1,155 @@
+// chronoq console: calls the JSON endpoints under /api/ and shows the SVG charts under /chart/.
+// No framework and no build step: plain DOM calls. Every reply that is not OK carries
+// {"error", "message"}; the message is shown as it is.
+"use strict";
+
+let horizon = "1h";
+
+function $(id) { return document.getElementById(id); }
+
+function cell(row, text, cls) {
+  const td = row.insertCell();
+  td.textContent = text === null || text === undefined ? "-" : String(text);
+  if (cls) td.className = cls;
+  return td;
+}
+
+function showStatus(text, isError) {
+  const p = $("status");
+  p.textContent = text;
+  p.className = isError ? "status error" : "status";
+  p.hidden = false;
+}
+
+async function call(url, options) {
+  let reply;
+  try {
+    reply = await fetch(url, options);
+  } catch (err) {
+    throw new Error("the server did not answer (" + err.message + ")");
+  }
+  let body;
+  try { body = await reply.json(); } catch (err) { body = { message: reply.status + " " + reply.statusText }; }
+  if (!reply.ok) throw new Error(body.message || ("error " + reply.status));
+  return body;
+}
+
+async function refreshOverview() {
+  const o = await call("/api/overview");
+  $("now").textContent = "broker time " + o.now;
+  const tbody = $("topics").tBodies[0];
+  tbody.replaceChildren();
+  const select = $("search-topic");
+  const chosen = select.value;
+  select.replaceChildren(new Option("(all topics)", ""));
+  for (const t of o.topics) {
+    const row = tbody.insertRow();
+    row.dataset.topic = t.name;
+    cell(row, t.name);
+    cell(row, t.queues, "num");
+    cell(row, t.pending, "num");
+    cell(row, t.accepted, "num");
+    cell(row, t.delivered, "num");
+    const b = document.createElement("button");
+    b.textContent = "pending timers";
+    b.onclick = () => { select.value = t.name; search(); };
+    row.insertCell().append(b);
+    select.add(new Option(t.name, t.name));
+  }
+  select.value = chosen;
+  $("timer-summary").textContent = o.pending_total + " timers pending; next due " + o.next_deadline +
+    (o.oldest_overdue_ms ? "; firing is " + o.oldest_overdue_ms + " ms behind" : "");
+  const e = o.delivery_error_ms;
+  $("error-summary").textContent = e.count ? ("since start: " + e.count + " fired, fired minus due p50 " + e.p50 +
+    " ms, p99 " + e.p99 + " ms, max " + e.max + " ms") : "no timer has fired since the broker started";
+  const gbody = $("groups").tBodies[0];
+  gbody.replaceChildren();
+  for (const g of o.groups) {
+    const row = gbody.insertRow();
+    cell(row, g.group); cell(row, g.topic); cell(row, g.lag, "num"); cell(row, g.inflight, "num");
+  }
+  const hs = $("horizons");
+  if (!hs.childElementCount) {
+    for (const [name, label] of Object.entries(o.horizons)) {
+      const b = document.createElement("button");
+      b.textContent = name; b.title = label; b.dataset.horizon = name;
+      b.onclick = () => { horizon = name; refreshCharts(); };
+      hs.append(b);
+    }
+  }
+  refreshCharts();
+}
+
+function refreshCharts() {
+  const t = Date.now();
+  $("pending-chart").src = "/chart/pending.svg?horizon=" + encodeURIComponent(horizon) + "&t=" + t;
+  $("error-chart").src = "/chart/error.svg?t=" + t;
+  for (const b of $("horizons").children) b.classList.toggle("active", b.dataset.horizon === horizon);
+}
+
+function cancelButton(topic, id, due) {
+  const b = document.createElement("button");
+  b.textContent = "cancel";
+  b.className = "cancel";
+  b.onclick = async () => {
+    if (!window.confirm("Cancel timer " + id + " on " + topic + " (due " + due + ")? It will not be delivered.")) return;
+    try {
+      await call("/api/cancel", { method: "POST", headers: { "Content-Type": "application/json" },
+                                  body: JSON.stringify({ topic: topic, message_id: id }) });
+      showStatus("cancelled " + id + " on " + topic, false);
+      await search(true);
+      await refreshOverview();
+    } catch (err) { showStatus("cancel failed: " + err.message, true); }
+  };
+  return b;
+}
+
+async function search(quiet) {
+  const params = new URLSearchParams({ topic: $("search-topic").value, from: $("search-from").value,
+                                       to: $("search-to").value });
+  const tbody = $("results").tBodies[0];
+  try {
+    const r = await call("/api/search?" + params);
+    tbody.replaceChildren();
+    for (const t of r.timers) {
+      const row = tbody.insertRow();
+      row.dataset.messageId = t.message_id;
+      cell(row, t.deliver_at); cell(row, t.topic); cell(row, t.message_id);
+      cell(row, t.keys.join(" ")); cell(row, t.accepted);
+      row.insertCell().append(cancelButton(t.topic, t.message_id, t.deliver_at));
+    }
+    $("search-note").textContent = r.timers.length + " pending due " + r.from + " .. " + r.to +
+      (r.truncated ? " (stopped at a limit: narrow the range to see the rest)" : "");
+    if (!quiet) $("status").hidden = true;
+  } catch (err) {
+    tbody.replaceChildren();
+    $("search-note").textContent = "";
+    showStatus("search: " + err.message, true);
+  }
+}
+
+async function lookup() {
+  const kind = $("lookup-kind").value;
+  const value = $("lookup-value").value.trim();
+  const tbody = $("lookup-result").tBodies[0];
+  tbody.replaceChildren();
+  try {
+    const r = await call("/api/message?" + new URLSearchParams({ [kind]: value }));
+    for (const s of r.statuses) {
+      const row = tbody.insertRow();
+      row.dataset.messageId = s.message_id;
+      cell(row, s.message_id); cell(row, s.topic); cell(row, s.state, "state"); cell(row, s.deliver_at);
+      cell(row, s.accepted); cell(row, s.fired); cell(row, s.cancelled);
+      const c = row.insertCell();
+      if (s.state === "pending") c.append(cancelButton(s.topic, s.message_id, s.deliver_at));
+    }
+    $("status").hidden = true;
+  } catch (err) { showStatus("look up: " + err.message, true); }
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("search-form").addEventListener("submit", (ev) => { ev.preventDefault(); search(); });
+  $("lookup-form").addEventListener("submit", (ev) => { ev.preventDefault(); lookup(); });
+  refreshOverview().then(() => search(true)).catch((err) => showStatus(err.message, true));
+  setInterval(() => { refreshOverview().catch((err) => showStatus(err.message, true)); }, 10000);
+});

@@ -1,0 +1,289 @@
+"""The HTTP side (issue 15): /metrics, /healthz and the console's JSON endpoints.
+
+Real parts: a RocksDB-backed broker on a FakeClock (so due times and lateness are exact), the
+aiohttp server of `chronoq/http/server.py` on a free loopback port, and an HTTP client; the
+Prometheus text is parsed with prometheus_client's own parser. One slow test runs the real
+`chronoq serve --http-port` process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from chronoq.broker import Broker
+from chronoq.clock import FakeClock
+from chronoq.config import Config, ConfigError
+from chronoq.http.console import ErrorHistory, parse_time_ms
+from chronoq.http.metrics import histogram_buckets
+from chronoq.http.server import HttpServer
+from chronoq.model import OutgoingMessage
+from chronoq.server.admin_service import AdminService
+from chronoq.timer.metrics import LatencyHistogram
+
+arun = asyncio.run
+T0 = 1_800_000_000_000
+TOPIC = "orders"
+
+
+@contextlib.asynccontextmanager
+async def http_broker(tmp_path: Path, **settings: Any) -> AsyncIterator[tuple[Broker, FakeClock, str]]:
+    clock = FakeClock(T0)
+    config = Config(data_dir=tmp_path / "data", http_port=0, **settings)
+    broker = await Broker.open(config, clock=clock, background=False)
+    server = HttpServer(broker, config, AdminService(broker, config))
+    try:
+        # http_port=0 in the config means "off" for serve; here the site binds port 0 (any free one).
+        port = await server.start()
+        yield broker, clock, f"http://127.0.0.1:{port}"
+    finally:
+        await server.stop()
+        await broker.close()
+
+
+async def get(url: str) -> tuple[int, str, str]:
+    async with aiohttp.ClientSession() as session, session.get(url) as reply:
+        return reply.status, reply.headers.get("Content-Type", ""), await reply.text()
+
+
+async def post_json(url: str, body: Any) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as reply:
+        return reply.status, await reply.json()
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+async def send(broker: Broker, body: str, deliver_at_ms: int | None = None, keys: tuple[str, ...] = ()) -> str:
+    result = await broker.send(OutgoingMessage(topic=TOPIC, body=body.encode(), deliver_at_ms=deliver_at_ms,
+                                               keys=keys))
+    return result.message_id
+
+
+def test_metrics_names_labels_and_values(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with http_broker(tmp_path) as (broker, clock, base):
+            await broker.create_topic(TOPIC)
+            await send(broker, "now")
+            for i in range(3):  # due in 2 s, 90 s and 2 h
+                await send(broker, f"t{i}", T0 + (2_000, 90_000, 7_200_000)[i])
+            clock.advance(2_250)  # the first timer fires 250 ms late
+            await broker.run_due()
+            received = await broker.receive("g1", TOPIC, batch_size=8)
+            assert len(received) == 2
+            status, ctype, text = await get(base + "/metrics")
+            assert status == 200 and ctype.startswith("text/plain")
+            m = samples(text)
+            assert m[("chronoq_timer_pending", (("topic", TOPIC),))] == 2
+            assert m[("rocketmq_timing_messages", (("topic", TOPIC),))] == 2
+            assert m[("chronoq_messages_accepted_total", (("topic", TOPIC),))] == 4
+            assert m[("chronoq_messages_delivered_total", (("topic", TOPIC),))] == 2
+            assert m[("rocketmq_timer_enqueue_total", (("topic", TOPIC),))] == 3
+            assert m[("rocketmq_timer_dequeue_total", (("topic", TOPIC),))] == 1
+            # RocketMQ's due-time snapshot: 90 s is in the 300 s bucket, 2 h in 14400 s.
+            assert m[("rocketmq_timer_message_snapshot", (("timer_bound_s", "300"),))] == 1
+            assert m[("rocketmq_timer_message_snapshot", (("timer_bound_s", "14400"),))] == 1
+            assert m[("rocketmq_timer_message_snapshot", (("timer_bound_s", "5"),))] == 0
+            # Fired minus due: one observation of 250 ms.
+            assert m[("chronoq_timer_delivery_error_ms_count", ())] == 1
+            assert m[("chronoq_timer_delivery_error_ms_sum", ())] == 250
+            assert m[("chronoq_timer_delivery_error_ms_bucket", (("le", "100"),))] == 0
+            assert m[("chronoq_timer_delivery_error_ms_bucket", (("le", "250"),))] == 1
+            assert m[("chronoq_consumer_inflight", (("group", "g1"), ("topic", TOPIC)))] == 2
+            assert m[("chronoq_consumer_lag", (("group", "g1"), ("topic", TOPIC)))] == 0
+            assert m[("chronoq_commitlog_bytes", ())] > 0
+            assert m[("chronoq_commitlog_fsync_latency_seconds_count", ())] >= 1
+            assert m[("rocketmq_timer_dequeue_latency", ())] == 0
+            assert m[("chronoq_ready", ())] == 1
+            # The Grafana dashboard in docs/ uses only metrics the server exports.
+            dashboard = (Path(__file__).resolve().parent.parent / "docs" / "grafana-chronoq.json").read_text()
+            exprs = [t["expr"] for panel in json.loads(dashboard)["panels"] for t in panel["targets"]]
+            used = {name for e in exprs for name in re.findall(r"\b(?:chronoq|rocketmq)_[a-z_]+", e)}
+            assert used and used <= {name for name, _ in m}, used - {name for name, _ in m}
+            await send(broker, "late", T0 + 2_000)  # due already: overdue until the next run_due
+            clock.advance(1_000)
+            m = samples((await get(base + "/metrics"))[2])
+            assert m[("rocketmq_timer_dequeue_lag", ())] == 1
+            assert m[("rocketmq_timer_dequeue_latency", ())] == 1_250
+    arun(main())
+
+
+def test_histogram_export_is_cumulative_and_exact_below_256ms() -> None:
+    hist = LatencyHistogram()
+    for v in (-3, 0, 1, 7, 250, 251, 999, 1000, 99_999_999):
+        hist.record(v)
+    buckets = dict(histogram_buckets(hist, (1, 250, 1000)))
+    # Above 256 ms a bucket is up to 1/128 of its value wide and is counted under the edge at or
+    # above its top: 999 (bucket 996..999) is under 1000; 1000 (bucket 1000..1003) is not, so
+    # the export never shows a timer as less late than it was.
+    assert buckets == {"1": 3.0, "250": 5.0, "1000": 7.0, "+Inf": 9.0}
+
+
+def test_healthz_ready_then_reasons(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with http_broker(tmp_path) as (broker, _clock, base):
+            status, _, body = await get(base + "/healthz")
+            assert status == 200 and json.loads(body) == {"ready": True, "reason": "serving"}
+            broker.fatal = RuntimeError("timer loop died")
+            status, _, body = await get(base + "/healthz")
+            assert status == 503 and "timer loop died" in json.loads(body)["reason"]
+            broker.fatal = None
+    arun(main())
+
+
+def test_healthz_disk_full_reason(tmp_path: Path) -> None:
+    async def main() -> None:
+        # A floor no disk here has: the broker refuses sends, so it is not ready, and says why.
+        async with http_broker(tmp_path, disk_min_free_bytes=1 << 62, disk_reserve_file_bytes=0) as (_b, _c, base):
+            status, _, body = await get(base + "/healthz")
+            assert status == 503 and json.loads(body)["reason"].startswith("disk full")
+    arun(main())
+
+
+def test_console_api_search_lookup_cancel(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with http_broker(tmp_path) as (broker, clock, base):
+            await broker.create_topic(TOPIC)
+            ids = [await send(broker, f"t{i}", T0 + (i + 1) * 60_000, keys=(f"k{i}",)) for i in range(3)]
+            status, _, body = await get(base + "/api/search?topic=orders&from=now&to=%2B2m30s")
+            assert status == 400 and "cannot read" in json.loads(body)["message"]
+            status, _, body = await get(base + "/api/search?topic=orders&from=now&to=%2B150s")
+            found = json.loads(body)
+            assert status == 200 and [t["message_id"] for t in found["timers"]] == ids[:2]
+            assert not found["truncated"]
+            status, _, body = await get(base + "/api/message?key=k2")
+            assert status == 200 and json.loads(body)["statuses"][0]["state"] == "pending"
+            status, reply = await post_json(base + "/api/cancel", {"topic": TOPIC, "message_id": ids[2]})
+            assert status == 200 and reply["cancelled"] == ids[2]
+            status, _, body = await get(base + f"/api/message?id={ids[2]}")
+            assert json.loads(body)["statuses"][0]["state"] == "cancelled"
+            status, reply = await post_json(base + "/api/cancel", {"topic": TOPIC, "message_id": ids[2]})
+            assert status == 400 and reply["error"] == "TimerAlreadyCancelled"
+            status, _, body = await get(base + "/api/overview")
+            overview = json.loads(body)
+            assert [t["name"] for t in overview["topics"]] == [TOPIC] and overview["pending_total"] == 2
+            status, ctype, svg = await get(base + "/chart/pending.svg?horizon=10m")
+            assert status == 200 and ctype.startswith("image/svg+xml") and svg.count('class="bar"') == 2
+            clock.advance(30_000)
+    arun(main())
+
+
+@pytest.mark.parametrize(("query", "status", "says"), [
+    ("/api/message?id=no-such-id", 404, "no timer message with message id 'no-such-id'"),
+    ("/api/message", 400, "give a message id or a key"),
+    ("/api/search?topic=orders&from=yesterday&to=now", 400, "cannot read 'yesterday' as a time"),
+    ("/api/search?topic=orders&from=%2B1h&to=now", 400, "the range must end after it starts"),
+    ("/api/search?topic=orders&from=now&to=%2B400d", 400, "more than timer_search_max_range_ms (31 days)"),
+    ("/api/search?topic=orders&from=now&to=99999999999999999999", 400, "after the year 9999"),
+    ("/api/search?topic=nosuch&from=now&to=%2B1h", 404, "topic 'nosuch' does not exist"),
+    ("/api/search?topic=orders&from=now&to=" + "9" * 80, 400, "too long for a time"),
+    ("/chart/pending.svg?horizon=1y", 400, "is not one of 10m, 1h, 1d, 7d, 30d"),
+])
+def test_console_bad_input_is_a_clear_message(tmp_path: Path, query: str, status: int, says: str) -> None:
+    async def main() -> None:
+        async with http_broker(tmp_path) as (broker, _clock, base):
+            await broker.create_topic(TOPIC)
+            got, ctype, body = await get(base + query)
+            assert got == status and ctype.startswith("application/json")
+            reply = json.loads(body)
+            assert says in reply["message"] and "Traceback" not in body
+    arun(main())
+
+
+def test_cancel_bad_bodies(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with http_broker(tmp_path) as (broker, _clock, base):
+            await broker.create_topic(TOPIC)
+            async with aiohttp.ClientSession() as session:
+                async with session.post(base + "/api/cancel", data=b"not json") as reply:
+                    assert reply.status == 400 and "must be JSON" in (await reply.json())["message"]
+                async with session.post(base + "/api/cancel", data=b"x" * 10_000) as reply:
+                    assert reply.status == 413  # larger than MAX_CANCEL_BODY_BYTES: refused unread
+            status, reply = await post_json(base + "/api/cancel", {"topic": TOPIC, "message_id": "nope"})
+            assert status == 404 and reply["error"] == "TimerNotFound"
+            status, reply = await post_json(base + "/api/cancel", ["a list"])
+            assert status == 400 and "names the topic and the message id" in reply["message"]
+    arun(main())
+
+
+def test_search_stops_at_its_row_limit(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with http_broker(tmp_path, timer_search_max_rows=3) as (broker, _clock, base):
+            await broker.create_topic(TOPIC)
+            for i in range(5):
+                await send(broker, f"t{i}", T0 + 10_000 + i)
+            reply = json.loads((await get(base + "/api/search?topic=orders&from=now&to=%2B1m"))[2])
+            assert len(reply["timers"]) == 3 and reply["truncated"]
+    arun(main())
+
+
+def test_parse_time_ms() -> None:
+    now = T0
+    assert parse_time_ms("now", now, "f") == now
+    assert parse_time_ms("+10m", now, "f") == now + 600_000
+    assert parse_time_ms("now - 1h", now, "f") == now - 3_600_000
+    assert parse_time_ms("2027-01-15T08:00:00Z", now, "f") == 1_800_000_000_000
+    assert parse_time_ms("1970-01-01T00:00:01", now, "f") == 1000  # no zone: UTC
+    assert parse_time_ms("1970-01-01T01:00:01+01:00", now, "f") == 1000
+    assert parse_time_ms("12345", now, "f") == 12345
+
+
+def test_error_history_reports_each_interval_alone() -> None:
+    hist = LatencyHistogram()
+    history = ErrorHistory(hist, max_samples=3)
+    for v in (5, 5, 5, 900):
+        hist.record(v)
+    first = history.sample(1000)
+    assert (first.count, first.p50_ms) == (4, 5) and 900 <= first.max_ms <= 900 + 900 // 128
+    hist.record(20)
+    second = history.sample(2000)
+    assert (second.count, second.p50_ms, second.p99_ms, second.max_ms) == (1, 20, 20, 20)
+    assert history.sample(3000).count == 0
+    history.sample(4000)
+    assert [s.at_ms for s in history.samples] == [2000, 3000, 4000]
+
+
+def test_http_port_setting_is_checked() -> None:
+    with pytest.raises(ConfigError, match="http_port"):
+        Config(http_port=70000)
+
+
+@pytest.mark.slow
+def test_serve_http_port_process(tmp_path: Path) -> None:
+    """`chronoq serve --http-port`: the real process serves /healthz, /metrics and the page."""
+    from chronoq.client import Producer
+    from chronoq.client.testing import ServerProcess, free_port
+
+    http_port = free_port()
+    with ServerProcess(tmp_path / "data", settings={"http_port": http_port}) as server:
+        with Producer(server.address) as producer:
+            producer.create_topic(TOPIC)
+            producer.send(TOPIC, "hello")
+        base = f"http://127.0.0.1:{http_port}"
+        with urllib.request.urlopen(base + "/healthz", timeout=10) as reply:
+            assert json.loads(reply.read()) == {"ready": True, "reason": "serving"}
+        with urllib.request.urlopen(base + "/metrics", timeout=10) as reply:
+            m = samples(reply.read().decode())
+        assert m[("chronoq_messages_accepted_total", (("topic", TOPIC),))] == 1
+        with urllib.request.urlopen(base + "/", timeout=10) as reply:
+            assert b"chronoq console" in reply.read()
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(base + "/api/message?id=nope", timeout=10)
+        assert refused.value.code == 404
+        assert "chronoq console, /metrics and /healthz on http://127.0.0.1:" in server.log()
