@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
 from chronoq.config import Config, ConfigError
-from chronoq.http.console import ErrorHistory, parse_time_ms
+from chronoq.http.console import Access, ErrorHistory, Forbidden, Role, parse_time_ms
 from chronoq.http.metrics import histogram_buckets
 from chronoq.http.server import HttpServer
 from chronoq.model import OutgoingMessage
@@ -38,11 +38,12 @@ TOPIC = "orders"
 
 
 @contextlib.asynccontextmanager
-async def http_broker(tmp_path: Path, **settings: Any) -> AsyncIterator[tuple[Broker, FakeClock, str]]:
+async def http_broker(tmp_path: Path, access: Access | None = None,
+                      **settings: Any) -> AsyncIterator[tuple[Broker, FakeClock, str]]:
     clock = FakeClock(T0)
     config = Config(data_dir=tmp_path / "data", http_port=0, **settings)
     broker = await Broker.open(config, clock=clock, background=False)
-    server = HttpServer(broker, config, AdminService(broker, config))
+    server = HttpServer(broker, config, AdminService(broker, config), access)
     try:
         # http_port=0 in the config means "off" for serve; here the site binds port 0 (any free one).
         port = await server.start()
@@ -211,9 +212,15 @@ def test_cancel_bad_bodies(tmp_path: Path) -> None:
         async with http_broker(tmp_path) as (broker, _clock, base):
             await broker.create_topic(TOPIC)
             async with aiohttp.ClientSession() as session:
-                async with session.post(base + "/api/cancel", data=b"not json") as reply:
+                json_type = {"Content-Type": "application/json"}
+                async with session.post(base + "/api/cancel", data=b"not json", headers=json_type) as reply:
                     assert reply.status == 400 and "must be JSON" in (await reply.json())["message"]
-                async with session.post(base + "/api/cancel", data=b"x" * 10_000) as reply:
+                # What a cross-site form can send without a CORS preflight: refused, nothing cancelled.
+                body = json.dumps({"topic": TOPIC, "message_id": "x"}).encode()
+                async with session.post(base + "/api/cancel", data=body, headers={"Content-Type": "text/plain"}) \
+                        as reply:
+                    assert reply.status == 400 and "application/json" in (await reply.json())["message"]
+                async with session.post(base + "/api/cancel", data=b"x" * 10_000, headers=json_type) as reply:
                     assert reply.status == 413  # larger than MAX_CANCEL_BODY_BYTES: refused unread
             status, reply = await post_json(base + "/api/cancel", {"topic": TOPIC, "message_id": "nope"})
             assert status == 404 and reply["error"] == "TimerNotFound"
@@ -287,3 +294,104 @@ def test_serve_http_port_process(tmp_path: Path) -> None:
             urllib.request.urlopen(base + "/api/message?id=nope", timeout=10)
         assert refused.value.code == 404
         assert "chronoq console, /metrics and /healthz on http://127.0.0.1:" in server.log()
+
+
+class ReadOnly(Access):
+    """What the trust work will plug in: a caller without the admin role."""
+
+    def __init__(self) -> None:
+        self.asked: list[Role] = []
+
+    def check(self, request: Any, role: Role) -> None:
+        self.asked.append(role)
+        if role == "admin":
+            raise Forbidden("cancelling needs the admin role")
+
+
+def test_every_console_call_goes_through_the_access_check(tmp_path: Path) -> None:
+    async def main() -> None:
+        access = ReadOnly()
+        async with http_broker(tmp_path, access=access) as (broker, _clock, base):
+            await broker.create_topic(TOPIC)
+            message_id = await send(broker, "t", T0 + 60_000)
+            for path in ("/", "/api/overview", f"/api/message?id={message_id}", "/api/search?from=now&to=%2B1h",
+                         "/chart/pending.svg", "/chart/error.svg"):
+                assert (await get(base + path))[0] == 200, path
+            assert access.asked == ["read"] * 6
+            status, reply = await post_json(base + "/api/cancel", {"topic": TOPIC, "message_id": message_id})
+            assert status == 403 and reply["message"] == "cancelling needs the admin role"
+            assert broker.query(message_id)[0].state.value == "pending"
+    arun(main())
+
+
+def test_healthz_while_shutting_down(tmp_path: Path) -> None:
+    async def main() -> None:
+        clock = FakeClock(T0)
+        config = Config(data_dir=tmp_path / "data")
+        broker = await Broker.open(config, clock=clock, background=False)
+        server = HttpServer(broker, config, AdminService(broker, config))
+        try:
+            base = f"http://127.0.0.1:{await server.start()}"
+            server.stopping = True  # what serve sets when the stop begins, while gRPC drains
+            status, _, body = await get(base + "/healthz")
+            assert status == 503 and json.loads(body) == {"ready": False, "reason": "shutting down"}
+        finally:
+            await server.stop()
+            await broker.close()
+    arun(main())
+
+
+def test_search_stops_at_its_scan_bound_when_filtering(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with http_broker(tmp_path, timer_search_max_scanned=4) as (broker, _clock, base):
+            await broker.create_topic(TOPIC)
+            await broker.create_topic("other")
+            for i in range(6):  # six timers of another topic come first in due order
+                await broker.send(OutgoingMessage(topic="other", body=b"x", deliver_at_ms=T0 + 1_000 + i))
+            await send(broker, "mine", T0 + 5_000)
+            reply = json.loads((await get(base + "/api/search?topic=orders&from=now&to=%2B1m"))[2])
+            assert reply["timers"] == [] and reply["truncated"]
+            reply = json.loads((await get(base + "/api/search?topic=orders&from=%2B4s&to=%2B1m"))[2])
+            assert [t["topic"] for t in reply["timers"]] == [TOPIC] and not reply["truncated"]
+    arun(main())
+
+
+def test_http_port_in_use_is_one_clear_line(tmp_path: Path) -> None:
+    import socket
+
+    async def main() -> None:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            config = Config(data_dir=tmp_path / "data", http_port=port)
+            broker = await Broker.open(config, clock=FakeClock(T0), background=False)
+            try:
+                with pytest.raises(ConfigError, match=f"cannot bind the HTTP port {port}: port {port} is in use"):
+                    await HttpServer(broker, config, AdminService(broker, config)).start()
+            finally:
+                await broker.close()
+    arun(main())
+
+
+def test_admin_search_and_chart_over_grpc(tmp_path: Path) -> None:
+    """SearchTimers and PendingByDue are admin methods: the console's data, for programs too."""
+    from server_harness import running
+
+    async def main() -> None:
+        clock = FakeClock(T0)
+        async with running(tmp_path, clock=clock, background=False, timer_chart_max_bars=10) as h:
+            await h.broker.create_topic(TOPIC)
+            for offset_ms in (5_000, 65_000, 65_500, 4_000_000):
+                await send(h.broker, "t", T0 + offset_ms)
+            reply = await h.admin("PendingByDue", {"bar_s": 60, "bars": 3})
+            assert (reply["counts"], reply["before"], reply["after"], reply["total"]) == ([1, 2, 0], 0, 1, 4)
+            reply = await h.admin("PendingByDue", {"bar_s": 60, "bars": 11})
+            assert reply["error"] == "InvalidField" and "timer_chart_max_bars" in reply["message"]
+            reply = await h.admin("SearchTimers", {"topic": TOPIC, "from_ms": T0 + 60_000, "to_ms": T0 + 70_000})
+            assert [t["deliver_at_ms"] for t in reply["timers"]] == [T0 + 65_000, T0 + 65_500]
+            reply = await h.admin("SearchTimers", {"topic": TOPIC, "from_ms": T0, "to_ms": T0 + 40 * 86_400_000})
+            assert reply["error"] == "InvalidField" and "timer_search_max_range_ms" in reply["message"]
+            reply = await h.admin("SearchTimers", {"topic": TOPIC, "from_ms": T0, "to_ms": T0 + 1, "limit": 501})
+            assert reply["error"] == "InvalidField" and "timer_search_max_rows" in reply["message"]
+    arun(main())

@@ -204,6 +204,10 @@ class HttpServer:
 
     async def cancel(self, request: web.Request) -> web.Response:
         self.access.check(request, "admin")
+        if request.content_type != "application/json":
+            # A cross-site form can post text/plain without asking; application/json needs the
+            # browser's CORS preflight, which this server never grants.
+            raise ConsoleInputError("a cancel request must be sent as application/json")
         try:
             doc = await request.json()
         except (ValueError, UnicodeDecodeError):
