@@ -27,6 +27,7 @@ import asyncio
 import html
 import re
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -215,7 +216,7 @@ class ErrorHistory:
         self.samples.append(sample)
         return sample
 
-    async def run(self, now_ms: Any, interval_ms: int) -> None:
+    async def run(self, now_ms: Callable[[], int], interval_ms: int) -> None:
         """Sample every `interval_ms` until cancelled (owned by the HTTP server's task group)."""
         while True:
             await asyncio.sleep(interval_ms / 1000)

@@ -1,10 +1,15 @@
-"""`chronoq.admin.v1.Admin`: topics, timer queries and cancels, offset reads, stats, batch sends.
+"""`chronoq.admin.v1.Admin`: topics, timer queries, searches and cancels, offset reads, stats, batch sends.
 
 Theory of operation: a JSON-over-gRPC service beside MessagingService on the same port (the
 RocketMQ v2 protocol has no admin RPCs). Each method is a unary RPC whose request and reply bodies
 are UTF-8 JSON objects; the codec is `chronoq.protocol.admin`, and this module only calls the
 broker. Errors are converted at one point (`_handler`): a `ChronoqError` becomes
 `{"code", "message", "error", "retriable"}`, anything else a 50000 reply and a log line.
+
+The web console (`chronoq/http/`) calls these same methods in process, so it has no second path
+into the broker; SearchTimers (pending timers in a due-time range) and PendingByDue (counts per
+bar, for its chart) exist for it, bounded by the `timer_search_*` and `timer_chart_max_bars`
+limits, and serve programs as well.
 
 SendBatch reports per message: messages that fail to decode get their own error entry and the
 rest go to `Broker.send_batch(partial=True)` in one durable write, which reports each message's
