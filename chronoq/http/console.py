@@ -14,9 +14,10 @@ what is the console's own:
 - `ErrorHistory` samples the delivery-error histogram every `console_sample_interval_ms` and keeps
   the last `console_history_samples` intervals (count, p50, p99, max of *that* interval, from the
   difference of two snapshots of the cumulative histogram); it is in memory and restarts empty;
-- `Access.check(request, role)` is the one door every console call goes through: "read" for
-  views, "admin" for cancel. There is no authentication on this branch, so it allows all; the
-  trust work (issue 14) replaces its body with a role check on the caller's credentials.
+- `Access.check(request, role)` is the one door every console call goes through ("read" for
+  views, "admin" for cancel), called by `HttpServer.call` before it calls an admin method. There
+  is no authentication on this branch, so it allows all; the trust work (issue 14) replaces its
+  body with a role check on the caller's credentials.
 
 Nothing here blocks: each function does bounded work (limits in `config.py`).
 """

@@ -13,7 +13,8 @@ Routes:
   the reason (the broker failed, shutting down, the disk below `disk_min_free_bytes`).
 - `GET /`: the console page (`static/`); its script calls the JSON endpoints under `/api/` and
   shows the SVG charts under `/chart/`. They call the admin service's methods in process (the same
-  API as the gRPC admin service and the CLI) through `Access.check` (`http/console.py`).
+  API as the gRPC admin service and the CLI), each through `HttpServer.call`: the access check
+  (`Access.check`, `http/console.py`: "read", or "admin" for cancel), then the method.
 
 Errors are converted at one point, `_errors`: a `ChronoqError` (bad input, unknown topic or
 message, a refused cancel) becomes a JSON reply `{"error", "message"}` with a 4xx status, and
@@ -43,6 +44,7 @@ from chronoq.http.console import (
     ConsoleInputError,
     ErrorHistory,
     Forbidden,
+    Role,
     error_chart_svg,
     format_utc,
     horizon,
@@ -88,6 +90,11 @@ class HttpServer:
         self.admin = admin
         self.access = access or Access()
         self.registry = make_registry(broker)
+        self.admin_methods = {
+            "ListTopics": admin.list_topics, "Stats": admin.stats, "QueryMessage": admin.query_message,
+            "CancelMessage": admin.cancel_message, "SearchTimers": admin.search_timers,
+            "PendingByDue": admin.pending_by_due,
+        }
         self.history = ErrorHistory(broker.timer.engine.latencies.delivery_error_ms, config.console_history_samples)
         self.stopping = False
         self.port = 0
@@ -163,15 +170,21 @@ class HttpServer:
 
     # -- the console ---------------------------------------------------------------------------
 
+    async def call(self, request: web.Request, role: Role, method: str, doc: dict[str, Any]) -> dict[str, Any]:
+        """Every console read and action on the broker: the access check for `role`, then the
+        admin service's method of that name (its gRPC name), in process. The one place where the
+        caller's identity will be handed to the admin service once it checks permissions."""
+        self.access.check(request, role)
+        return await self.admin_methods[method](doc)
+
     async def index(self, request: web.Request) -> web.Response:
         self.access.check(request, "read")
         page = (resources.files("chronoq.http") / "static" / "index.html").read_text(encoding="utf-8")
         return web.Response(text=page, content_type="text/html")
 
     async def overview(self, request: web.Request) -> web.Response:
-        self.access.check(request, "read")
-        topics = (await self.admin.list_topics({}))["topics"]
-        stats = await self.admin.stats({})
+        topics = (await self.call(request, "read", "ListTopics", {}))["topics"]
+        stats = await self.call(request, "read", "Stats", {})
         timer = stats["timer"]
         pending = timer["pending_by_topic"]
         rows = [{"name": t["name"], "queues": t.get("queue_count"), "pending": pending.get(t["name"], 0),
@@ -186,13 +199,12 @@ class HttpServer:
                       "horizons": {name: h.label for name, h in HORIZONS.items()}})
 
     async def message(self, request: web.Request) -> web.Response:
-        self.access.check(request, "read")
         message_id = request.query.get("id", "").strip()
         key = request.query.get("key", "").strip()
         if not message_id and not key:
             raise ConsoleInputError("give a message id or a key to look up")
         doc: dict[str, Any] = {"message_id": message_id} if message_id else {"key": key}
-        statuses = (await self.admin.query_message(doc))["statuses"]
+        statuses = (await self.call(request, "read", "QueryMessage", doc))["statuses"]
         if not statuses:
             what = f"message id {message_id!r}" if message_id else f"key {key!r}"
             return _json({"error": "NotFound", "message": f"no timer message with {what} (only scheduled and "
@@ -203,7 +215,6 @@ class HttpServer:
         return _json({"statuses": statuses})
 
     async def cancel(self, request: web.Request) -> web.Response:
-        self.access.check(request, "admin")
         if request.content_type != "application/json":
             # A cross-site form can post text/plain without asking; application/json needs the
             # browser's CORS preflight, which this server never grants.
@@ -215,17 +226,17 @@ class HttpServer:
                 from None
         if not isinstance(doc, dict) or not doc.get("topic") or not doc.get("message_id"):
             raise ConsoleInputError("a cancel names the topic and the message id")
-        reply = await self.admin.cancel_message({"topic": doc["topic"], "message_id": doc["message_id"]})
+        reply = await self.call(request, "admin", "CancelMessage",
+                                {"topic": doc["topic"], "message_id": doc["message_id"]})
         log.info("console: cancelled %s on %s", reply["message_id"], doc["topic"])
         return _json({"cancelled": reply["message_id"], "topic": doc["topic"]})
 
     async def search(self, request: web.Request) -> web.Response:
-        self.access.check(request, "read")
         now_ms = self.broker.clock.now_ms()
         from_ms = parse_time_ms(request.query.get("from", "now"), now_ms, "from")
         to_ms = parse_time_ms(request.query.get("to", ""), now_ms, "to")
         doc: dict[str, Any] = {"topic": request.query.get("topic") or None, "from_ms": from_ms, "to_ms": to_ms}
-        reply = await self.admin.search_timers(doc)
+        reply = await self.call(request, "read", "SearchTimers", doc)
         for t in reply["timers"]:
             t["deliver_at"] = format_utc(t["deliver_at_ms"])
             t["accepted"] = format_utc(t["accepted_ms"])
@@ -233,9 +244,8 @@ class HttpServer:
                       "to": format_utc(to_ms), "max_rows": self.config.timer_search_max_rows})
 
     async def pending_chart(self, request: web.Request) -> web.Response:
-        self.access.check(request, "read")
         h = horizon(request.query.get("horizon", "1h"))
-        reply = await self.admin.pending_by_due({"bar_s": h.bar_s, "bars": h.bars})
+        reply = await self.call(request, "read", "PendingByDue", {"bar_s": h.bar_s, "bars": h.bars})
         svg = pending_chart_svg(reply["counts"], reply["from_s"], h, reply["before"], reply["after"])
         return web.Response(text=svg, content_type="image/svg+xml", headers={"Cache-Control": "no-store"})
 
