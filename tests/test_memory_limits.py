@@ -21,7 +21,7 @@ from chronoq.model import SendResult
 from chronoq.store import files
 from chronoq.store.groups import GroupStore
 from chronoq.timer.index import RocksTimerIndex
-from chronoq.timer.service import encode_recall_handle
+from chronoq.timer.recall import encode_recall_handle
 
 MiB = 1024 * 1024
 

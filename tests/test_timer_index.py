@@ -620,7 +620,8 @@ def test_engine_matches_a_model_through_random_histories(tmp_path_factory: pytes
 # --- RocksDB specifics: open, corruption, locking, crash -------------------------------------------
 
 
-def test_byte_layouts_match_the_module_documentation(tmp_path: Path) -> None:
+def test_byte_layouts_match_docs_disk_format(tmp_path: Path) -> None:
+    """The layouts docs/disk-format.md ("Timer index") states, byte for byte."""
     with RocksTimerIndex.open(tmp_path / "idx") as index:
         e = entry(300, T0 + 61_500, message_id="M1", topic="tp", keys=("k1",), accepted_ms=T0 - 7)
         index.apply(IndexBatch(adds=[e], indexed_position=400))
