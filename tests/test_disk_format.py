@@ -22,6 +22,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import chronoq
 from chronoq import trace
 from chronoq.errors import CorruptRecord, InvalidRecallHandle, InvalidReceiptHandle
 from chronoq.model import MessageType, TopicConfig
@@ -73,7 +74,7 @@ def test_sizes_the_layouts_state() -> None:
     assert files.cq_file_name(7) == "00000000000000000007.cq"
 
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "disk-format.md"
+DOC = Path(chronoq.__file__).resolve().parents[1] / "docs" / "disk-format.md"
 DOC_STATES = [  # (what docs/disk-format.md says, with the size as group 1; the size in code)
     (r"Header, version 1, (\d+) bytes:\s+\|", commitlog.SEGMENT_HEADER_SIZE),
     (r"Version 1, (\d+)-byte fixed header", record.HEADER_SIZE),

@@ -21,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import chronoq
 from chronoq.errors import DataDirLocked
 from chronoq.model import TimerState
 from chronoq.timer import index as index_module
@@ -711,7 +712,7 @@ def test_a_second_open_of_the_same_index_is_refused_as_locked(tmp_path: Path) ->
 def test_an_index_held_by_another_process_is_refused_as_locked(tmp_path: Path) -> None:
     holder = ("import sys\nfrom chronoq.timer.index import RocksTimerIndex\n"
               "index = RocksTimerIndex.open(sys.argv[1])\nprint('ready', flush=True)\nsys.stdin.read()\n")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(chronoq.__file__).resolve().parents[1])}
     child = subprocess.Popen([sys.executable, "-c", holder, str(tmp_path / "idx")], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, env=env)
     try:
@@ -752,7 +753,7 @@ _CHILD = textwrap.dedent("""
 @pytest.mark.slow
 def test_sigkill_mid_apply_leaves_a_consistent_index_at_a_batch_boundary(tmp_path: Path) -> None:
     path = tmp_path / "idx"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(chronoq.__file__).resolve().parents[1])}
     child = subprocess.Popen([sys.executable, "-c", _CHILD, str(path)], stdout=subprocess.PIPE, text=True, env=env)
     acknowledged = 0
     try:
