@@ -50,7 +50,7 @@ from pathlib import Path
 
 import crc32c
 
-from chronoq.errors import BrokerClosed, CorruptRecord, FlushFailed, FsyncFailed, ServerError
+from chronoq.errors import BrokerClosed, CorruptRecord, FlushFailed, FsyncFailed, LogDamaged
 from chronoq.model import StoredMessage
 from chronoq.store import files, fsync
 from chronoq.store.damage import DAMAGED, Damage, DamageRegistry, classify
@@ -74,14 +74,6 @@ STORE_TIMES_YIELD_RECORDS = 1024
 """Reading a segment's store times runs on the event loop; it lets other work run after this
 many records (a few ms), so a 256 MiB segment of small records does not stall fires for seconds."""
 log = logging.getLogger("chronoq.store")
-
-
-class LogDamaged(ServerError):
-    """A commit-log segment other than the last is damaged: acknowledged data may be affected.
-    The broker refuses to start rather than cut it; `chronoq check` says where."""
-
-    def __init__(self, path: str, reason: str) -> None:
-        super().__init__(f"commit log damaged in {path}: {reason}", path=path, reason=reason)
 
 
 def encode_segment_header(base_position: int) -> bytes:

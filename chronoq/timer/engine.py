@@ -37,8 +37,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from chronoq.errors import ServerError
-
 if TYPE_CHECKING:
     from chronoq.model import TimerStatus
     from chronoq.timer.metrics import TimerMetricsSnapshot
@@ -86,19 +84,6 @@ class IndexBatch:
     """When the broker applies a live batch (feeds the enqueue-lag histogram). None on replay:
     a record replayed after a restart did not wait in any queue, and counting its age as lag
     would drown the live numbers."""
-
-
-class IndexPositionWentBack(ServerError):
-    """A batch claimed to cover less of the log than the engine already does. Applying batches
-    out of log order could persist a position past a batch that was never applied, and a
-    restart would then skip its timers; so the engine refuses and changes nothing."""
-
-    def __init__(self, indexed_position: int, batch_position: int) -> None:
-        super().__init__(
-            f"index batch ends at log position {batch_position}, but the index already covers "
-            f"the log up to {indexed_position}; batches must be applied in log order",
-            indexed_position=indexed_position, batch_position=batch_position,
-        )
 
 
 class TimerEngine(Protocol):

@@ -78,11 +78,17 @@ from rocksdict import (
     WriteOptions,
 )
 
-from chronoq.errors import ChronoqError, DataDirLocked, ServerError
+from chronoq.errors import (
+    ChronoqError,
+    DataDirLocked,
+    IndexPositionWentBack,
+    TimerIndexClosed,
+    TimerIndexCorrupt,
+)
 from chronoq.model import TimerStatus
 from chronoq.store import fsync
 from chronoq.store.diskspace import DiskSpace, is_disk_full
-from chronoq.timer.engine import IndexBatch, IndexPositionWentBack, TimerEntry
+from chronoq.timer.engine import IndexBatch, TimerEntry
 from chronoq.timer.index_codec import (
     CF_COUNTERS,
     CF_HISTORY,
@@ -130,20 +136,6 @@ log = logging.getLogger("chronoq.timer")
 _PRUNE_CHUNK = 10_000
 _HANDED_LIMIT = 1_000_000
 """`due()` remembers at most this many handed-out timers (see `_handed`)."""
-
-
-class TimerIndexCorrupt(ServerError):
-    """The timer index at `path` is missing, damaged or of another format version. It is
-    derived state: destroy it (`RocksTimerIndex.destroy`) and rebuild it from the commit log."""
-
-    def __init__(self, path: str | Path, reason: str) -> None:
-        super().__init__(f"timer index at {path} cannot be used: {reason}; rebuild it from the commit log",
-                         path=str(path), reason=reason)
-
-
-class TimerIndexClosed(ServerError):
-    def __init__(self, path: str | Path) -> None:
-        super().__init__(f"timer index at {path} is closed", path=str(path))
 
 
 _LIMIT_63 = 1 << 63

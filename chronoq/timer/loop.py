@@ -24,11 +24,11 @@ from collections.abc import Awaitable, Callable
 
 from chronoq.clock import Clock
 from chronoq.config import Config
-from chronoq.errors import DiskFull
+from chronoq.errors import DiskFull, TimerIndexCorrupt
 from chronoq.model import SCHEDULE_TOPIC, TIMER_TOPIC, StoredMessage
 from chronoq.store import files
 from chronoq.store.messagestore import MessageStore, PreparedMessage
-from chronoq.timer.index import RocksTimerIndex, TimerIndexCorrupt
+from chronoq.timer.index import RocksTimerIndex
 from chronoq.timer.service import TimerService
 
 log = logging.getLogger("chronoq.timer")

@@ -367,7 +367,7 @@ def test_a_timer_index_that_fails_while_running_is_rebuilt_and_nothing_fires_twi
             real_due = broker.timer.engine.due
 
             def broken(now_ms: int, limit: int) -> list:  # type: ignore[type-arg]
-                from chronoq.timer.index import TimerIndexCorrupt
+                from chronoq.errors import TimerIndexCorrupt
                 raise TimerIndexCorrupt(data / files.TIMER_DIR, "Corruption: block checksum mismatch (injected)")
 
             broker.timer.engine.due = broken  # type: ignore[method-assign]

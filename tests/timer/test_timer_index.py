@@ -22,10 +22,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import chronoq
-from chronoq.errors import DataDirLocked
+from chronoq.errors import DataDirLocked, IndexPositionWentBack
 from chronoq.model import TimerState
 from chronoq.timer import index as index_module
-from chronoq.timer.engine import IndexBatch, IndexPositionWentBack, TimerEngine, TimerEntry
+from chronoq.timer.engine import IndexBatch, TimerEngine, TimerEntry
 from chronoq.timer.index import (
     CF_COUNTERS,
     CF_HISTORY,
