@@ -68,6 +68,19 @@ def assert_queues_match_log(store: Any) -> int:
     return count
 
 
+LONG_TEST_TIMEOUT_S = 600
+"""Slow, Spark and interop tests start processes, JVMs and Spark sessions (their fixtures' time
+counts too): they get this instead of pyproject's global per-test `timeout` (120 s, for the fast
+tests), unless they name their own with `@pytest.mark.timeout`."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("timeout") is None and any(
+                item.get_closest_marker(m) for m in ("slow", "spark", "interop")):
+            item.add_marker(pytest.mark.timeout(LONG_TEST_TIMEOUT_S))
+
+
 @pytest.fixture
 def data_dir(tmp_path: Path) -> Path:
     return tmp_path / "data"

@@ -53,7 +53,7 @@ broker's timer task calls in (single-threaded; nothing here takes a lock or read
 
 Byte layouts: `docs/disk-format.md` ("Timer index") is the one description of every column
 family, key and value (format version 2); `index_codec.py` encodes them and
-`tests/test_disk_format.py` checks stored bytes against what the document says.
+`tests/timer/test_timer_index.py` checks stored bytes against what the document says.
 """
 
 from __future__ import annotations

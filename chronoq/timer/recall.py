@@ -6,7 +6,7 @@ pure (no I/O, no clock): `encode_recall_handle` on the accept path and in the de
 (which recomputes it rather than keep it), `decode_recall_handle` at a cancel. Anything that does
 not decode, or fails its checksum, raises `InvalidRecallHandle`, never another error. The byte
 layout is written once, in `docs/disk-format.md` ("Recall handle"), and the sizes it states are
-checked by `tests/test_disk_format.py`.
+checked by `tests/store/test_disk_format.py`.
 """
 
 from __future__ import annotations
