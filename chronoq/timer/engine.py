@@ -12,9 +12,11 @@ once recovery is done.
 The engine never reads the clock. `due` and `metrics` take `now_ms`; `next_deadline_ms()` tells
 the broker's loop how long to sleep.
 
-Three engines are planned behind this `Protocol`: the RocksDB time index (`timer/index.py`,
-the default), a RIP-43 file wheel and a Spark pipeline. They share the value types below and
-`timer/metrics.py`, and run the same tests.
+Engines behind this `Protocol`: the RocksDB time index (`timer/index.py`, the default) and an
+in-memory one (`timer/memory.py`, the reference model; a RIP-43 file wheel may follow). They share
+the value types below and `timer/metrics.py`, and every engine listed in `ENGINES` of
+`tests/timer/test_timer_index.py` runs the same semantic suite, checked step by step against the
+in-memory one.
 
 Within one batch the engine applies adds, then rolls, then fired marks, then cancels. That is
 the order the log imposes on records about the *same* timer (a timer record precedes anything
