@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from chronoq.broker import Broker
 from chronoq.clock import FakeClock
 from chronoq.config import Config
 
@@ -104,6 +105,25 @@ def clock() -> FakeClock:
 @pytest.fixture(name="arun")
 def arun_fixture() -> Callable[[Coroutine[Any, Any, Any]], Any]:
     return arun
+
+
+@pytest.fixture
+def run_broker(make_config: Callable[..., Config], clock: FakeClock) -> Callable[..., None]:
+    """`run_broker(body, **overrides)`: open a Broker on the test's data dir (`make_config(**overrides)`,
+    the test's `FakeClock`, no background tasks: the test drives time), run `await body(broker, clock)`
+    on a fresh event loop, and close the broker whatever happened."""
+
+    def run(body: Callable[..., Coroutine[Any, Any, Any]], **overrides: Any) -> None:
+        async def main() -> None:
+            broker = await Broker.open(make_config(**overrides), clock=clock, background=False)
+            try:
+                await body(broker, clock)
+            finally:
+                await broker.close()
+
+        arun(main())
+
+    return run
 
 
 @pytest.fixture(name="assert_queues_match_log")
