@@ -1,4 +1,9 @@
-"""Shared test helpers: a temp data directory, a small-limits config factory, `arun`.
+"""Shared test helpers: a temp data directory, a small-limits config factory, `arun`, `run_broker`,
+and the per-test timeout of the slow tests.
+
+Tests live by layer in subdirectories (store, timer, broker, protocol, server, client, spark,
+e2e, interop); helper modules shared across layers (`server_harness`, `timer_helpers`,
+`protocol_strategies`) stay here in `tests/`, which pytest puts on `sys.path` with this file.
 
 Kept small and general on purpose; add a helper here only when two test files need it.
 Helpers are fixtures (not imports) because `tests/` has several conftest modules and pytest

@@ -24,7 +24,8 @@ from chronoq.model import TimerState, TimerStatus
 from chronoq.timer.engine import IndexBatch, TimerEntry
 from chronoq.timer.metrics import TimerLatencies, TimerMetricsSnapshot, pending_by_due
 
-_MAX_ROLL_HOPS = 64
+_MAX_ROLL_HOPS = 1024
+"""As the RocksDB index (`index_txn.py`): a redirect chain longer than this is taken as a loop."""
 
 
 @dataclass(slots=True)
