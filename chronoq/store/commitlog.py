@@ -31,8 +31,8 @@ Theory of operation:
   `FlushFailed`, every later write is refused, nothing more is called durable, and `on_failed`
   tells the owner, which stops the broker. Only a restart (recovery from disk) clears it.
 
-Segment header, version 1 (big-endian): magic b"CHRONOQL" (8) | version u32 | base_position u64 |
-crc32c u32 of bytes [0, 20). Records: see `store/record.py`.
+The segment header (24 bytes) and the records are laid out in `docs/disk-format.md`
+("Commit-log segment", "Commit-log record"), their one description.
 """
 
 from __future__ import annotations
