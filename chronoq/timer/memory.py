@@ -4,7 +4,8 @@ Theory of operation: the same semantics as the RocksDB index (`timer/index.py`),
 its storage: every timer ever applied keeps a row by log position (pending, done with its state
 and time, or rolled to a new position) until `prune_history` forgets it; pending timers are
 found by scanning that table. A batch is checked whole, then applied to copies that replace the
-live tables only at the end, so a batch that fails half-way changes nothing (atomicity). The
+live tables only at the end (rows are replaced, never changed in place), so a batch that fails
+half-way changes nothing (atomicity). The
 state lives in a `MemoryTimerState` the caller keeps, so closing an engine and opening another
 on the same state is a restart without a disk (what a durable engine's reopen gives).
 
@@ -16,7 +17,6 @@ the process.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 from chronoq.errors import IndexPositionWentBack, TimerIndexClosed
@@ -80,7 +80,10 @@ class MemoryTimerEngine:
         _check_batch(batch)
         if batch.indexed_position < self.state.indexed_position:
             raise IndexPositionWentBack(self.state.indexed_position, batch.indexed_position)
-        new = copy.deepcopy(self.state)
+        # Copy-on-write: rows are replaced, never changed in place, so copies of the containers
+        # are enough for the batch to leave the live state alone until it has all applied.
+        new = MemoryTimerState(self.state.indexed_position, dict(self.state.rows), list(self.state.history),
+                               dict(self.state.levels))
         fired_times: list[tuple[int, int]] = []
         finished: list[int] = []
         rolled_from: dict[int, int] = {}
