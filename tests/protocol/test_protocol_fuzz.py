@@ -4,6 +4,7 @@ on the values decoders accept. Bounded: `max_examples` per decoder."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from protocol_strategies import message_strategy, request_strategy
@@ -40,6 +41,8 @@ def _decode_or_error(decoder, request) -> object:
         return err
 
 
+# slow: a long property run (seconds); plain pytest stays under 2 minutes, scripts/test.sh runs it
+@pytest.mark.slow
 @FUZZ
 @given(st.data())
 def test_every_decoder_returns_a_command_or_a_chronoq_error(data):
