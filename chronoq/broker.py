@@ -63,7 +63,8 @@ from chronoq.store import files
 from chronoq.store.groups import GroupStore
 from chronoq.store.messagestore import MessageStore, OpenReport
 from chronoq.timer.loop import TimerLoop, open_timer_service
-from chronoq.timer.service import TimerService, decode_recall_handle
+from chronoq.timer.recall import decode_recall_handle
+from chronoq.timer.service import TimerService
 from chronoq.topics import Topics
 from chronoq.trace import TraceJournal
 

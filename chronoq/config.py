@@ -1,20 +1,31 @@
 """Broker configuration: every limit named, with a default, checked at the edge.
 
 Theory of operation: `Config` is a frozen dataclass; a field's name carries its unit
-(`_ms`, `_bytes`). `Config.load()` layers defaults < TOML file < environment
-(`CHRONOQ_<FIELD>` upper-case) < explicit overrides, and validates once. Components receive the
-whole `Config` and read what they need; nothing mutates it after start.
+(`_ms`, `_bytes`). Each setting is declared once: its type annotation and, for an integer, its
+range beside its default (`limit(default, minimum=..., maximum=...)`); `check_setting` checks any
+value against that declaration, so no list of names to check can fall out of step with the
+fields. `Config.load()` layers defaults < TOML file < environment (`CHRONOQ_<FIELD>` upper-case)
+< explicit overrides, checking each value where it comes from: a TOML value must already have
+the setting's type (`port = "18460"` is refused, not converted), an environment variable's text
+is read as that type, and a refusal is one line naming the source, the key, the value and what
+was expected. Rules that tie settings together are checked once all are in. Components receive
+the whole `Config` and read what they need; nothing mutates it after start.
+
+Why not pydantic: it would be chronoq's first dependency outside the broker's own needs for a
+few dozen flat fields, and its lax mode converts `"18460"` and `"false"` silently; the strict
+checks needed here are a screen of code over `dataclasses.fields`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import itertools
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -30,6 +41,13 @@ class ConfigError(ValueError):
     """A configuration value is out of range or of the wrong type."""
 
 
+def limit(default: int, *, minimum: int = 1, maximum: int | None = None) -> Any:
+    """An integer setting and its range, declared once, beside its default: `Config` checks
+    every integer field against the range its declaration gives (1 and up unless it says
+    otherwise; `minimum=0` where 0 turns the thing off)."""
+    return field(default=default, metadata={"minimum": minimum, "maximum": maximum})
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
     data_dir: Path = Path("data")
@@ -40,52 +58,52 @@ class Config:
     is acknowledged once written to the page cache and visible, and fsynced within
     flush_interval_ms, so a power loss (not a process crash) can lose what was acknowledged in the
     last interval: faster, and a named choice, never the default."""
-    flush_interval_ms: int = 200
-    segment_size_bytes: int = 256 * MiB
-    max_message_size_bytes: int = 4 * MiB
+    flush_interval_ms: int = limit(200)
+    segment_size_bytes: int = limit(256 * MiB)
+    max_message_size_bytes: int = limit(4 * MiB)
     """Largest encoded record (body + properties + header)."""
-    max_properties_size_bytes: int = 32 * KiB
-    max_property_count: int = 128
-    max_topic_name_length: int = 127
-    max_tag_length: int = 255
-    max_keys_count: int = 32
-    max_message_id_length: int = 128
-    retention_ms: int = 72 * HOUR_MS
-    retention_check_interval_ms: int = 60 * SECOND_MS
+    max_properties_size_bytes: int = limit(32 * KiB)
+    max_property_count: int = limit(128)
+    max_topic_name_length: int = limit(127)
+    max_tag_length: int = limit(255)
+    max_keys_count: int = limit(32)
+    max_message_id_length: int = limit(128)
+    retention_ms: int = limit(72 * HOUR_MS)
+    retention_check_interval_ms: int = limit(60 * SECOND_MS)
 
     # -- a full disk (docs/design.md, "A full disk") -------------------------------------------
-    disk_min_free_bytes: int = 64 * MiB
+    disk_min_free_bytes: int = limit(64 * MiB, minimum=0)
     """Producer sends are refused (`DiskFull`, retriable) while the data directory's file system
     has less free space than this; the broker's own writes (fired timers, rolls, DLQ copies,
     cancels, consumer state, checkpoints) may use it. 0 disables the check."""
-    disk_reserve_file_bytes: int = 8 * MiB
+    disk_reserve_file_bytes: int = limit(8 * MiB, minimum=0)
     """Size of `DATA_DIR/reserve`, space set aside while the disk has room and given up when the
     broker starts on a disk with less than this free: RocksDB cannot open without writing (a new
     MANIFEST at every open). 0: no reserve file."""
-    disk_full_retry_ms: int = 1000
+    disk_full_retry_ms: int = limit(1000)
     """After a write ran out of space: how long dispatch, timer firing, retention and
     checkpoints wait before trying again."""
 
     # -- topics and consumers ----------------------------------------------------------------
     auto_create_topics: bool = True
-    default_queue_count: int = 4
-    max_queue_count: int = 256
-    consume_queue_entries_per_file: int = 300_000
-    checkpoint_interval_ms: int = 1000
-    max_delivery_attempts: int = 16
-    default_invisible_duration_ms: int = 30 * SECOND_MS
-    min_invisible_duration_ms: int = 1 * SECOND_MS
-    max_invisible_duration_ms: int = 12 * HOUR_MS
-    max_receive_batch: int = 64
-    max_long_poll_ms: int = 30 * SECOND_MS
-    dedupe_window_ms: int = 10 * MINUTE_MS
+    default_queue_count: int = limit(4)
+    max_queue_count: int = limit(256)
+    consume_queue_entries_per_file: int = limit(300_000)
+    checkpoint_interval_ms: int = limit(1000)
+    max_delivery_attempts: int = limit(16)
+    default_invisible_duration_ms: int = limit(30 * SECOND_MS)
+    min_invisible_duration_ms: int = limit(1 * SECOND_MS)
+    max_invisible_duration_ms: int = limit(12 * HOUR_MS)
+    max_receive_batch: int = limit(64)
+    max_long_poll_ms: int = limit(30 * SECOND_MS)
+    dedupe_window_ms: int = limit(10 * MINUTE_MS)
     """A send repeating a message id seen on the same topic within this window returns the first
     result and stores nothing (client retries are idempotent)."""
-    dedupe_window_max_entries: int = 200_000
+    dedupe_window_max_entries: int = limit(200_000)
     """The dedupe window also forgets its oldest ids past this many (about 190 bytes each), so its
     memory is bounded whatever the send rate; a retry older than either bound is stored again."""
-    max_send_batch: int = 1024
-    read_cache_bytes: int = 32 * MiB
+    max_send_batch: int = limit(1024)
+    read_cache_bytes: int = limit(32 * MiB, minimum=0)
     """Records dispatched most recently, kept decoded so the consumer that reads them next (and a
     short timer's fire) skips the disk read and the decode; 0 turns it off. Counted as record
     bytes plus an estimate of the Python objects around each one."""
@@ -93,32 +111,32 @@ class Config:
     # -- timers ------------------------------------------------------------------------------
     timer_wheel_enable: bool = True
     timer_engine: Literal["rocksdb", "spark"] = "rocksdb"
-    timer_spark_backstop_ms: int = 60_000
+    timer_spark_backstop_ms: int = limit(60_000)
     """With timer_engine = "spark": the broker itself fires a timer overdue by this much (the
     Spark job is down, or dropped it), so none waits forever."""
-    timer_precision_ms: int = 1
-    timer_max_delay_ms: int = 30 * DAY_MS
-    timer_congest_num_each_slot: int = 0
+    timer_precision_ms: int = limit(1)
+    timer_max_delay_ms: int = limit(30 * DAY_MS)
+    timer_congest_num_each_slot: int = limit(0, minimum=0)
     """Most messages due within one second; 0 means unlimited."""
-    timer_fire_batch: int = 2048
+    timer_fire_batch: int = limit(2048)
     """Timers fired per step; the loop steps again at once while due timers remain."""
-    timer_roll_batch: int = 1024
+    timer_roll_batch: int = limit(1024)
     """Timers rolled forward per step before retention (their bodies are in memory meanwhile)."""
-    timer_index_block_cache_bytes: int = 32 * MiB
+    timer_index_block_cache_bytes: int = limit(32 * MiB)
     """RocksDB block cache of the timer index, holding its index and filter blocks as well: with
     the memtables below, what bounds the index's memory at any backlog."""
-    timer_index_write_buffer_bytes: int = 64 * MiB
+    timer_index_write_buffer_bytes: int = limit(64 * MiB)
     """All memtables of the timer index together (RocksDB db_write_buffer_size)."""
     delay_levels: str = DEFAULT_DELAY_LEVELS
     schedule_topic_levels_enable: bool = True
     """True: delay-level messages take RocketMQ 4's path (one queue per level, head scanned)."""
 
-    groups_block_cache_bytes: int = 8 * MiB
+    groups_block_cache_bytes: int = limit(8 * MiB)
     """RocksDB block cache of the consumer-group store (offsets, in-flight entries)."""
-    groups_write_buffer_bytes: int = 8 * MiB
+    groups_write_buffer_bytes: int = limit(8 * MiB)
     """All memtables of the consumer-group store together."""
 
-    clock_catchup_ppm: int = 0
+    clock_catchup_ppm: int = limit(0, minimum=0, maximum=1_000_000)
     """After the wall clock was stepped forward, broker time (which follows the monotonic clock,
     so nothing fires early) is behind it; it closes the gap by running this many millionths
     faster than real time. Every delay running meanwhile is shortened by the same fraction, so
@@ -130,76 +148,48 @@ class Config:
 
     # -- server ------------------------------------------------------------------------------
     host: str = "127.0.0.1"
-    port: int = 8081
+    port: int = limit(8081, maximum=65535)
     tls_cert_file: str = ""
     tls_key_file: str = ""
 
     # -- HTTP: metrics, health, web console (chronoq/http/) -------------------------------------
-    http_port: int = 0
+    http_port: int = limit(0, minimum=0, maximum=65535)
     """Port for GET /metrics (Prometheus), /healthz and the web console, on `host`; 0 = off."""
-    timer_search_max_range_ms: int = 31 * DAY_MS
+    timer_search_max_range_ms: int = limit(31 * DAY_MS)
     """Widest due-time range one search of pending timers (admin SearchTimers, the console) may cover."""
-    timer_search_max_rows: int = 500
+    timer_search_max_rows: int = limit(500)
     """Most pending timers one search returns (the reply says when there are more)."""
-    timer_search_max_scanned: int = 10_000
+    timer_search_max_scanned: int = limit(10_000)
     """Most index entries one search reads while filtering by topic; past it the reply says the
     search stopped early. The search runs on the event loop, at ~3-7 us per entry here (measured
     2026-11-24), so this bounds how long it holds the loop (and delays timers) to tens of ms."""
-    console_sample_interval_ms: int = 10 * SECOND_MS
+    console_sample_interval_ms: int = limit(10 * SECOND_MS)
     """How often the console samples the delivery error for its over-time chart."""
-    console_history_samples: int = 360
+    console_history_samples: int = limit(360)
     """Samples kept for that chart (360 x 10 s = the last hour), in memory only."""
-    timer_chart_max_bars: int = 400
+    timer_chart_max_bars: int = limit(400)
     """Most bars one pending-by-due-time chart (admin PendingByDue) may ask for."""
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "data_dir", Path(self.data_dir))
-        self._validate()
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, check_setting(f.name, getattr(self, f.name)))
+        self._validate_together()
 
-    def _validate(self) -> None:
-        if self.flush not in ("sync", "async"):
-            raise ConfigError(f"flush must be 'sync' or 'async', not {self.flush!r}")
-        if self.timer_engine not in ("rocksdb", "spark"):
-            raise ConfigError(f"timer_engine must be 'rocksdb' or 'spark', not {self.timer_engine!r}")
-        positive = [
-            "flush_interval_ms", "segment_size_bytes", "max_message_size_bytes",
-            "max_properties_size_bytes", "max_property_count", "max_topic_name_length",
-            "default_queue_count", "max_queue_count", "consume_queue_entries_per_file",
-            "checkpoint_interval_ms", "max_delivery_attempts", "default_invisible_duration_ms",
-            "min_invisible_duration_ms", "max_invisible_duration_ms", "max_receive_batch",
-            "timer_precision_ms", "timer_max_delay_ms", "timer_fire_batch", "timer_roll_batch", "retention_ms",
-            "retention_check_interval_ms", "max_send_batch", "max_message_id_length",
-            "timer_spark_backstop_ms", "dedupe_window_max_entries",
-            "timer_index_block_cache_bytes", "timer_index_write_buffer_bytes", "groups_block_cache_bytes",
-            "groups_write_buffer_bytes", "disk_full_retry_ms", "timer_search_max_range_ms",
-            "timer_search_max_rows", "timer_search_max_scanned", "console_sample_interval_ms",
-            "console_history_samples", "timer_chart_max_bars",
-        ]
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{name} must be a positive integer, not {value!r}")
-        if isinstance(self.clock_catchup_ppm, bool) or not isinstance(self.clock_catchup_ppm, int) \
-                or not 0 <= self.clock_catchup_ppm <= 1_000_000:
-            raise ConfigError(f"clock_catchup_ppm must be an integer in 0..1000000, not {self.clock_catchup_ppm!r}")
-        for name in ("disk_min_free_bytes", "disk_reserve_file_bytes", "read_cache_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"{name} must be an integer >= 0 (0 disables it), not {value!r}")
-        if self.timer_congest_num_each_slot < 0:
-            raise ConfigError("timer_congest_num_each_slot must be >= 0 (0 = unlimited)")
+    def _validate_together(self) -> None:
+        """The rules that tie two settings together (each alone was checked by `check_setting`)."""
         if self.max_message_size_bytes > self.segment_size_bytes:
-            raise ConfigError("max_message_size_bytes must not exceed segment_size_bytes")
+            raise ConfigError(f"max_message_size_bytes = {self.max_message_size_bytes} must not exceed "
+                              f"segment_size_bytes = {self.segment_size_bytes}")
         if not (self.min_invisible_duration_ms <= self.default_invisible_duration_ms
                 <= self.max_invisible_duration_ms):
-            raise ConfigError("need min_invisible_duration_ms <= default <= max_invisible_duration_ms")
+            raise ConfigError(
+                f"need min_invisible_duration_ms <= default_invisible_duration_ms <= max_invisible_duration_ms, "
+                f"not {self.min_invisible_duration_ms} / {self.default_invisible_duration_ms} / "
+                f"{self.max_invisible_duration_ms}")
         if self.default_queue_count > self.max_queue_count:
-            raise ConfigError("default_queue_count must not exceed max_queue_count")
-        if not 0 < self.port < 65536:
-            raise ConfigError(f"port must be in 1..65535, not {self.port}")
-        if isinstance(self.http_port, bool) or not isinstance(self.http_port, int) or not 0 <= self.http_port < 65536:
-            raise ConfigError(f"http_port must be in 1..65535 (0 = no HTTP), not {self.http_port!r}")
+            raise ConfigError(f"default_queue_count = {self.default_queue_count} must not exceed "
+                              f"max_queue_count = {self.max_queue_count}")
         parse_delay_levels(self.delay_levels)
 
     def replace(self, **changes: Any) -> Config:
@@ -212,36 +202,90 @@ class Config:
     @classmethod
     def load(cls, toml_path: str | Path | None = None, env: Mapping[str, str] | None = None,
              **overrides: Any) -> Config:
+        """Defaults < the TOML file (its `[chronoq]` table, or its top level) < `CHRONOQ_<KEY>`
+        environment variables < `overrides` (None = not given). Each value is checked where it
+        comes from, so an error names its source, key and value and what was expected."""
         values: dict[str, Any] = {}
         if toml_path is not None:
             with open(toml_path, "rb") as f:
                 doc = tomllib.load(f)
-            values.update(doc.get("chronoq", doc))
-        fields = {f.name: f for f in dataclasses.fields(cls)}
+            for key, value in doc.get("chronoq", doc).items():
+                values[key] = check_setting(key, value, source=f"{toml_path}: ")
         for key, raw in (env or {}).items():
-            if key.startswith("CHRONOQ_"):
+            if key.startswith("CHRONOQ_") and key[len("CHRONOQ_"):].lower() in _FIELDS:
                 name = key[len("CHRONOQ_"):].lower()
-                if name in fields:
-                    values[name] = _coerce(name, raw, cls.__dataclass_fields__[name].default)
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        unknown = set(values) - set(fields)
-        if unknown:
-            raise ConfigError(f"unknown configuration keys: {', '.join(sorted(unknown))}")
+                values[name] = check_setting(name, _from_env(name, raw, key), source=f"environment {key}: ")
+        for key, value in overrides.items():
+            if value is not None:
+                values[key] = check_setting(key, value)
         return cls(**values)
 
 
-def _coerce(name: str, raw: str, default: Any) -> Any:
-    if isinstance(default, bool):
-        if raw.lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"CHRONOQ_{name.upper()} must be a boolean, not {raw!r}")
-    if isinstance(default, int):
+def check_setting(name: str, value: Any, *, source: str = "") -> Any:
+    """`value` as setting `name` holds it (a path from a string; nothing else is converted), or a
+    one-line `ConfigError` naming the source, the key, the value and what was expected."""
+    f = _FIELDS.get(name)
+    if f is None:
+        near = difflib.get_close_matches(name, _FIELDS, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else " (docs/design.md, \"Limits\", lists the settings)"
+        raise ConfigError(f"{source}unknown configuration key {name!r}{hint}")
+    kind = _HINTS[name]
+    expected = _expectation(f, kind)
+    ok: bool
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool) and f.metadata.get("minimum", 1) <= value \
+            and (f.metadata.get("maximum") is None or value <= f.metadata["maximum"])
+    elif kind is Path:
+        ok = isinstance(value, (str, Path)) and str(value) != ""
+        value = Path(value) if ok else value
+    elif get_origin(kind) is Literal:
+        ok = value in get_args(kind) and isinstance(value, str)
+    elif kind is str:
+        ok = isinstance(value, str)
+    else:  # Mapping
+        ok = isinstance(value, Mapping)
+    if not ok:
+        raise ConfigError(f"{source}{name} = {value!r}: expected {expected}")
+    return value
+
+
+def _expectation(f: dataclasses.Field[Any], kind: Any) -> str:
+    if kind is bool:
+        return "true or false"
+    if kind is int:
+        low, high = f.metadata.get("minimum", 1), f.metadata.get("maximum")
+        if high is not None:
+            return f"an integer in {low}..{high}"
+        return f"an integer >= {low}" + (" (0 turns it off)" if low == 0 else "")
+    if kind is Path:
+        return "a path (a non-empty string)"
+    if get_origin(kind) is Literal:
+        return "one of " + ", ".join(repr(v) for v in get_args(kind))
+    if kind is str:
+        return "a string"
+    return "a table"
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _from_env(name: str, raw: str, key: str) -> Any:
+    """An environment variable's text as the setting's type; text that is not one is returned
+    as it is, for `check_setting` to refuse with its one-line message."""
+    kind = _HINTS[name]
+    if kind is bool:
+        word = raw.strip().lower()
+        return True if word in _TRUE else False if word in _FALSE else raw
+    if kind is int:
         try:
-            return int(raw)
+            return int(raw.strip().replace("_", ""))
         except ValueError:
-            raise ConfigError(f"CHRONOQ_{name.upper()} must be an integer, not {raw!r}") from None
+            return raw
+    if kind is not str and kind is not Path and get_origin(kind) is not Literal:
+        raise ConfigError(f"environment {key}: {name} cannot be set from the environment (set it in the TOML file)")
     return raw
 
 
@@ -266,3 +310,7 @@ def parse_delay_levels(text: str) -> tuple[int, ...]:
     if any(b < a for a, b in itertools.pairwise(levels)):
         raise ConfigError(f"delay_levels must not decrease: {text!r}")
     return levels
+
+
+_FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(Config)}
+_HINTS: dict[str, Any] = get_type_hints(Config)

@@ -29,7 +29,7 @@ import struct
 from collections import Counter, deque
 
 from chronoq.model import SendResult
-from chronoq.timer.service import encode_recall_handle
+from chronoq.timer.recall import encode_recall_handle
 
 _ENTRY = struct.Struct("<qqqqHB")
 """at_ms, position, queue_offset, deliver_at_ms (-1: none), queue_id, flags."""

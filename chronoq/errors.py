@@ -12,10 +12,51 @@ keeps the raw milliseconds the caller sent or the config holds.
 
 Errors split (as h11 does) into the caller's fault (`BadRequest` and children: the request broke
 a rule, nothing was stored) and the broker's state (`ServerError`: damage, shutdown).
+
+Every error a client can see is defined here (or, for request-decoding faults, in
+`chronoq/protocol/errors.py`), so the SDK finds each by the class name the admin service sends
+and by code (`chronoq/client/errors.py`). Codes are the RocketMQ v2 `Code` enum's. Over the RocketMQ
+protocol a client sees only the code; classes that share a code share a base class, and that base
+is what a code-only client gets. `tests/client/test_error_codes.py` checks this table against
+the classes, and every code against the enum:
+
+    code  RocketMQ name                        a code-only client gets (the classes raised)
+    40000 BAD_REQUEST                          BadRequest (InvalidBatchSize, InvalidQueueId, InvalidQueueCount,
+                                               TopicExists, InvalidRecallHandle, MalformedRequest,
+                                               MissingField, InvalidField, ConsoleInputError: RocketMQ has
+                                               no code for these)
+    40002 ILLEGAL_TOPIC                        InvalidTopicName (SystemTopicForbidden)
+    40003 ILLEGAL_CONSUMER_GROUP               InvalidGroupName
+    40004 ILLEGAL_MESSAGE_TAG                  InvalidTag
+    40005 ILLEGAL_MESSAGE_KEY                  InvalidKeys
+    40007 ILLEGAL_MESSAGE_PROPERTY_KEY         InvalidProperty (ReservedProperty)
+    40009 ILLEGAL_MESSAGE_ID                   InvalidMessageId
+    40010 ILLEGAL_FILTER_EXPRESSION            InvalidFilterExpression
+    40011 ILLEGAL_INVISIBLE_TIME               InvalidInvisibleDuration
+    40012 ILLEGAL_DELIVERY_TIME                InvalidDeliveryTime (DeliveryTimeTooFar, NegativeDelay,
+                                               InvalidDelayLevel, ConflictingDelivery)
+    40013 INVALID_RECEIPT_HANDLE               InvalidReceiptHandle
+    40014 MESSAGE_PROPERTY_CONFLICT_WITH_TYPE  MessageTypeMismatch (MessageTypeNotAccepted, MessageTypeConflict)
+    40016 MESSAGE_CORRUPTED                    CorruptRecord
+    40018 ILLEGAL_POLLING_TIME                 InvalidPollingTime
+    40019 ILLEGAL_OFFSET                       InvalidOffset
+    40300 FORBIDDEN                            Forbidden (TimerDisabled, a console action the caller's role lacks)
+    40401 MESSAGE_NOT_FOUND                    TimerNotFound
+    40402 TOPIC_NOT_FOUND                      TopicNotFound
+    41301 MESSAGE_BODY_TOO_LARGE               MessageTooLarge
+    41302 MESSAGE_BODY_EMPTY                   MessageBodyEmpty
+    42800 PRECONDITION_FAILED                  TimerNotPending (TimerAlreadyFired, TimerAlreadyCancelled)
+    42900 TOO_MANY_REQUESTS                    Throttled (TimerSlotCongested, DiskFull)
+    43101 MESSAGE_PROPERTIES_TOO_LARGE         PropertiesTooLarge
+    50001 INTERNAL_SERVER_ERROR                ServerError (BrokerClosed, FlushFailed, FsyncFailed, DataDirLocked,
+                                               UnsupportedVersion, LogDamaged, IndexPositionWentBack,
+                                               TimerIndexCorrupt, TimerIndexClosed)
+    50500 UNSUPPORTED                          Unsupported
 """
 
 from __future__ import annotations
 
+from os import PathLike
 from typing import Any
 
 from chronoq.timefmt import duration, duration_against, instant
@@ -151,10 +192,16 @@ class InvalidOffset(BadRequest):
         super().__init__(f"invalid offset {offset}: {reason}", offset=offset, reason=reason)
 
 
-class MessageTypeNotAccepted(BadRequest):
-    """The topic was created without this message type (NORMAL, FIFO, DELAY, TRANSACTION)."""
+class MessageTypeMismatch(BadRequest):
+    """A message's type does not fit (MESSAGE_PROPERTY_CONFLICT_WITH_TYPE): what a client that
+    sees only the code gets. Raised as `MessageTypeNotAccepted` (the topic's types) or
+    `chronoq.protocol.errors.MessageTypeConflict` (the message's own fields)."""
 
     code = 40014
+
+
+class MessageTypeNotAccepted(MessageTypeMismatch):
+    """The topic was created without this message type (NORMAL, FIFO, DELAY, TRANSACTION)."""
 
     def __init__(self, topic: str, message_type: str, accepted: list[str]) -> None:
         super().__init__(
@@ -186,14 +233,12 @@ class TopicExists(BadRequest):
         super().__init__(f"topic {topic!r} already exists", topic=topic)
 
 
-class SystemTopicForbidden(BadRequest):
+class SystemTopicForbidden(InvalidTopicName):
     """Producers may not write to chronoq's system topics (timer, schedule, DLQ are written by
-    the broker itself)."""
-
-    code = 40002
+    the broker itself). An illegal topic for a producer (ILLEGAL_TOPIC), hence the base class."""
 
     def __init__(self, topic: str) -> None:
-        super().__init__(f"topic {topic!r} is a system topic; producers may not write to it", topic=topic)
+        BadRequest.__init__(self, f"topic {topic!r} is a system topic; producers may not write to it", topic=topic)
 
 
 class MessageBodyEmpty(BadRequest):
@@ -232,13 +277,12 @@ class InvalidProperty(BadRequest):
         super().__init__(f"invalid property {key!r}: {reason}", key=key, reason=reason)
 
 
-class ReservedProperty(BadRequest):
-    """A producer set a property that only chronoq may set (real topic, timer bookkeeping)."""
-
-    code = 40007
+class ReservedProperty(InvalidProperty):
+    """A producer set a property that only chronoq may set (real topic, timer bookkeeping): an
+    illegal property key (ILLEGAL_MESSAGE_PROPERTY_KEY), hence the base class."""
 
     def __init__(self, key: str) -> None:
-        super().__init__(f"property {key!r} is reserved for chronoq's internal use", key=key)
+        BadRequest.__init__(self, f"property {key!r} is reserved for chronoq's internal use", key=key)
 
 
 # --- timer requests -------------------------------------------------------------------------
@@ -290,10 +334,15 @@ class ConflictingDelivery(InvalidDeliveryTime):
                               given=given)
 
 
-class TimerDisabled(BadRequest):
-    """`timer_wheel_enable` is false: the broker refuses timer messages."""
+class Forbidden(BadRequest):
+    """RocketMQ's FORBIDDEN: the broker does not allow this request (a permission the caller lacks,
+    `PermissionDenied`, or a feature turned off, `TimerDisabled`). Nothing changed."""
 
     code = 40300
+
+
+class TimerDisabled(Forbidden):
+    """`timer_wheel_enable` is false: the broker refuses timer messages."""
 
     def __init__(self) -> None:
         super().__init__("timer messages are disabled on this broker (timer_wheel_enable=false)")
@@ -325,10 +374,15 @@ class TimerNotFound(BadRequest):
         super().__init__(f"no timer message {message_id!r} on topic {topic!r}", topic=topic, message_id=message_id)
 
 
-class TimerAlreadyFired(BadRequest):
-    """Cancel came too late: the message was delivered (or its time has passed)."""
+class TimerNotPending(BadRequest):
+    """A cancel of a timer that is no longer pending (PRECONDITION_FAILED): it fired or was
+    cancelled. What a client that sees only the code gets; the broker raises a subclass."""
 
     code = 42800
+
+
+class TimerAlreadyFired(TimerNotPending):
+    """Cancel came too late: the message was delivered (or its time has passed)."""
 
     def __init__(self, message_id: str, deliver_at_ms: int) -> None:
         super().__init__(f"timer message {message_id!r} was due at {instant(deliver_at_ms)} and has fired or is "
@@ -336,9 +390,7 @@ class TimerAlreadyFired(BadRequest):
                          message_id=message_id, deliver_at_ms=deliver_at_ms)
 
 
-class TimerAlreadyCancelled(BadRequest):
-    code = 42800
-
+class TimerAlreadyCancelled(TimerNotPending):
     def __init__(self, message_id: str) -> None:
         super().__init__(f"timer message {message_id!r} is already cancelled", message_id=message_id)
 
@@ -428,3 +480,49 @@ class UnsupportedVersion(ServerError):
     def __init__(self, what: str, version: int, supported: int) -> None:
         super().__init__(f"{what} has format version {version}; this chronoq reads {supported}",
                          what=what, version=version, supported=supported)
+
+
+# --- raised by the store and the timer engine; here so that every error a client can see is
+# --- defined in this module and mapped to a client class by code and by name
+
+
+class LogDamaged(ServerError):
+    """A commit-log segment other than the last is damaged: acknowledged data may be affected.
+    The broker refuses to start rather than cut it; `chronoq check` says where."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"commit log damaged in {path}: {reason}", path=path, reason=reason)
+
+
+class IndexPositionWentBack(ServerError):
+    """A batch claimed to cover less of the log than the engine already does. Applying batches
+    out of log order could persist a position past a batch that was never applied, and a
+    restart would then skip its timers; so the engine refuses and changes nothing."""
+
+    def __init__(self, indexed_position: int, batch_position: int) -> None:
+        super().__init__(
+            f"index batch ends at log position {batch_position}, but the index already covers "
+            f"the log up to {indexed_position}; batches must be applied in log order",
+            indexed_position=indexed_position, batch_position=batch_position,
+        )
+
+
+class TimerIndexCorrupt(ServerError):
+    """The timer index at `path` is missing, damaged or of another format version. It is
+    derived state: destroy it (`RocksTimerIndex.destroy`) and rebuild it from the commit log."""
+
+    def __init__(self, path: str | PathLike[str], reason: str) -> None:
+        super().__init__(f"timer index at {path} cannot be used: {reason}; rebuild it from the commit log",
+                         path=str(path), reason=reason)
+
+
+class TimerIndexClosed(ServerError):
+    """The timer index was used after `close()` (a shutdown racing a call); nothing was written."""
+
+    def __init__(self, path: str | PathLike[str]) -> None:
+        super().__init__(f"timer index at {path} is closed", path=str(path))
+
+
+class ConsoleInputError(BadRequest):
+    """What a person typed into the web console cannot be read (a time, a range, a lookup, a
+    cancel request); the message says what to type instead. Nothing changed."""

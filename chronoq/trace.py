@@ -7,8 +7,8 @@ trace is a measurement, not a durable record, so it does not ride the commit log
 `chronoq.spark.trace.TRACE_COLUMNS`; `chronoq trace export` writes them as Parquet for
 `chronoq spark report`.
 
-Event, 25 bytes + names: kind u8 (1 accepted, 2 fired, 3 received) | ts_ms u64 | due_ms u64 |
-topic_len u16 | id_len u16 | topic | message id. A truncated last event (crash) is ignored.
+Each event is a 21-byte head (kind, times, name lengths) and the names; `docs/disk-format.md`
+("Delivery trace") gives the layout, once. A truncated last event (crash) is ignored.
 On a full disk the journal stops for the rest of the run (one warning): it is a measurement,
 and a broker must not stall on it; what it wrote stays readable (a cut last event is ignored).
 """
@@ -32,8 +32,9 @@ from chronoq.model import (
 from chronoq.store import files
 
 ACCEPTED, FIRED, RECEIVED = 1, 2, 3
-_EVENT = struct.Struct(">BQQHH")
-TRACE_FILE = "events.bin"
+EVENT_HEAD = struct.Struct(">BQQHH")
+_EVENT = EVENT_HEAD
+TRACE_FILE = files.TRACE_EVENTS
 log = logging.getLogger("chronoq.trace")
 
 

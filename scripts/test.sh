@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Install everything and run the whole test suite (the command CI runs).
+# Install everything and run the whole test suite (the command CI runs): fast, slow, spark, interop.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --all
 .venv/bin/ruff check chronoq tests bench
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# -m "" undoes pyproject's default selection (fast tests only): CI runs slow, spark and interop too.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -m "" "$@"

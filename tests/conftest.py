@@ -1,4 +1,9 @@
-"""Shared test helpers: a temp data directory, a small-limits config factory, `arun`.
+"""Shared test helpers: a temp data directory, a small-limits config factory, `arun`, `run_broker`,
+and the per-test timeout of the slow tests.
+
+Tests live by layer in subdirectories (store, timer, broker, protocol, server, client, spark,
+e2e, interop); helper modules shared across layers (`server_harness`, `timer_helpers`,
+`protocol_strategies`) stay here in `tests/`, which pytest puts on `sys.path` with this file.
 
 Kept small and general on purpose; add a helper here only when two test files need it.
 Helpers are fixtures (not imports) because `tests/` has several conftest modules and pytest
@@ -17,6 +22,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from chronoq.broker import Broker
 from chronoq.clock import FakeClock
 from chronoq.config import Config
 
@@ -68,6 +74,19 @@ def assert_queues_match_log(store: Any) -> int:
     return count
 
 
+LONG_TEST_TIMEOUT_S = 600
+"""Slow, Spark and interop tests start processes, JVMs and Spark sessions (their fixtures' time
+counts too): they get this instead of pyproject's global per-test `timeout` (120 s, for the fast
+tests), unless they name their own with `@pytest.mark.timeout`."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("timeout") is None and any(
+                item.get_closest_marker(m) for m in ("slow", "spark", "interop")):
+            item.add_marker(pytest.mark.timeout(LONG_TEST_TIMEOUT_S))
+
+
 @pytest.fixture
 def data_dir(tmp_path: Path) -> Path:
     return tmp_path / "data"
@@ -91,6 +110,25 @@ def clock() -> FakeClock:
 @pytest.fixture(name="arun")
 def arun_fixture() -> Callable[[Coroutine[Any, Any, Any]], Any]:
     return arun
+
+
+@pytest.fixture
+def run_broker(make_config: Callable[..., Config], clock: FakeClock) -> Callable[..., None]:
+    """`run_broker(body, **overrides)`: open a Broker on the test's data dir (`make_config(**overrides)`,
+    the test's `FakeClock`, no background tasks: the test drives time), run `await body(broker, clock)`
+    on a fresh event loop, and close the broker whatever happened."""
+
+    def run(body: Callable[..., Coroutine[Any, Any, Any]], **overrides: Any) -> None:
+        async def main() -> None:
+            broker = await Broker.open(make_config(**overrides), clock=clock, background=False)
+            try:
+                await body(broker, clock)
+            finally:
+                await broker.close()
+
+        arun(main())
+
+    return run
 
 
 @pytest.fixture(name="assert_queues_match_log")

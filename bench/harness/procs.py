@@ -28,6 +28,8 @@ from typing import Any
 
 import psutil
 
+from chronoq.client.testing import free_port as free_port  # one definition, shared with the tests (re-exported)
+
 LOOPBACK = "127.0.0.1"
 SAMPLE_INTERVAL_S = 0.25
 STOP_TIMEOUT_S = 30.0
@@ -35,12 +37,6 @@ STOP_TIMEOUT_S = 30.0
 
 class ServerFailed(RuntimeError):
     """A server exited or did not become ready; the message carries the tail of its log."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
-        return int(s.getsockname()[1])
 
 
 def log_tail(path: Path, lines: int = 15) -> str:

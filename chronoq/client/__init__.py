@@ -24,6 +24,7 @@ from chronoq.client.errors import (
 from chronoq.client.sync import Admin, Consumer, Producer
 from chronoq.client.types import (
     BatchOutcome,
+    FireOutcome,
     QueueInfo,
     ReadResult,
     ReceivedMessage,
@@ -46,6 +47,7 @@ __all__ = [
     "BatchSendError",
     "ClientError",
     "Consumer",
+    "FireOutcome",
     "InvalidArgument",
     "Producer",
     "ProtocolViolation",

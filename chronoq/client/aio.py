@@ -49,6 +49,7 @@ from chronoq.client.errors import (
 )
 from chronoq.client.types import (
     BatchOutcome,
+    FireOutcome,
     ReadResult,
     ReceivedMessage,
     SendReceipt,
@@ -270,9 +271,18 @@ class AsyncAdmin:
         return {k: v for k, v in reply.items() if k not in ("code", "message")}
 
     async def read(self, topic: str, queue_id: int, offset: int, max_messages: int = 32) -> ReadResult:
-        """Messages of one queue from a logical offset, without consuming them."""
+        """Messages of one queue from a logical offset, without consuming them; each carries
+        its commit-log `position`."""
         body = {"topic": topic, "queue_id": queue_id, "offset": offset, "max_messages": max_messages}
         return wire.read_from_json(await self._admin("ReadMessages", body))
+
+    async def fire_timers(self, positions: Sequence[int]) -> FireOutcome:
+        """Fire the pending timers recorded at these commit-log positions, if due (for a timer
+        engine outside the broker, `timer_engine = "spark"`). Idempotent: a position that already
+        fired, or is not pending, is skipped. At most the server's `max_send_batch` positions."""
+        checked = [wire.nonnegative_int("position", p) for p in positions]
+        reply = await self._admin("FireTimers", {"positions": checked})
+        return FireOutcome(int(reply.get("fired", 0)), int(reply.get("skipped", 0)))
 
 
 class AsyncProducer(AsyncAdmin):

@@ -15,14 +15,24 @@ one implementation for every code path. The cost is one thread per client and a 
 The loop thread belongs to the client: `close()` (or leaving `with`) closes the twin's channel,
 stops the loop and joins the thread. It is a daemon thread so that a client a program forgets
 to close cannot keep the interpreter alive.
+
+The blocking methods are derived, not listed: `_derive_twins` walks each async class and gives
+the sync class a twin of every public coroutine method (it runs on the portal) and of every
+public async generator (a plain generator pulling one item at a time through the portal), with
+the same name, signature and docstring. A new async method therefore has its twin the moment it
+exists, and nothing can drift. Attribute reads pass through to the async client only for plain
+values (`server`, `group`, ...): a public callable the derivation did not make a twin of is
+refused by name, rather than handing blocking code a coroutine it can never run.
+`tests/client/test_sync_twins.py` checks every public async method.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 from chronoq.client.aio import AsyncAdmin, AsyncConsumer, AsyncProducer
@@ -48,6 +58,9 @@ class _LoopThread:
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("a sync chronoq client cannot be called from its own loop thread")
+        if not self._thread.is_alive():
+            coro.close()
+            raise RuntimeError("this sync chronoq client is closed")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def stop(self) -> None:
@@ -90,10 +103,16 @@ class _SyncClient:
         # Plain attributes (server, group, topic, timeout_ms...) read through to the twin.
         if name.startswith("_"):
             raise AttributeError(name)
-        return getattr(self._impl, name)
+        value = getattr(self._impl, name)
+        if callable(value):
+            raise AttributeError(f"{type(self).__name__}.{name}: {type(self._impl).__name__}.{name} has no blocking "
+                                 f"twin (only its coroutine and async-generator methods get one); use "
+                                 f"{type(self._impl).__name__} from asyncio code")
+        return value
 
 
 def _twin(async_cls: type, name: str) -> Callable[..., Any]:
+    """A blocking method that runs the async method `name` on the client's loop thread."""
     target = getattr(async_cls, name)
 
     @functools.wraps(target)
@@ -103,8 +122,42 @@ def _twin(async_cls: type, name: str) -> Callable[..., Any]:
     return method
 
 
-_ADMIN_METHODS = ("ping", "create_topic", "list_topics", "describe_topic", "query", "query_key", "cancel",
-                  "cancel_handle", "recall", "stats", "read")
+def _stream_twin(async_cls: type, name: str) -> Callable[..., Iterator[Any]]:
+    """A plain generator over the async generator `name`: each item is one `__anext__` on the
+    client's loop thread; closing the generator (or leaving its `for`) closes the async one."""
+    target = getattr(async_cls, name)
+
+    @functools.wraps(target)
+    def method(self: _SyncClient, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        async def start() -> AsyncIterator[Any]:
+            return getattr(self._impl, name)(*args, **kwargs)
+
+        stream = self._portal.call(start())
+        try:
+            while True:
+                try:
+                    item = self._portal.call(stream.__anext__())
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:
+            if not self._closed:  # a closed client already shut its loop, and the stream with it
+                self._portal.call(stream.aclose())
+
+    method.__annotations__ = {**target.__annotations__, "return": "Iterator[Any]"}
+    return method
+
+
+def _derive_twins(sync_cls: type[_SyncClient]) -> None:
+    """Give `sync_cls` a twin of every public coroutine and async-generator method of its async
+    class (inherited ones included); `close` and the context-manager methods are its own."""
+    for name, member in inspect.getmembers(sync_cls._async_cls):
+        if name.startswith("_") or name in vars(_SyncClient):
+            continue
+        if inspect.iscoroutinefunction(member):
+            setattr(sync_cls, name, _twin(sync_cls._async_cls, name))
+        elif inspect.isasyncgenfunction(member):
+            setattr(sync_cls, name, _stream_twin(sync_cls._async_cls, name))
 
 
 class Admin(_SyncClient):
@@ -120,12 +173,11 @@ class Producer(_SyncClient):
 
 
 class Consumer(_SyncClient):
-    """Blocking twin of `AsyncConsumer`: `receive`, `ack`, `change_invisible` and the admin calls."""
+    """Blocking twin of `AsyncConsumer`: `receive`, `receive_stream` (a plain generator), `ack`,
+    `change_invisible` and the admin calls."""
 
     _async_cls = AsyncConsumer
 
 
-for _cls, _names in ((Admin, _ADMIN_METHODS), (Producer, (*_ADMIN_METHODS, "send", "send_batch")),
-                     (Consumer, (*_ADMIN_METHODS, "receive", "ack", "change_invisible"))):
-    for _name in _names:
-        setattr(_cls, _name, _twin(_cls._async_cls, _name))
+for _cls in (Admin, Producer, Consumer):
+    _derive_twins(_cls)

@@ -115,12 +115,24 @@ class StoredRecord:
     born_ms: int
     store_ms: int
     deliver_at_ms: int | None
+    position: int | None = None
+    """Its commit-log position (what `fire_timers` takes for a timer record), when the server
+    reports it."""
 
 
 @dataclass(frozen=True, slots=True)
 class ReadResult:
     messages: tuple[StoredRecord, ...]
     next_offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class FireOutcome:
+    """`fire_timers`: how many of the positions fired now, and how many were skipped (not pending:
+    fired before, cancelled, unknown; or not due yet)."""
+
+    fired: int
+    skipped: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -271,6 +271,13 @@ def outgoing_to_json(msg: OutgoingMessage) -> dict[str, Any]:
     return doc
 
 
+def nonnegative_int(name: str, value: Any) -> int:
+    """`value` if it is an int >= 0 (not a bool), else `InvalidArgument` before anything is sent."""
+    if type(value) is not int or value < 0:
+        raise InvalidArgument(name, value, "a whole number >= 0 is required")
+    return value
+
+
 def _opt_int(doc: Mapping[str, Any], name: str) -> int | None:
     v = doc.get(name)
     return int(v) if v is not None else None
@@ -331,6 +338,7 @@ def read_from_json(reply: Mapping[str, Any]) -> ReadResult:
             system_properties=dict(m.get("system_properties") or {}),
             body=base64.b64decode(m["body_b64"], validate=True), born_ms=int(m.get("born_ms", 0)),
             store_ms=int(m.get("store_ms", 0)), deliver_at_ms=_opt_int(m, "deliver_at_ms"),
+            position=_opt_int(m, "position"),
         ) for m in r["messages"])
         return ReadResult(msgs, int(r["next_offset"]))
     return _shape("ReadMessages", build, reply)

@@ -34,7 +34,10 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from chronoq.config import DAY_MS, HOUR_MS, MINUTE_MS, SECOND_MS
-from chronoq.errors import ChronoqError
+from chronoq.errors import ConsoleInputError
+from chronoq.errors import (
+    Forbidden as Forbidden,  # re-exported: the access check raises it (errors.py defines every client-visible error)
+)
 from chronoq.timefmt import duration
 from chronoq.timer.metrics import LatencyHistogram
 
@@ -44,18 +47,6 @@ MAX_TIME_INPUT_CHARS = 64
 """Longest time text the console reads (an ISO date with zone is ~30)."""
 MAX_EPOCH_MS = 253_402_300_799_999
 """9999-12-31T23:59:59.999Z: the last time `datetime` can show."""
-
-
-class ConsoleInputError(ChronoqError):
-    """What a person typed into the console cannot be read; the message says what to type."""
-
-    code = 40000
-
-
-class Forbidden(ChronoqError):
-    """The caller's role does not allow this console action."""
-
-    code = 40300
 
 
 class Access:

@@ -9,7 +9,7 @@ live in `chronoq.errors`.
 
 from __future__ import annotations
 
-from chronoq.errors import BadRequest
+from chronoq.errors import BadRequest, MessageTypeMismatch
 
 
 class MalformedRequest(BadRequest):
@@ -38,11 +38,9 @@ class InvalidField(BadRequest):
         super().__init__(f"invalid {field_name}: {reason}", field=field_name, reason=reason)
 
 
-class MessageTypeConflict(BadRequest):
+class MessageTypeConflict(MessageTypeMismatch):
     """The message's declared type contradicts its other fields (a delivery time on a message
     declared NORMAL, a message group on a DELAY message)."""
-
-    code = 40014
 
     def __init__(self, message_type: str, reason: str) -> None:
         super().__init__(f"message declared {message_type} but {reason}", message_type=message_type, reason=reason)

@@ -9,7 +9,7 @@ unchanged (its serializer accepts bytes as they are).
 
 It must mean exactly what `responses.encode_received` means: the same fields, the same presence
 (a proto3 `optional` or message field that the object version sets is written here even when
-its value is zero). `tests/test_protocol_fastwire.py` parses these bytes back and compares them
+its value is zero). `tests/protocol/test_protocol_fastwire.py` parses these bytes back and compares them
 with the object version over generated messages, so the two cannot drift; field numbers are
 those of `apache.rocketmq.v2` (definition.proto), named below.
 

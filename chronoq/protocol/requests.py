@@ -4,7 +4,7 @@ Theory of operation: every `decode_*` function is pure (no I/O, no clock, no bro
 parsed protobuf request and the broker's `Config` (for the limits) and returns a small frozen
 command, or raises a `chronoq.errors.ChronoqError` subclass naming the field and the rule it
 broke. Nothing else may escape: the servicer relies on it to answer every hostile request with a
-status, and `tests/test_protocol_fuzz.py` checks it on arbitrary requests. Checks that need the
+status, and `tests/protocol/test_protocol_fuzz.py` checks it on arbitrary requests. Checks that need the
 broker's state (does the topic exist, is the receipt handle current) are the broker's job; checks
 of shape and range happen here, so a request refused here reaches nothing below.
 

@@ -24,14 +24,13 @@ The write id is fixed per DataFrame write (a uuid chosen on the driver), or, for
 
 from __future__ import annotations
 
-import base64
 import datetime as dt
 import hashlib
 import json
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pyspark.sql.datasource import (
     DataSource,
@@ -43,6 +42,9 @@ from pyspark.sql.datasource import (
     WriterCommitMessage,
 )
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
+
+if TYPE_CHECKING:
+    from chronoq.client.types import StoredRecord
 
 SOURCE_NAME = "chronoq"
 READ_SCHEMA = (
@@ -100,8 +102,8 @@ def _offsets_option(options: Mapping[str, str], name: str, default: str) -> str 
             f"option {name!r} must be 'earliest', 'latest' or JSON like {{\"0\": 42}}, not {raw!r}") from None
 
 
-# -- the server seam: reads through the JSON admin service (it reports `position`), writes
-# -- through the SDK's Producer (batching, retries, per-message outcomes) --------------------
+# -- the server seam: the blocking SDK, one client per task (reads report each record's
+# -- commit-log `position`; writes get the Producer's batching, retries, per-message outcomes)
 
 
 def _producer(server: str) -> Any:
@@ -114,17 +116,17 @@ def queue_bounds(server: str, topic: str, *, missing_ok: bool = False) -> dict[i
     """{queue_id: (min_offset, next_offset)} of `topic`, from the server. With `missing_ok`, a topic
     that does not exist yet has no queues (a stream waits for it; the broker creates its timer
     topic with the first timer message)."""
+    from chronoq.client import Admin
     from chronoq.errors import TopicNotFound
-    from chronoq.spark.admin_json import JsonAdmin
 
-    with JsonAdmin(server) as admin:
+    with Admin(server) as admin:
         try:
-            reply = admin.call("DescribeTopic", {"name": topic})
+            description = admin.describe_topic(topic)
         except TopicNotFound:
             if missing_ok:
                 return {}
             raise
-    return {int(q["queue_id"]): (int(q["min_offset"]), int(q["max_offset"])) for q in reply["queues"]}
+    return {q.queue_id: (q.min_offset, q.max_offset) for q in description.queues}
 
 
 # -- reading ---------------------------------------------------------------------------------
@@ -165,26 +167,23 @@ def _ts(ms: int | None) -> dt.datetime | None:
     return dt.datetime.fromtimestamp(ms / 1000, tz=UTC) if ms is not None else None
 
 
-def _row(m: Mapping[str, Any]) -> tuple:
-    return (m["message_id"], m["topic"], int(m["queue_id"]), int(m["queue_offset"]), m.get("tag") or "",
-            list(m.get("keys") or ()), dict(m.get("properties") or {}), dict(m.get("system_properties") or {}),
-            base64.b64decode(m["body_b64"]), _ts(m.get("born_ms")), _ts(m.get("store_ms")),
-            _ts(m.get("deliver_at_ms")), m.get("position"))
+def _row(m: StoredRecord) -> tuple:
+    return (m.message_id, m.topic, m.queue_id, m.queue_offset, m.tag, list(m.keys), dict(m.properties),
+            dict(m.system_properties), m.body, _ts(m.born_ms), _ts(m.store_ms), _ts(m.deliver_at_ms), m.position)
 
 
 def read_range(server: str, topic: str, part: QueueRange, fetch_size: int) -> Iterator[tuple]:
     """The rows of one partition, in offset order (runs on an executor)."""
-    from chronoq.spark.admin_json import JsonAdmin
+    from chronoq.client import Admin
 
     offset = part.start
-    with JsonAdmin(server) as admin:
+    with Admin(server) as admin:
         while offset < part.end:
-            reply = admin.call("ReadMessages", {"topic": topic, "queue_id": part.queue_id, "offset": offset,
-                                                "max_messages": min(fetch_size, part.end - offset)})
-            for m in reply["messages"]:
-                if part.start <= int(m["queue_offset"]) < part.end:
+            result = admin.read(topic, part.queue_id, offset, min(fetch_size, part.end - offset))
+            for m in result.messages:
+                if part.start <= m.queue_offset < part.end:
                     yield _row(m)
-            next_offset = int(reply["next_offset"])
+            next_offset = result.next_offset
             if next_offset <= offset:
                 return  # nothing more stored (removed by retention, or not yet written)
             offset = next_offset

@@ -28,7 +28,6 @@ from pyspark.sql.datasource import DataSource, DataSourceStreamWriter, WriterCom
 
 from chronoq.model import SYS_TIMER_DEL_UNIQKEY, SYS_TIMER_OUT_MS, TIMER_TOPIC
 
-FIRE_METHOD = "FireTimers"
 FIRE_SINK_NAME = "chronoq-fire"
 HEARTBEAT_ID = "__chronoq_heartbeat"
 FIRE_CHUNK = 1024
@@ -114,13 +113,12 @@ def fired_stream(entries: Any, options: EngineOptions) -> Any:
 
 def fire_positions(server: str, positions: Sequence[int]) -> int:
     """FireTimers on the broker, in chunks; returns how many it fired (repeats are skipped)."""
-    from chronoq.spark.admin_json import JsonAdmin
+    from chronoq.client import Admin
 
     fired = 0
-    with JsonAdmin(server) as admin:
+    with Admin(server) as admin:
         for start in range(0, len(positions), FIRE_CHUNK):
-            reply = admin.call(FIRE_METHOD, {"positions": [int(p) for p in positions[start:start + FIRE_CHUNK]]})
-            fired += int(reply.get("fired", 0))
+            fired += admin.fire_timers([int(p) for p in positions[start:start + FIRE_CHUNK]]).fired
     return fired
 
 

@@ -26,9 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from chronoq.config import Config
 from chronoq.spark.datasource import SOURCE_NAME, register
 
-MAX_MESSAGE_ID_LENGTH = 128
+MAX_MESSAGE_ID_LENGTH = Config().max_message_id_length
+"""The broker's default limit, from its one declaration (a broker configured lower still refuses per row)."""
 PROGRESS_INTERVAL_S = 2.0
 ROWS_PER_WRITE_TASK = 50_000
 

@@ -31,8 +31,8 @@ Theory of operation:
   `FlushFailed`, every later write is refused, nothing more is called durable, and `on_failed`
   tells the owner, which stops the broker. Only a restart (recovery from disk) clears it.
 
-Segment header, version 1 (big-endian): magic b"CHRONOQL" (8) | version u32 | base_position u64 |
-crc32c u32 of bytes [0, 20). Records: see `store/record.py`.
+The segment header (24 bytes) and the records are laid out in `docs/disk-format.md`
+("Commit-log segment", "Commit-log record"), their one description.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from pathlib import Path
 
 import crc32c
 
-from chronoq.errors import BrokerClosed, CorruptRecord, FlushFailed, FsyncFailed, ServerError
+from chronoq.errors import BrokerClosed, CorruptRecord, FlushFailed, FsyncFailed, LogDamaged
 from chronoq.model import StoredMessage
 from chronoq.store import files, fsync
 from chronoq.store.damage import DAMAGED, Damage, DamageRegistry, classify
@@ -75,14 +75,6 @@ STORE_TIMES_YIELD_RECORDS = 1024
 """Reading a segment's store times runs on the event loop; it lets other work run after this
 many records (a few ms), so a 256 MiB segment of small records does not stall fires for seconds."""
 log = logging.getLogger("chronoq.store")
-
-
-class LogDamaged(ServerError):
-    """A commit-log segment other than the last is damaged: acknowledged data may be affected.
-    The broker refuses to start rather than cut it; `chronoq check` says where."""
-
-    def __init__(self, path: str, reason: str) -> None:
-        super().__init__(f"commit log damaged in {path}: {reason}", path=path, reason=reason)
 
 
 def encode_segment_header(base_position: int) -> bytes:

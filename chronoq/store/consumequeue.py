@@ -10,10 +10,8 @@ A write that runs out of space (a short `pwrite`, ENOSPC at a new file) is undon
 cut back to its last whole entry, a half-made file removed, and the OSError (ENOSPC) raised; the
 dispatcher tries again later, and `append_many` skips entries an earlier try already wrote.
 
-File header, version 1 (big-endian, 24 bytes): magic b"CHRONOQQ" | version u32 |
-first_offset u64 | crc32c u32 of bytes [0, 20).
-Entry (20 bytes): position u64 | size u32 | tag_hash u32 (CRC32C of the UTF-8 tag) |
-crc32c u32 of the entry's first 16 bytes.
+The file header (24 bytes) and the entry (20 bytes: position, size, tag hash, CRC32C) are laid
+out in `docs/disk-format.md` ("Consume queue"), their one description.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
       queues/<topic>/<qid>/<20-digit first offset>.cq   consume-queue files
       groups/                       consumer-group state (RocksDB)
       timer/                        the timer index (RocksDB)
-      trace/                        delivery trace journal (when tracing is on)
+      trace/events.bin              delivery trace journal (when tracing is on)
       topics.damaged-<ms>, groups.damaged-<ms>   a damaged topic table or consumer-group store,
                                     moved aside (kept for inspection) when the broker started
                                     without it; chronoq never reads them again
@@ -34,6 +34,7 @@ CQ_SUFFIX = ".cq"
 GROUPS_DIR = "groups"
 TIMER_DIR = "timer"
 TRACE_DIR = "trace"
+TRACE_EVENTS = "events.bin"
 
 
 def damaged_name(path: Path) -> Path:

@@ -8,18 +8,15 @@ the WAL on. A process crash loses nothing written; a power loss can lose the las
 means a message is delivered again (at least once), never lost, because the offset advance and
 the in-flight entry that covers it are in the same batch.
 
-Keys (one column family, big-endian integers, `G` = group, `T` = topic, names contain no 0x00):
-    b"o" G 0x00 T 0x00 qid:u32                 -> next offset u64
-    b"i" G 0x00 T 0x00 qid:u32 offset:u64      -> in-flight value (below)
-    b"meta:version"                            -> u32 = 1
+Keys and values (one column family: a group's offset per queue, an in-flight value per message
+handed out, a format version) are laid out in `docs/disk-format.md` ("Consumer-group state"),
+their one description.
 
 In memory, a mirror of the in-flight entries and offsets, loaded at open (one scan of the `i`
 keys: in-flight messages are bounded by what consumers hold), plus one heap per (group, topic)
 ordered by visible time. Why not an index by visible time in RocksDB: every ack deletes its key,
 and finding the next due entry then means skipping those tombstones on every receive; the heap
 costs nothing per ack (stale heap items are dropped when they surface, or by a rebuild).
-In-flight value, version 1: version u8 | attempt u16 | visible_ms u64 | nonce u32 | position u64 |
-size u32 | first_delivery_ms u64.
 
 Damage and restored files. This store is durable state, not derived: nothing rebuilds it. If it
 cannot be opened or read (a damaged file, a half-copied directory), `open_or_reset` moves it

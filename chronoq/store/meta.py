@@ -4,12 +4,8 @@ Theory of operation: both are rewritten whole, atomically (write a temp file, fs
 over the old one, fsync the directory), so a crash leaves the old or the new version, never a
 mix. Each carries magic, version and a CRC32C; `read_*` names which check failed.
 
-checkpoint, version 1 (32 bytes, big-endian): magic b"CQCKPT01" (8) | version u32 |
-reserved u32 | dispatched_position u64 | written_s u32 | crc32c u32 of bytes [0, 28).
-Meaning: every consume queue holds every record below dispatched_position, durably.
-
-topics, version 1: magic b"CQTP" | version u16 | crc32c u32 of the JSON | length u32 | JSON
-`{"topics": [{"name", "queue_count", "message_types": [int], "created_ms"}]}`.
+The checkpoint's meaning: every consume queue holds every record below its dispatched_position,
+durably. Both layouts: `docs/disk-format.md` ("Checkpoint", "Topic table"), their one description.
 """
 
 from __future__ import annotations

@@ -6,32 +6,10 @@ past the buffer, wrong magic, unknown version, bad CRC, a position that is not w
 was read from. The store uses the same decoder for recovery (a failure at the tail is a torn
 write) and for `chronoq check` (a failure elsewhere is damage). Pure functions, no I/O.
 
-Byte layout, version 1 (all integers big-endian; `docs/disk-format.md` repeats it):
-
-    off  size  field
-      0     4  total_size      u32  whole record, this field included
-      4     4  crc32c          u32  CRC32C (Castagnoli) of bytes [8, total_size)
-      8     2  magic           u16  0xC4A0
-     10     1  version         u8   1
-     11     1  kind            u8   1 = message
-     12     1  message_type    u8   1 NORMAL, 2 FIFO, 3 DELAY, 4 TRANSACTION
-     13     3  reserved        zero
-     16     8  position        u64  this record's position in the log (self-check)
-     24     8  queue_offset    u64  logical offset in (topic, queue_id)
-     32     4  queue_id        u32
-     36     8  born_ms         u64
-     44     8  store_ms        u64
-     52     2  message_id_len  u16
-     54     2  topic_len       u16
-     56     2  tag_len         u16
-     58     2  keys_len        u16  length of the keys block
-     60     4  props_len       u32  length of the user-properties block
-     64     4  sysprops_len    u32  length of the system-properties block
-     68     4  body_len        u32
-     72     -  message_id, topic, tag (UTF-8), keys block, props block, sysprops block, body
-
-    keys block:       keys joined by 0x00 (a key may not contain 0x00; empty block = no keys)
-    properties block: repeated (u16 key_len, key UTF-8, u32 value_len, value UTF-8), sorted by key
+Byte layout, version 1: `docs/disk-format.md` ("Commit-log record") is its one description
+(a 72-byte fixed header of big-endian integers, then message id, topic, tag, keys block,
+properties blocks and body); `tests/store/test_disk_format.py` checks the sizes it states and
+`tests/store/test_record.py` every field.
 """
 
 from __future__ import annotations

@@ -12,9 +12,11 @@ once recovery is done.
 The engine never reads the clock. `due` and `metrics` take `now_ms`; `next_deadline_ms()` tells
 the broker's loop how long to sleep.
 
-Three engines are planned behind this `Protocol`: the RocksDB time index (`timer/index.py`,
-the default), a RIP-43 file wheel and a Spark pipeline. They share the value types below and
-`timer/metrics.py`, and run the same tests.
+Engines behind this `Protocol`: the RocksDB time index (`timer/index.py`, the default) and an
+in-memory one (`timer/memory.py`, the reference model; a RIP-43 file wheel may follow). They share
+the value types below and `timer/metrics.py`, and every engine listed in `ENGINES` of
+`tests/timer/test_timer_index.py` runs the same semantic suite, checked step by step against the
+in-memory one.
 
 Within one batch the engine applies adds, then rolls, then fired marks, then cancels. That is
 the order the log imposes on records about the *same* timer (a timer record precedes anything
@@ -36,8 +38,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
-
-from chronoq.errors import ServerError
 
 if TYPE_CHECKING:
     from chronoq.model import TimerStatus
@@ -86,19 +86,6 @@ class IndexBatch:
     """When the broker applies a live batch (feeds the enqueue-lag histogram). None on replay:
     a record replayed after a restart did not wait in any queue, and counting its age as lag
     would drown the live numbers."""
-
-
-class IndexPositionWentBack(ServerError):
-    """A batch claimed to cover less of the log than the engine already does. Applying batches
-    out of log order could persist a position past a batch that was never applied, and a
-    restart would then skip its timers; so the engine refuses and changes nothing."""
-
-    def __init__(self, indexed_position: int, batch_position: int) -> None:
-        super().__init__(
-            f"index batch ends at log position {batch_position}, but the index already covers "
-            f"the log up to {indexed_position}; batches must be applied in log order",
-            indexed_position=indexed_position, batch_position=batch_position,
-        )
 
 
 class TimerEngine(Protocol):

@@ -48,44 +48,12 @@ can). Opening on a full disk fails (a new MANIFEST at every open): that too is `
 broker does not destroy an index that is only waiting for space.
 
 This module owns the database, its lifecycle and the queries; `index_txn.py` turns one batch
-into one WriteBatch; `index_codec.py` holds the encoders for the layouts below. Only the
+into one WriteBatch; `index_codec.py` holds the encoders for the layouts. Only the
 broker's timer task calls in (single-threaded; nothing here takes a lock or reads the clock).
 
-Byte layouts (format version 2; all integers big-endian; str = u16 length + UTF-8 bytes)
-------------------------------------------------------------------------------------------
-column family `time` (pending timers only):
-    key   = deliver_at_ms u64 | position u64                                  (16 bytes)
-    value = version u8 (=1) | position u64 | size u32 | accepted_ms i64
-            | message_id str | topic str | key_count u16 | key str * key_count
-column family `id` (every timer's fixed facts, until pruned; its state is in `pos`):
-    key   = message_id str | topic str | position u64
-    value = version u8 (=1) | deliver_at_ms i64 | size u32 | accepted_ms i64
-            | key_count u16 | key str * key_count
-column family `key` (message key -> timers carrying it):
-    key   = message key str | position u64
-    value = the `id` key of that timer
-column family `pos` (log position -> what became of the timer recorded there, until pruned):
-    key   = position u64
-    value = kind u8 = 1 (pending)     | deliver_at_ms i64 | the `id` key (rest of the value)
-          | kind u8 = 2 (rolled away) | new position u64 | deliver_at_ms i64
-          | kind u8 = 3 (done)        | state u8 (2 delivered, 3 cancelled, 4 damaged) | done_ms i64
-column family `history` (what `prune_history` may forget, in time order):
-    key   = done_ms u64 | position u64      (done_ms = fired/cancelled ms; due time for kind 2)
-    value = kind u8 = 1 (finished timer: its `id`, `key` and `pos` rows go) | the `id` key
-          | kind u8 = 2 (roll redirect: its `pos` row at that position goes)
-column family `counters`:
-    b"m" | minute u64  -> u32 * 60: pending due in each second of that minute
-                          (second s is in minute s // 60, at index s % 60)
-    b"h" | hour u64    -> i64 pending due in that hour
-    b"t" | topic UTF-8 -> i64 pending on that topic
-    (a counter, or a minute of zeros, that reaches 0 is deleted)
-column family `meta`:
-    b"format_version"   -> u32 (=2; version 1 kept delay-level progress elsewhere: rebuilt)
-    b"indexed_position" -> u64
-    b"level:" | level u16 -> u64: the next offset of that delay level's queue to fire
-    b"head_floor"       -> a `time` key at or below every pending timer (empty: none pending);
-                           open seeks the head from there, not through fired timers' tombstones
-(RocksDB's own `default` column family exists and stays empty.)
+Byte layouts: `docs/disk-format.md` ("Timer index") is the one description of every column
+family, key and value (format version 2); `index_codec.py` encodes them and
+`tests/timer/test_timer_index.py` checks stored bytes against what the document says.
 """
 
 from __future__ import annotations
@@ -110,11 +78,17 @@ from rocksdict import (
     WriteOptions,
 )
 
-from chronoq.errors import ChronoqError, DataDirLocked, ServerError
+from chronoq.errors import (
+    ChronoqError,
+    DataDirLocked,
+    IndexPositionWentBack,
+    TimerIndexClosed,
+    TimerIndexCorrupt,
+)
 from chronoq.model import TimerStatus
 from chronoq.store import fsync
 from chronoq.store.diskspace import DiskSpace, is_disk_full
-from chronoq.timer.engine import IndexBatch, IndexPositionWentBack, TimerEntry
+from chronoq.timer.engine import IndexBatch, TimerEntry
 from chronoq.timer.index_codec import (
     CF_COUNTERS,
     CF_HISTORY,
@@ -162,20 +136,6 @@ log = logging.getLogger("chronoq.timer")
 _PRUNE_CHUNK = 10_000
 _HANDED_LIMIT = 1_000_000
 """`due()` remembers at most this many handed-out timers (see `_handed`)."""
-
-
-class TimerIndexCorrupt(ServerError):
-    """The timer index at `path` is missing, damaged or of another format version. It is
-    derived state: destroy it (`RocksTimerIndex.destroy`) and rebuild it from the commit log."""
-
-    def __init__(self, path: str | Path, reason: str) -> None:
-        super().__init__(f"timer index at {path} cannot be used: {reason}; rebuild it from the commit log",
-                         path=str(path), reason=reason)
-
-
-class TimerIndexClosed(ServerError):
-    def __init__(self, path: str | Path) -> None:
-        super().__init__(f"timer index at {path} is closed", path=str(path))
 
 
 _LIMIT_63 = 1 << 63

@@ -1,4 +1,4 @@
-"""Byte encodings of the RocksDB timer index (`timer/index.py` documents the layouts).
+"""Byte encodings of the RocksDB timer index (`docs/disk-format.md`, "Timer index", documents the layouts).
 
 Theory of operation: pure functions from values to bytes and back, no I/O. They sit on the hot
 path (several per timer added or fired), so they use precompiled `struct.Struct`s and slicing

@@ -25,11 +25,11 @@ from collections.abc import Awaitable, Callable
 
 from chronoq.clock import Clock
 from chronoq.config import Config
-from chronoq.errors import DiskFull
+from chronoq.errors import DiskFull, TimerIndexCorrupt
 from chronoq.model import SCHEDULE_TOPIC, SYS_TIMER_DEL_UNIQKEY, SYS_TIMER_OUT_MS, TIMER_TOPIC, StoredMessage
 from chronoq.store import files
 from chronoq.store.messagestore import MessageStore, PreparedMessage
-from chronoq.timer.index import RocksTimerIndex, TimerIndexCorrupt
+from chronoq.timer.index import RocksTimerIndex
 from chronoq.timer.service import TimerService
 
 log = logging.getLogger("chronoq.timer")
@@ -154,9 +154,8 @@ class TimerLoop:
         with contextlib.suppress(Exception):
             self.service.engine.close()
         RocksTimerIndex.destroy(path)
-        self.service.engine = RocksTimerIndex.open(path, **_index_memory(self.config), disk=self.store.disk)
+        self.service.replace_engine(RocksTimerIndex.open(path, **_index_memory(self.config), disk=self.store.disk))
         self.service.recover(self.store.dispatched_position)
-        self.service.forget_level_heads()
         self._index_damaged = None
         self.index_rebuilds += 1
 

@@ -11,9 +11,9 @@ Theory of operation (RocketMQ 5's shape, with RocksDB in place of the timer log 
    topic with the original id (the "fired copy", carrying the timer record's position), and
    waits for durability; the copy's own dispatch marks the timer fired. A crash between the two
    cannot fire twice: replay sees the fired copy. Delay-level queues are scanned at their heads
-   (all entries of one level share one delay, so each queue is already in due order); their
-   progress is kept by the engine, in the same atomic batch as its log position, moved by the
-   fired copies' dispatch. A timer whose record is damaged is marked DAMAGED, not fired.
+   (`timer/delay_queues.py`). Who fires and when the broker's loop steps in is the firing
+   policy's (`timer/firing.py`: the broker, or a Spark job with the loop as its backstop).
+   A timer whose record is damaged is marked DAMAGED, not fired.
 4. Cancel: a tombstone record in the timer topic (RocketMQ 5's delete). While it is being made
    durable the fire loop holds the timer back, so a cancel racing the fire has one winner; a
    cancel of a timer whose fired copy is being made durable is refused (it has fired).
@@ -22,21 +22,17 @@ Theory of operation (RocketMQ 5's shape, with RocksDB in place of the timer log 
    decides and writes one chunk (`timer_roll_batch`) at a time, in one step, skipping timers
    being fired or cancelled: so in the log a roll copy never follows the fired copy or the
    tombstone of its timer, and an index rebuilt from the log cannot bring either back.
-The service never reads the clock: every entry point takes `now_ms`.
+The service never reads the clock: every entry point takes `now_ms`. The recall handle a send
+returns is encoded by `timer/recall.py`.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import logging
-import struct
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
-
-import crc32c
 
 from chronoq.config import Config
 from chronoq.errors import (
@@ -69,47 +65,19 @@ from chronoq.model import (
     TimerStatus,
 )
 from chronoq.store.messagestore import MessageStore, PreparedMessage
+from chronoq.timer.delay_queues import DelayLevelQueues
 from chronoq.timer.engine import IndexBatch, TimerEngine, TimerEntry
+from chronoq.timer.firing import firing_policy
 from chronoq.timer.levels import DelayLevels
+from chronoq.timer.recall import decode_recall_handle, encode_recall_handle
 
 log = logging.getLogger("chronoq.timer")
 Append = Callable[[list[PreparedMessage]], Awaitable[list[StoredMessage]]]
-_RECALL = struct.Struct(">BQ")
-RECALL_VERSION = 1
 _TIMER_ONLY_PROPS = (SYS_REAL_TOPIC, SYS_REAL_QUEUE_ID, SYS_TIMER_ENQUEUE_MS, SYS_TIMER_ROLL_TIMES,
                      SYS_TIMER_ROLLED_FROM, SYS_DELAY_LEVEL)
-
-
-def encode_recall_handle(topic: str, deliver_at_ms: int, message_id: str) -> str:
-    """Opaque, like RocketMQ 5.3's: version, due time, topic and id, with a checksum."""
-    raw = _RECALL.pack(RECALL_VERSION, deliver_at_ms) + topic.encode() + b"\x00" + message_id.encode()
-    encoded = binascii.b2a_base64(raw + struct.pack(">I", crc32c.crc32c(raw)), newline=False)
-    return encoded.translate(_URLSAFE).rstrip(b"=").decode()
-
-
-_URLSAFE = bytes.maketrans(b"+/", b"-_")
-
-
-def decode_recall_handle(handle: str) -> tuple[str, int, str]:
-    """(topic, deliver_at_ms, message_id) or InvalidRecallHandle."""
-    if not isinstance(handle, str) or not handle or len(handle) > 1024:
-        raise InvalidRecallHandle("not a chronoq recall handle")
-    try:
-        raw = base64.urlsafe_b64decode(handle + "=" * (-len(handle) % 4))
-    except (ValueError, TypeError):
-        raise InvalidRecallHandle("not base64") from None
-    if len(raw) < _RECALL.size + 6 or crc32c.crc32c(raw[:-4]) != struct.unpack(">I", raw[-4:])[0]:
-        raise InvalidRecallHandle("checksum mismatch")
-    version, deliver_at_ms = _RECALL.unpack_from(raw)
-    if version != RECALL_VERSION:
-        raise InvalidRecallHandle(f"unknown version {version}")
-    try:
-        topic, _, message_id = raw[_RECALL.size:-4].decode().partition("\x00")
-    except UnicodeDecodeError:
-        raise InvalidRecallHandle("not UTF-8") from None
-    if not topic or not message_id:
-        raise InvalidRecallHandle("missing topic or message id")
-    return topic, deliver_at_ms, message_id
+__all__ = ["Append", "TimerService", "decode_recall_handle", "encode_recall_handle"]
+"""The recall-handle codec lives in `timer/recall.py`; its names are re-exported here for callers
+written before it moved (`accept.py`)."""
 
 
 class TimerService:
@@ -118,6 +86,8 @@ class TimerService:
         self.store = store
         self.engine = engine
         self.levels = DelayLevels(config.delay_levels_ms)
+        self.delay_queues = DelayLevelQueues(self.levels, store, engine)
+        self.firing = firing_policy(config)
         self._append = append
         self._holding: set[tuple[str, str]] = set()
         """(topic, message id) with a cancel being made durable: fire and roll leave them alone."""
@@ -129,8 +99,6 @@ class TimerService:
         """Timers marked DAMAGED since start (their records failed their checks when due)."""
         self._reserved: Counter[int] = Counter()
         """Per-second count of timers accepted but not yet indexed (for slot congestion)."""
-        self._level_head_cache: dict[int, int | None] = {}
-        self.fires_by_level = Counter[int]()
         self.fired_by_topic: dict[str, int] = {}
         """Fired copies appended, per real topic, since start (metrics read it at scrape time)."""
 
@@ -148,10 +116,7 @@ class TimerService:
         sysprops[SYS_TIMER_OUT_MS] = str(deliver_at_ms)
         sysprops[SYS_TIMER_ENQUEUE_MS] = str(now_ms)
         if delay_level is not None and self.config.schedule_topic_levels_enable:
-            level = self.levels.clamp(delay_level)
-            sysprops[SYS_DELAY_LEVEL] = str(level)
-            return replace(msg, topic=SCHEDULE_TOPIC, queue_id=level - 1, queue_key=None,
-                           system_properties=sysprops)
+            return self.delay_queues.route(msg, delay_level, sysprops)
         limit = self.config.timer_congest_num_each_slot
         slot_s = deliver_at_ms // 1000
         if limit:
@@ -201,7 +166,7 @@ class TimerService:
             raise
         self._unreserve_all(indexed_seconds)
         if batch.level_progress or any(m.topic == SCHEDULE_TOPIC for m in msgs):
-            self._level_head_cache.clear()
+            self.delay_queues.invalidate()
 
     def _batch_for(self, msgs: list[StoredMessage], now_ms: int | None) -> tuple[IndexBatch, list[int]]:
         """The engine's batch for `msgs`, and the due seconds whose slot reservations it settles."""
@@ -258,72 +223,23 @@ class TimerService:
     # -- fire -------------------------------------------------------------------------------
 
     def next_deadline_ms(self) -> int | None:
-        deadlines = [d for d in (self._engine_deadline(), self._levels_deadline()) if d is not None]
+        deadlines = [d for d in (self.firing.loop_deadline_ms(self.engine.next_deadline_ms()),
+                                 self.delay_queues.next_deadline_ms()) if d is not None]
         return min(deadlines) if deadlines else None
 
-    def _engine_deadline(self) -> int | None:
-        deadline = self.engine.next_deadline_ms()
-        if deadline is not None and self.config.timer_engine == "spark":
-            return deadline + self.config.timer_spark_backstop_ms
-        return deadline
-
-    def _levels_deadline(self) -> int | None:
-        best: int | None = None
-        for level in range(1, self.levels.max_level + 1):
-            due = self._level_head_due(level)
-            if due is not None and (best is None or due < best):
-                best = due
-        return best
-
-    def _level_head_due(self, level: int) -> int | None:
-        """The due time of the level's head (None: the level is empty), cached until a dispatch
-        brings schedule-topic records or level progress, or the index is replaced. A stale entry
-        can only be early (retention took the head): the caller then reads the queue and finds
-        the real head not due, so nothing fires late or early because of the cache."""
-        cache = self._level_head_cache
-        if level not in cache:
-            head = next(self._level_head(level, 1), None)
-            cache[level] = int(head[1].system_properties[SYS_TIMER_OUT_MS]) if head else None
-        return cache[level]
-
-    def forget_level_heads(self) -> None:
-        """The index was replaced (rebuilt): level progress may read differently now."""
-        self._level_head_cache.clear()
-
-    def _level_next_offset(self, level: int) -> int:
-        cq = self.store.queue(SCHEDULE_TOPIC, level - 1)
-        progress = self.engine.level_progress(level)
-        return max(progress if progress is not None else cq.min_offset, cq.min_offset)
-
-    def _level_head(self, level: int, limit: int) -> Iterator[tuple[int, StoredMessage]]:
-        """Up to `limit` (queue offset, record) from the head of a delay level's queue, lazily:
-        the caller stops at the first one not yet due. Entries whose records are gone (expired
-        before any progress was known, holes, damage: quarantined and reported) are stepped
-        over: none of them can be fired."""
-        cq = self.store.queue(SCHEDULE_TOPIC, level - 1)
-        offset = self._level_next_offset(level)
-        found = 0
-        while found < limit and offset < cq.next_offset:
-            entries = cq.read_range(offset, max(limit - found, 16))
-            if not entries:
-                return
-            for off, position, size, _ in entries:
-                offset = off + 1
-                msg = self.store.readable(position, size)
-                if msg is not None:
-                    found += 1
-                    yield off, msg
-                    if found >= limit:
-                        return
+    def replace_engine(self, engine: TimerEngine) -> None:
+        """Use `engine` from now on (the loop rebuilt the index): every part that reads the engine
+        reads the new one, and cached level heads are forgotten (progress is read anew)."""
+        self.engine = engine
+        self.delay_queues.engine = engine
+        self.delay_queues.invalidate()
 
     async def fire_due(self, now_ms: int) -> int:
         """Fire what is due at `now_ms`, up to `timer_fire_batch`; return how many fired."""
         batch = self.config.timer_fire_batch
         copies: list[PreparedMessage] = []
-        # With the Spark engine the job decides when to fire; the broker's loop is only its
-        # backstop, firing what is overdue by more than `timer_spark_backstop_ms` (a job that is
-        # down, or dropped a timer), so no timer waits forever. FireTimers skips what fired.
-        horizon_ms = now_ms - self.config.timer_spark_backstop_ms if self.config.timer_engine == "spark" else now_ms
+        # When a job fires (the Spark engine) this loop is only its backstop: `timer/firing.py`.
+        horizon_ms = self.firing.loop_horizon_ms(now_ms)
         damaged: list[TimerEntry] = []
         for entry in self.engine.due(horizon_ms, batch):
             if entry.position in self._firing or (entry.topic, entry.message_id) in self._holding:
@@ -332,19 +248,9 @@ class TimerService:
             if rec is not None:
                 copies.append(self.delivered_copy(rec))
         self._mark_damaged(damaged, now_ms)
-        for level in range(1, self.levels.max_level + 1):
-            if len(copies) >= batch:
-                break
-            head_due_ms = self._level_head_due(level)
-            if head_due_ms is None or head_due_ms > now_ms:
-                continue  # known from the cache: nothing due on this level, no queue read
-            for off, rec in self._level_head(level, batch - len(copies)):
-                # A level's head being fired by another call: leave the whole level to it, so
-                # the level's progress (committed as max offset + 1) never skips an entry.
-                if rec.position in self._firing or int(rec.system_properties[SYS_TIMER_OUT_MS]) > now_ms:
-                    break
+        if len(copies) < batch:
+            for level, off, rec in self.delay_queues.due(now_ms, batch - len(copies), self._firing):
                 copies.append(self.delivered_copy(rec, {SYS_FIRED_OFFSET: str(off), SYS_DELAY_LEVEL: str(level)}))
-                self.fires_by_level[level] += 1
         await self._append_fired(copies)
         return len(copies) + len(damaged)
 
@@ -510,21 +416,10 @@ class TimerService:
 
     def min_level_position(self) -> int | None:
         """Lowest log position a delay-level queue still needs (retention keeps it)."""
-        low = None
-        for level in range(1, self.levels.max_level + 1):
-            head = next(self._level_head(level, 1), None)
-            if head:
-                p = head[1].position
-                low = p if low is None else min(low, p)
-        return low
+        return self.delay_queues.min_position()
 
     def stats(self, now_ms: int) -> dict[str, Any]:
         out = self.engine.metrics(now_ms).to_dict()
-        pending_levels = {}
-        for level in range(1, self.levels.max_level + 1):
-            n = self.store.queue(SCHEDULE_TOPIC, level - 1).next_offset - self._level_next_offset(level)
-            if n:
-                pending_levels[str(level)] = n
-        out["pending_by_delay_level"] = pending_levels
+        out["pending_by_delay_level"] = self.delay_queues.pending_by_level()
         out["damaged"] = self.damaged_timers
         return out

@@ -85,6 +85,8 @@ def test_unary_rpcs_answer_hostile_requests_with_a_status_and_store_nothing_on_e
     loop.run_until_complete(call())
 
 
+# slow: a long fuzz run (seconds); plain pytest stays under 2 minutes, scripts/test.sh runs it
+@pytest.mark.slow
 @FUZZ
 @given(st.data())
 def test_streaming_rpcs_answer_hostile_requests_with_a_status(live, data) -> None:

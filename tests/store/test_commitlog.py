@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from chronoq.errors import BrokerClosed, CorruptRecord
+from chronoq.errors import BrokerClosed, CorruptRecord, LogDamaged
 from chronoq.model import MessageType
 from chronoq.store import files
-from chronoq.store.commitlog import SEGMENT_HEADER_SIZE, CommitLog, LogDamaged
+from chronoq.store.commitlog import SEGMENT_HEADER_SIZE, CommitLog
 from chronoq.store.record import encode_record
 
 SEGMENT = 1024

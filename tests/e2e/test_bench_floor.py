@@ -17,7 +17,9 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+import chronoq
+
+ROOT = Path(chronoq.__file__).resolve().parent.parent  # the repository, wherever this file sits
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # bench/ is a source-tree tool, not part of the installed package
 

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+import chronoq
+
+ROOT = Path(chronoq.__file__).resolve().parent.parent  # the repository, wherever this file sits
 
 pytestmark = [pytest.mark.slow, pytest.mark.interop]
 

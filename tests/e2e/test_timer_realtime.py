@@ -24,7 +24,10 @@ from typing import Any
 
 import pytest
 
+import chronoq
+
 DRIVER = Path(__file__).with_name("timer_driver.py")
+ROOT = Path(chronoq.__file__).resolve().parents[1]  # the repository, wherever this file sits
 COUNT = 2000
 MAX_LATE_MS = 15_000
 """Generous: a timer due while the broker was down fires after the restart."""
@@ -34,7 +37,7 @@ class Child:
     def __init__(self, args: list[str]) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen([sys.executable, str(DRIVER), *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=env, cwd=DRIVER.parent.parent)
+                                     stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         self.events: list[dict[str, Any]] = []
         self.lock = threading.Lock()
         self.reader = threading.Thread(target=self._read, daemon=True)

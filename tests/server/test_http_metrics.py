@@ -22,6 +22,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import chronoq
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
 from chronoq.config import Config, ConfigError
@@ -113,7 +114,7 @@ def test_metrics_names_labels_and_values(tmp_path: Path) -> None:
             assert m[("rocketmq_timer_dequeue_latency", ())] == 0
             assert m[("chronoq_ready", ())] == 1
             # The Grafana dashboard in docs/ uses only metrics the server exports.
-            dashboard = (Path(__file__).resolve().parent.parent / "docs" / "grafana-chronoq.json").read_text()
+            dashboard = (Path(chronoq.__file__).resolve().parent.parent / "docs" / "grafana-chronoq.json").read_text()
             exprs = [t["expr"] for panel in json.loads(dashboard)["panels"] for t in panel["targets"]]
             used = {name for e in exprs for name in re.findall(r"\b(?:chronoq|rocketmq)_[a-z_]+", e)}
             assert used and used <= {name for name, _ in m}, used - {name for name, _ in m}

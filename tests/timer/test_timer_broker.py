@@ -43,7 +43,7 @@ from chronoq.model import (
     OutgoingMessage,
     TimerState,
 )
-from chronoq.timer.service import decode_recall_handle
+from chronoq.timer.recall import decode_recall_handle
 
 # -- long delays -------------------------------------------------------------------------------
 

@@ -17,13 +17,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chronoq.errors import CorruptRecord, InvalidReceiptHandle
+import chronoq
+from chronoq import trace
+from chronoq.errors import CorruptRecord, InvalidRecallHandle, InvalidReceiptHandle
 from chronoq.model import MessageType, TopicConfig
 from chronoq.store import commitlog, consumequeue, files, groups, meta, record
+from chronoq.timer import index_codec, recall
 
 # -- shared checks --------------------------------------------------------------------------
 
@@ -70,7 +74,7 @@ def test_sizes_the_layouts_state() -> None:
     assert files.cq_file_name(7) == "00000000000000000007.cq"
 
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "disk-format.md"
+DOC = Path(chronoq.__file__).resolve().parents[1] / "docs" / "disk-format.md"
 DOC_STATES = [  # (what docs/disk-format.md says, with the size as group 1; the size in code)
     (r"Header, version 1, (\d+) bytes:\s+\|", commitlog.SEGMENT_HEADER_SIZE),
     (r"Version 1, (\d+)-byte fixed header", record.HEADER_SIZE),
@@ -80,6 +84,9 @@ DOC_STATES = [  # (what docs/disk-format.md says, with the size as group 1; the 
     (r"Header (\d+) bytes: magic `b\"CQTP\"`", meta.TOPICS_HEADER_SIZE),
     (r"In-flight value, (\d+) bytes:", groups._INFLIGHT.size),
     (r"crc32c u32 of the first 17 bytes \((\d+) bytes\)", groups._HANDLE.size + 4),
+    (r"deliver_at_ms u64 · position u64 \((\d+) bytes\)", index_codec.TIME_KEY.size),
+    (r"\(a (\d+)-byte\s+head\)\s+\|\s+topic\s+UTF-8", recall.RECALL_HEAD.size),
+    (r"each a (\d+)-byte\s+head\s+\|\s+topic\s+UTF-8", trace.EVENT_HEAD.size),
 ]
 
 
@@ -89,6 +96,43 @@ def test_docs_state_the_same_sizes() -> None:
         found = re.search(pattern, text)
         assert found, f"docs/disk-format.md no longer says {pattern!r}"
         assert int(found.group(1)) == size, (pattern, size)
+
+
+def test_every_name_in_the_data_directory_has_its_section() -> None:
+    """docs/disk-format.md is complete: every name `store/files.py` defines is in its directory
+    tree, and every file that holds bytes has a section of its own."""
+    text = DOC.read_text()
+    tree = text[text.index("DATA_DIR/"):text.index("```", text.index("DATA_DIR/"))]
+    names = [v for k, v in vars(files).items() if k.isupper() and isinstance(v, str) and not v.startswith(".")]
+    for name in names:
+        assert name in tree, f"{name!r} (store/files.py) is missing from the directory tree in docs/disk-format.md"
+    for heading in ("(`commitlog/*.log`)", "(`queues/<topic>/<qid>/*.cq`)", "(`checkpoint`)", "(`topics`)",
+                    "(`groups/`", "(`timer/`", "(`trace/events.bin`", "## Recall handle"):
+        assert heading in text, f"docs/disk-format.md has no section {heading}"
+
+
+def test_trace_events_as_the_document_states(tmp_path: Path) -> None:
+    journal = trace.TraceJournal(tmp_path)
+    journal.record(trace.FIRED, "tp", "M1", 7, 5)
+    journal.close()
+    blob = (tmp_path / "trace" / "events.bin").read_bytes()
+    assert blob == bytes([2]) + struct.pack(">QQHH", 7, 5, 2, 2) + b"tpM1"
+    (tmp_path / "trace" / "events.bin").write_bytes(blob + blob[:-1])  # a torn last event
+    assert list(trace.read_events(tmp_path)) == [(2, 7, 5, "tp", "M1")]
+
+
+def test_recall_handle() -> None:
+    handle = recall.encode_recall_handle("tp", 1 << 40, "M1")
+    raw = base64.urlsafe_b64decode(handle + "=" * (-len(handle) % 4))
+    body = struct.pack(">BQ", 1, 1 << 40) + b"tp\x00M1"
+    assert raw[:-4] == body and struct.unpack(">I", raw[-4:])[0] == crc32c.crc32c(body)
+    assert "=" not in handle
+    assert recall.decode_recall_handle(handle) == ("tp", 1 << 40, "M1")
+    for n in range(1, len(handle)):
+        with pytest.raises(InvalidRecallHandle):
+            recall.decode_recall_handle(handle[:n])
+    with pytest.raises(InvalidRecallHandle):
+        recall.decode_recall_handle(handle + "A" * 1024)
 
 
 # -- segment header ---------------------------------------------------------------------------

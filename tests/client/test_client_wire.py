@@ -135,7 +135,7 @@ def test_status_codes_map_to_chronoq_classes() -> None:
     assert isinstance(from_status(50500, "no SQL"), Unsupported)
     # Several classes share 42800: the client knows only their common base...
     shared = from_status(42800, "already fired")
-    assert type(shared) is core.BadRequest and shared.code == 42800
+    assert type(shared) is core.TimerNotPending and shared.code == 42800
     # ...unless the admin service names the class.
     named = from_status(42800, "already fired", error="TimerAlreadyFired", retriable=False)
     assert type(named) is core.TimerAlreadyFired

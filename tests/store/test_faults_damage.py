@@ -367,7 +367,7 @@ def test_a_timer_index_that_fails_while_running_is_rebuilt_and_nothing_fires_twi
             real_due = broker.timer.engine.due
 
             def broken(now_ms: int, limit: int) -> list:  # type: ignore[type-arg]
-                from chronoq.timer.index import TimerIndexCorrupt
+                from chronoq.errors import TimerIndexCorrupt
                 raise TimerIndexCorrupt(data / files.TIMER_DIR, "Corruption: block checksum mismatch (injected)")
 
             broker.timer.engine.due = broken  # type: ignore[method-assign]
@@ -382,6 +382,16 @@ def test_a_timer_index_that_fails_while_running_is_rebuilt_and_nothing_fires_twi
             assert broker.fatal is None
             got = [m.message_id for m in await _drain(broker, "t")]
             assert sorted(got) == sorted([first.message_id, second.message_id])  # each once
+            # Every part of the timer side reads the rebuilt index, the delay-level queues too
+            # (they kept the closed one, and the next level message was never fired).
+            await broker.send(OutgoingMessage("t", b"3", message_id="three", delay_level=1))
+            clock.advance(broker.timer.levels.delay_ms(1))
+            for _ in range(200):
+                if got := await _drain(broker, "t"):
+                    break
+                await asyncio.sleep(0.01)
+            assert [m.message_id for m in got] == ["three"]
+            assert broker.fatal is None
             del real_due
         finally:
             await broker.close()

@@ -21,25 +21,13 @@ from chronoq.model import SendResult
 from chronoq.store import files
 from chronoq.store.groups import GroupStore
 from chronoq.timer.index import RocksTimerIndex
-from chronoq.timer.service import encode_recall_handle
+from chronoq.timer.recall import encode_recall_handle
 
 MiB = 1024 * 1024
 
 
-def run(make_config: Callable[..., Config], arun: Callable, body: Callable[..., Any], **overrides: Any) -> None:
-    async def main() -> None:
-        clock = FakeClock()
-        broker = await Broker.open(make_config(**overrides), clock=clock, background=False)
-        try:
-            await body(broker, clock)
-        finally:
-            await broker.close()
 
-    arun(main())
-
-
-def test_the_dedupe_window_forgets_its_oldest_ids_past_its_count_bound(make_config: Callable,
-                                                                       arun: Callable) -> None:
+def test_the_dedupe_window_forgets_its_oldest_ids_past_its_count_bound(run_broker: Callable) -> None:
     async def body(broker: Broker, clock: FakeClock) -> None:
         due_ms = clock.now_ms() + 60_000
         first = await broker.send_batch([Msg("orders", b"x", message_id=f"id-{i}", deliver_at_ms=due_ms)
@@ -57,10 +45,10 @@ def test_the_dedupe_window_forgets_its_oldest_ids_past_its_count_bound(make_conf
         assert not evicted.duplicate and evicted.position >= end
         assert len(broker.accept.recent) == 3
 
-    run(make_config, arun, body, dedupe_window_max_entries=3)
+    run_broker(body, dedupe_window_max_entries=3)
 
 
-def test_a_duplicate_of_a_normal_message_keeps_its_fields(make_config: Callable, arun: Callable) -> None:
+def test_a_duplicate_of_a_normal_message_keeps_its_fields(run_broker: Callable) -> None:
     async def body(broker: Broker, clock: FakeClock) -> None:
         first = await broker.send(Msg("orders", b"x", message_id="plain", queue_id=1))
         clock.advance(1000)
@@ -68,7 +56,7 @@ def test_a_duplicate_of_a_normal_message_keeps_its_fields(make_config: Callable,
         assert again == SendResult(**{**_fields(first), "duplicate": True})
         assert again.deliver_at_ms is None and again.recall_handle is None
 
-    run(make_config, arun, body)
+    run_broker(body)
 
 
 def _fields(r: SendResult) -> dict[str, Any]:

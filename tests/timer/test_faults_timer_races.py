@@ -12,23 +12,18 @@ import asyncio
 import shutil
 from pathlib import Path
 
-from timer_helpers import START_MS, drain, run
+from timer_helpers import START_MS, drain, make_config, open_broker, run
 
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
-from chronoq.config import DAY_MS, HOUR_MS, Config
+from chronoq.config import DAY_MS, HOUR_MS
 from chronoq.model import SYS_FIRED_FROM, OutgoingMessage, StoredMessage, TimerState
 from chronoq.store import files
 from chronoq.timer.engine import IndexBatch, TimerEntry
 from chronoq.timer.index import RocksTimerIndex
 
-
-def _config(data: Path, **overrides: object) -> Config:
-    return Config(data_dir=data, **overrides)  # type: ignore[arg-type]
-
-
-async def _open(data: Path, clock: FakeClock, **overrides: object) -> Broker:
-    return await Broker.open(_config(data, **overrides), clock=clock, background=False)
+_config = make_config  # the shared set-up (tests/timer_helpers.py), under this module's old names
+_open = open_broker
 
 
 def _fired_copies(broker: Broker, topic: str) -> list[StoredMessage]:

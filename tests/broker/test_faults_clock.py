@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import timer_helpers
 
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock, SystemClock
@@ -255,8 +256,8 @@ def test_a_sleeper_on_a_paused_clock_neither_wakes_early_nor_spins() -> None:
 
 
 async def open_broker(data_dir: Path, clock: Any, **overrides: Any) -> Broker:
-    return await Broker.open(Config(data_dir=data_dir, default_queue_count=1, **overrides), clock=clock,
-                             background=False)
+    """The shared set-up (tests/timer_helpers.py), with one queue per topic unless told otherwise."""
+    return await timer_helpers.open_broker(data_dir, clock, **{"default_queue_count": 1, **overrides})
 
 
 async def drain(broker: Broker, topic: str) -> list[StoredMessage]:

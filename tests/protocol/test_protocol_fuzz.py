@@ -45,6 +45,8 @@ def _decode_or_error(decoder, request) -> object:
         return err
 
 
+# slow: a long property run (seconds); plain pytest stays under 2 minutes, scripts/test.sh runs it
+@pytest.mark.slow
 @FUZZ
 @given(st.data())
 def test_every_decoder_returns_a_command_or_a_chronoq_error(data):

@@ -18,6 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from timer_helpers import START_MS, drain, open_broker, restore_index, run, snapshot_index, timer_dir
@@ -155,6 +156,8 @@ async def _program(data: Path, program: list[tuple], precision_ms: int) -> None:
             await runner.b.close()
 
 
+# slow: a long property run (seconds); plain pytest stays under 2 minutes, scripts/test.sh runs it
+@pytest.mark.slow
 @settings(max_examples=int(os.environ.get("CHRONOQ_PROP_EXAMPLES", "40")), deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(program=steps, precision_ms=st.sampled_from([1, 1, 250, 1000]))

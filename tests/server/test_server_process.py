@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,16 +19,11 @@ import chronoq
 from chronoq.broker import Broker
 from chronoq.cli import COMMAND_MODULES
 from chronoq.cli import serve as serve_cli
+from chronoq.client.testing import free_port
 from chronoq.config import Config
 from chronoq.server.serve import serve
 
 ROOT = Path(chronoq.__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def health_status(channel: grpc.aio.Channel, service_name: str = "") -> int:

@@ -6,30 +6,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 
 from chronoq import errors
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
-from chronoq.config import Config
 from chronoq.model import SCHEDULE_TOPIC, SYS_MESSAGE_GROUP, TIMER_TOPIC, MessageType, OutgoingMessage
 
 
-def run(make_config: Callable[..., Config], arun: Callable, body: Callable[..., Any], **overrides: Any) -> None:
-    async def main() -> None:
-        clock = FakeClock()
-        broker = await Broker.open(make_config(**overrides), clock=clock, background=False)
-        try:
-            await body(broker, clock)
-        finally:
-            await broker.close()
-
-    arun(main())
-
-
-def test_send_then_read_returns_every_field(make_config: Callable, arun: Callable) -> None:
+def test_send_then_read_returns_every_field(run_broker: Callable) -> None:
     async def body(broker: Broker, clock: FakeClock) -> None:
         r = await broker.send(OutgoingMessage("orders", b"\x00payload\xff", message_id="id-1", tag="paid",
                                               keys=("k1", "k 2"), properties={"a": "1", "ü": "ß"}, queue_id=1,
@@ -44,10 +30,10 @@ def test_send_then_read_returns_every_field(make_config: Callable, arun: Callabl
         assert broker.queue_offsets("orders", 1) == (0, 1)
         assert broker.stats()["commitlog"]["end_position"] == m.position + m.size
 
-    run(make_config, arun, body)
+    run_broker(body)
 
 
-def test_batches_round_robin_and_fifo_groups(make_config: Callable, arun: Callable) -> None:
+def test_batches_round_robin_and_fifo_groups(run_broker: Callable) -> None:
     async def body(broker: Broker, clock: FakeClock) -> None:
         await broker.create_topic("rr", 3)
         results = await broker.send_batch([OutgoingMessage("rr", f"{i}".encode()) for i in range(9)])
@@ -60,10 +46,10 @@ def test_batches_round_robin_and_fifo_groups(make_config: Callable, arun: Callab
         (m, *_) = await broker.read("rr", fifo[0].queue_id, fifo[0].queue_offset, 1)
         assert m.message_type is MessageType.FIFO and m.system_properties[SYS_MESSAGE_GROUP] == "order-7"
 
-    run(make_config, arun, body)
+    run_broker(body)
 
 
-def test_a_retried_message_id_is_stored_once_within_the_window(make_config: Callable, arun: Callable) -> None:
+def test_a_retried_message_id_is_stored_once_within_the_window(run_broker: Callable) -> None:
     async def body(broker: Broker, clock: FakeClock) -> None:
         first = await broker.send(OutgoingMessage("orders", b"one", message_id="same"))
         end = broker.store.log.end_position
@@ -81,11 +67,10 @@ def test_a_retried_message_id_is_stored_once_within_the_window(make_config: Call
         late = await broker.send(OutgoingMessage("orders", b"one", message_id="same"))
         assert not late.duplicate and late.position > first.position
 
-    run(make_config, arun, body)
+    run_broker(body)
 
 
-def test_concurrent_sends_of_one_id_store_it_once_and_share_its_result(make_config: Callable,
-                                                                         arun: Callable) -> None:
+def test_concurrent_sends_of_one_id_store_it_once_and_share_its_result(run_broker: Callable) -> None:
     """A retry that arrives while the first send is still waiting for its fsync waits for that
     send and gets its result (marked duplicate), whatever its position in either batch."""
     async def body(broker: Broker, clock: FakeClock) -> None:
@@ -102,10 +87,10 @@ def test_concurrent_sends_of_one_id_store_it_once_and_share_its_result(make_conf
                   for m in await broker.read("orders", q, 0, 100)]
         assert sorted(m.message_id for m in stored) == sorted(["new", *(f"id-{i}" for i in range(5))])
 
-    run(make_config, arun, body)
+    run_broker(body)
 
 
-def test_topics(make_config: Callable, arun: Callable) -> None:
+def test_topics(run_broker: Callable) -> None:
     async def body(broker: Broker, clock: FakeClock) -> None:
         t = await broker.create_topic("plain", 3, [MessageType.NORMAL])
         assert (t.name, t.queue_count, t.message_types, t.created_ms) == (
@@ -133,7 +118,7 @@ def test_topics(make_config: Callable, arun: Callable) -> None:
         finally:
             await broker2.close()
 
-    run(make_config, arun, body)
+    run_broker(body)
 
 
 def test_restart_keeps_messages_and_continues_offsets(make_config: Callable, arun: Callable,
@@ -190,7 +175,7 @@ def test_closed_broker_refuses_calls(make_config: Callable, arun: Callable) -> N
     arun(main())
 
 
-def test_long_poll_wakes_on_arrival(make_config: Callable, arun: Callable) -> None:
+def test_long_poll_wakes_on_arrival(run_broker: Callable) -> None:
     async def body(broker: Broker, clock: FakeClock) -> None:
         await broker.create_topic("orders", 1)
         poll = asyncio.create_task(broker.receive("g", "orders", wait_ms=20_000))
@@ -200,4 +185,4 @@ def test_long_poll_wakes_on_arrival(make_config: Callable, arun: Callable) -> No
         got = await asyncio.wait_for(poll, 10)  # woken by the arrival, not by the 20 s timeout
         assert [m.message.message_id for m in got] == [r.message_id]
 
-    run(make_config, arun, body)
+    run_broker(body)

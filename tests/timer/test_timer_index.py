@@ -21,10 +21,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chronoq.errors import DataDirLocked
+import chronoq
+from chronoq.errors import DataDirLocked, IndexPositionWentBack
 from chronoq.model import TimerState
 from chronoq.timer import index as index_module
-from chronoq.timer.engine import IndexBatch, IndexPositionWentBack, TimerEngine, TimerEntry
+from chronoq.timer.engine import IndexBatch, TimerEngine, TimerEntry
 from chronoq.timer.index import (
     CF_COUNTERS,
     CF_HISTORY,
@@ -38,6 +39,7 @@ from chronoq.timer.index import (
     TimerIndexClosed,
     TimerIndexCorrupt,
 )
+from chronoq.timer.memory import MemoryTimerEngine, MemoryTimerState
 
 T0 = 1_700_000_000_000
 STRIDE = 100  # bytes between timer records in these synthetic logs
@@ -87,7 +89,13 @@ class Log:
 
 
 EngineFactory = Callable[[Path], TimerEngine]
-ENGINES: dict[str, EngineFactory] = {"rocksdb": lambda path: RocksTimerIndex.open(path / "timer-index")}
+_MEMORY_STATES: dict[Path, MemoryTimerState] = {}
+"""The in-memory engine's "disk": a reopen on the same path finds the state a close left."""
+ENGINES: dict[str, EngineFactory] = {
+    "rocksdb": lambda path: RocksTimerIndex.open(path / "timer-index"),
+    "memory": lambda path: MemoryTimerEngine(_MEMORY_STATES.setdefault(path, MemoryTimerState())),
+}
+"""Every `TimerEngine`: each semantic test below runs against each (add an engine here)."""
 
 
 @pytest.fixture(params=sorted(ENGINES))
@@ -529,30 +537,6 @@ def test_prune_history_in_chunks_and_roll_redirects(tmp_path: Path, monkeypatch:
 # --- model-based: random schedules, cancels, rolls, replays and restarts ---------------------------
 
 
-class Model:
-    def __init__(self) -> None:
-        self.pending: dict[int, TimerEntry] = {}
-        self.done: dict[int, tuple[TimerEntry, TimerState, int]] = {}
-
-    def due(self, now_ms: int, limit: int) -> list[TimerEntry]:
-        ready = sorted((e for e in self.pending.values() if e.deliver_at_ms <= now_ms),
-                       key=lambda e: (e.deliver_at_ms, e.position))
-        return ready[:limit]
-
-    def finish(self, e: TimerEntry, state: TimerState, at_ms: int) -> None:
-        del self.pending[e.position]
-        self.done[e.position] = (e, state, at_ms)
-
-    def newest(self) -> dict[tuple[str, str], tuple[int, TimerState, int | None]]:
-        """(topic, id) -> (position, state, fired/cancelled ms) of the newest timer."""
-        out: dict[tuple[str, str], tuple[int, TimerState, int | None]] = {}
-        rows = [(e, TimerState.PENDING, None) for e in self.pending.values()]
-        rows += list(self.done.values())
-        for e, state, at_ms in sorted(rows, key=lambda row: row[0].position):
-            out[(e.topic, e.message_id)] = (e.position, state, at_ms)
-        return out
-
-
 ops = st.lists(st.one_of(
     st.tuples(st.just("add"), st.lists(st.tuples(st.integers(0, 50_000), st.sampled_from("ab"),
                                                  st.integers(0, 15)), min_size=1, max_size=20)),
@@ -564,63 +548,72 @@ ops = st.lists(st.one_of(
 ), min_size=1, max_size=40)
 
 
+@pytest.mark.parametrize("engine_name", sorted(ENGINES))
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(script=ops)
-def test_engine_matches_a_model_through_random_histories(tmp_path_factory: pytest.TempPathFactory,
-                                                       script: list[tuple]) -> None:
+def test_engine_matches_the_in_memory_model_through_random_histories(
+        tmp_path_factory: pytest.TempPathFactory, engine_name: str, script: list[tuple]) -> None:
+    """The model is `MemoryTimerEngine` (plain dicts, nothing clever): each batch goes to both, and
+    after every step the engine under test answers as the model does."""
     path = tmp_path_factory.mktemp("model")
-    engine: TimerEngine = RocksTimerIndex.open(path)
-    model = Model()
+    engine: TimerEngine = ENGINES[engine_name](path)
+    model = MemoryTimerEngine()
     log = Log(engine)
     now_ms = T0
     last_adds: list[TimerEntry] = []
+    seen: set[tuple[str, str]] = set()
+
+    def both(**parts: object) -> None:
+        log.apply(**parts)
+        model.apply(IndexBatch(indexed_position=log.applied, **parts))  # type: ignore[arg-type]
+
     try:
         for op in script:
             if op[0] == "add":
                 last_adds = [entry(log.position(), T0 + d, message_id=f"m{i}", topic=t) for d, t, i in op[1]]
-                log.apply(adds=last_adds)
-                model.pending.update((e.position, e) for e in last_adds)
+                both(adds=last_adds)
+                seen.update((t, f"m{i}") for _, t, i in op[1])
             elif op[0] == "cancel":
                 _, topic, i = op
-                log.apply(cancels=[(topic, f"m{i}", now_ms)])
-                for e in [e for e in model.pending.values() if (e.topic, e.message_id) == (topic, f"m{i}")]:
-                    model.finish(e, TimerState.CANCELLED, now_ms)
+                both(cancels=[(topic, f"m{i}", now_ms, log.position())])
             elif op[0] == "fire":
                 now_ms = max(now_ms, T0 + op[1])
                 got = engine.due(now_ms, op[2])
                 assert got == model.due(now_ms, op[2])
                 assert all(e.deliver_at_ms <= now_ms for e in got)  # never early
                 if got:
-                    log.apply(fired=[(e.position, now_ms) for e in got])
-                for e in got:
-                    model.finish(e, TimerState.DELIVERED, now_ms)
-            elif op[0] == "roll" and model.pending:
-                e = model.pending.pop(sorted(model.pending)[op[1] % len(model.pending)])
-                new = entry(log.next, e.deliver_at_ms, message_id=e.message_id, topic=e.topic)
-                log.apply(rolled=[(e.position, new)])
-                model.pending[new.position] = new
+                    both(fired=[(e.position, now_ms) for e in got])
+            elif op[0] == "roll":
+                pending = model.pending_in(0, log.next)
+                if pending:
+                    e = pending[op[1] % len(pending)]
+                    new = entry(log.next, e.deliver_at_ms, message_id=e.message_id, topic=e.topic)
+                    both(rolled=[(e.position, new)])
             elif op[0] == "replay" and last_adds:
                 engine.apply(IndexBatch(adds=last_adds, indexed_position=engine.indexed_position))
             elif op[0] == "reopen":
-                engine.close()
-                engine = log.engine = RocksTimerIndex.open(path)
+                engine = log.engine = reopen_engine(engine, engine_name, path)
             # Invariants after every step.
-            assert engine.next_deadline_ms() == min((e.deliver_at_ms for e in model.pending.values()), default=None)
-            assert engine.metrics(now_ms).pending_total == len(model.pending)
+            assert engine.next_deadline_ms() == model.next_deadline_ms()
+            assert engine.metrics(now_ms).pending_total == model.metrics(now_ms).pending_total
         assert engine.due(T0 + 10**9, 10**6) == model.due(T0 + 10**9, 10**6)
-        for (topic, message_id), (position, state, at_ms) in model.newest().items():
-            status = engine.lookup(topic, message_id)
-            assert status is not None
-            assert (status.position, status.state, status.fired_ms or status.cancelled_ms) == (position, state, at_ms)
-        assert engine.indexed_position == log.applied
+        for topic, message_id in sorted(seen):
+            assert engine.lookup(topic, message_id) == model.lookup(topic, message_id)
+        assert engine.indexed_position == log.applied == model.indexed_position
     finally:
         engine.close()
+
+
+def reopen_engine(engine: TimerEngine, engine_name: str, path: Path) -> TimerEngine:
+    engine.close()
+    return ENGINES[engine_name](path)
 
 
 # --- RocksDB specifics: open, corruption, locking, crash -------------------------------------------
 
 
-def test_byte_layouts_match_the_module_documentation(tmp_path: Path) -> None:
+def test_byte_layouts_match_docs_disk_format(tmp_path: Path) -> None:
+    """The layouts docs/disk-format.md ("Timer index") states, byte for byte."""
     with RocksTimerIndex.open(tmp_path / "idx") as index:
         e = entry(300, T0 + 61_500, message_id="M1", topic="tp", keys=("k1",), accepted_ms=T0 - 7)
         index.apply(IndexBatch(adds=[e], indexed_position=400))
@@ -710,7 +703,7 @@ def test_a_second_open_of_the_same_index_is_refused_as_locked(tmp_path: Path) ->
 def test_an_index_held_by_another_process_is_refused_as_locked(tmp_path: Path) -> None:
     holder = ("import sys\nfrom chronoq.timer.index import RocksTimerIndex\n"
               "index = RocksTimerIndex.open(sys.argv[1])\nprint('ready', flush=True)\nsys.stdin.read()\n")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(chronoq.__file__).resolve().parents[1])}
     child = subprocess.Popen([sys.executable, "-c", holder, str(tmp_path / "idx")], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, env=env)
     try:
@@ -751,7 +744,7 @@ _CHILD = textwrap.dedent("""
 @pytest.mark.slow
 def test_sigkill_mid_apply_leaves_a_consistent_index_at_a_batch_boundary(tmp_path: Path) -> None:
     path = tmp_path / "idx"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(chronoq.__file__).resolve().parents[1])}
     child = subprocess.Popen([sys.executable, "-c", _CHILD, str(path)], stdout=subprocess.PIPE, text=True, env=env)
     acknowledged = 0
     try:

@@ -120,6 +120,8 @@ def scratch(tmp_path: Path) -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+# slow: a long walk over every byte offset (seconds); plain pytest stays under 2 minutes, scripts/test.sh runs it
+@pytest.mark.slow
 def test_truncate_last_segment_at_every_offset(template: tuple[Path, list], scratch: Path,
                                                assert_queues_match_log: Callable) -> None:
     source, records = template

@@ -1,0 +1,129 @@
+"""Configuration: every setting checked against its one declaration, from every source.
+
+Each integer setting declares its range beside its default (`config.limit`); these tests walk
+the dataclass's fields, so a setting added later is checked without touching this file. A value
+of the wrong type is refused from TOML (no silent conversion: `trace_enable = "false"` used to
+turn tracing on, `port = "18460"` ended in a traceback) and from `CHRONOQ_*` variables, with one
+line naming the source, the key, the value and what was expected; `chronoq serve` prints that
+line and exits 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import pytest
+
+import chronoq
+from chronoq import config as config_module
+from chronoq.config import Config, ConfigError
+
+FIELDS = dataclasses.fields(Config)
+HINTS = typing.get_type_hints(Config)
+INT_FIELDS = [f for f in FIELDS if HINTS[f.name] is int]
+WRONG_TYPE_IN_TOML = {bool: ('"false"', "'false'"), int: ('"18460"', "'18460'"), str: ("1", "1"),
+                      Path: ("1", "1")}
+
+
+def toml_value_of_the_wrong_type(f: dataclasses.Field[Any]) -> tuple[str, str]:
+    kind = HINTS[f.name]
+    if typing.get_origin(kind) is Literal:
+        return '"neither"', "'neither'"
+    return WRONG_TYPE_IN_TOML.get(kind, ("1", "1"))
+
+
+def test_every_integer_setting_declares_its_range() -> None:
+    for f in INT_FIELDS:
+        assert "minimum" in f.metadata, f"{f.name} is not declared with config.limit()"
+
+
+@pytest.mark.parametrize("f", INT_FIELDS, ids=lambda f: f.name)
+def test_an_integer_outside_its_declared_range_is_refused_naming_key_and_value(f: dataclasses.Field[Any]) -> None:
+    low = f.metadata["minimum"]
+    with pytest.raises(ConfigError, match=rf"^{f.name} = {low - 1}: expected an integer"):
+        Config(**{f.name: low - 1})
+    if f.metadata["maximum"] is not None:
+        with pytest.raises(ConfigError, match=rf"^{f.name} = {f.metadata['maximum'] + 1}: expected an integer in"):
+            Config(**{f.name: f.metadata["maximum"] + 1})
+    with pytest.raises(ConfigError, match=rf"^{f.name} = True: expected an integer"):
+        Config(**{f.name: True})
+
+
+@pytest.mark.parametrize("name", ["max_tag_length", "max_keys_count", "max_long_poll_ms", "dedupe_window_ms"])
+def test_the_limits_that_used_to_pass_unchecked(name: str) -> None:
+    for bad in (0, -1):
+        with pytest.raises(ConfigError, match=name):
+            Config(**{name: bad})
+
+
+@pytest.mark.parametrize("f", [f for f in FIELDS if f.name != "extra"], ids=lambda f: f.name)
+def test_a_toml_value_of_the_wrong_type_is_one_line_naming_file_key_value(tmp_path: Path,
+                                                                           f: dataclasses.Field[Any]) -> None:
+    toml_text, shown = toml_value_of_the_wrong_type(f)
+    path = tmp_path / "chronoq.toml"
+    path.write_text(f"[chronoq]\n{f.name} = {toml_text}\n")
+    with pytest.raises(ConfigError) as info:
+        Config.load(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: {f.name} = {shown}: expected "), message
+    assert "\n" not in message
+
+
+def test_toml_booleans_and_integers_of_the_right_type_load(tmp_path: Path) -> None:
+    path = tmp_path / "chronoq.toml"
+    path.write_text('trace_enable = false\nport = 18460\ndata_dir = "d"\ntimer_engine = "spark"\n')
+    config = Config.load(path)
+    assert (config.trace_enable, config.port, config.data_dir, config.timer_engine) == (False, 18460, Path("d"),
+                                                                                         "spark")
+
+
+def test_environment_text_is_read_as_the_setting_type_or_refused() -> None:
+    config = Config.load(env={"CHRONOQ_TRACE_ENABLE": "false", "CHRONOQ_PORT": "18460", "CHRONOQ_FLUSH": "async",
+                              "CHRONOQ_NOT_A_SETTING": "x", "PATH": "/bin"})
+    assert (config.trace_enable, config.port, config.flush) == (False, 18460, "async")
+    for key, raw, expected in [("CHRONOQ_PORT", "eighty", "an integer in 1..65535"),
+                               ("CHRONOQ_TRACE_ENABLE", "maybe", "true or false"),
+                               ("CHRONOQ_MAX_LONG_POLL_MS", "0", "an integer >= 1"),
+                               ("CHRONOQ_TIMER_ENGINE", "wheel", "one of 'rocksdb', 'spark'")]:
+        with pytest.raises(ConfigError) as info:
+            Config.load(env={key: raw})
+        name = key[len("CHRONOQ_"):].lower()
+        shown = repr(int(raw)) if raw.isdigit() else repr(raw)
+        assert str(info.value) == f"environment {key}: {name} = {shown}: expected {expected}"
+
+
+def test_an_unknown_key_is_named_with_the_nearest_known_one(tmp_path: Path) -> None:
+    path = tmp_path / "chronoq.toml"
+    path.write_text("max_tag_lenght = 3\n")
+    with pytest.raises(ConfigError, match=r"key 'max_tag_lenght' \(did you mean 'max_tag_length'"):
+        Config.load(path)
+
+
+def test_settings_tied_together_name_both_values() -> None:
+    with pytest.raises(ConfigError, match="max_message_size_bytes = 8192 must not exceed segment_size_bytes = 4096"):
+        Config(segment_size_bytes=4096, max_message_size_bytes=8192)
+
+
+def test_the_declared_defaults_are_valid() -> None:
+    Config()
+    assert config_module.check_setting("port", 1) == 1
+
+
+@pytest.mark.parametrize("line", ['trace_enable = "false"', 'port = "18460"'])
+def test_chronoq_serve_exits_2_with_one_line_and_no_traceback(tmp_path: Path, line: str) -> None:
+    path = tmp_path / "chronoq.toml"
+    path.write_text(line + "\n")
+    root = Path(chronoq.__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "chronoq", "serve", "--config", str(path),
+                           "--data-dir", str(tmp_path / "d")], capture_output=True, text=True, timeout=60,
+                          cwd=root, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 2, proc.stderr
+    key, _, value = line.partition(" = ")
+    assert proc.stderr.strip() == f"chronoq serve: {path}: {key} = '{value.strip(chr(34))}': expected " + (
+        "true or false" if key == "trace_enable" else "an integer in 1..65535")
+    assert "Traceback" not in proc.stderr
