@@ -194,7 +194,8 @@ class Config:
         if toml_path is not None:
             with open(toml_path, "rb") as f:
                 doc = tomllib.load(f)
-            values.update(doc.get("chronoq", doc))
+            # The [auth] table is read by chronoq.server.auth.load_auth (users are not limits).
+            values.update({k: v for k, v in doc.get("chronoq", doc).items() if k != "auth"})
         fields = {f.name: f for f in dataclasses.fields(cls)}
         for key, raw in (env or {}).items():
             if key.startswith("CHRONOQ_"):

@@ -40,12 +40,17 @@ from chronoq.protocol import admin as admin_codec
 from chronoq.protocol.requests import Endpoint
 from chronoq.protocol.v2 import SERVICE_NAME
 from chronoq.server.admin_service import AdminService
+from chronoq.server.auth import AUTH_OFF, AuthConfig, Authenticator
 from chronoq.server.grpc_service import MessagingService
 
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 2.0
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "[::1]", "localhost"})
+NO_AUTH_WARNING = ("auth is off and chronoq listens on {address}, beyond loopback: anyone who can reach the port "
+                   "may send, receive, cancel and administer. Turn it on with [auth] enabled = true and "
+                   "[[auth.users]] in the --config file (README, \"Authentication\").")
 WATCHDOG_INTERVAL_S = 1.0
 REQUEST_OVERHEAD_BYTES = 1024 * 1024
 """Room for protobuf/JSON framing above the payload limit in one request."""
@@ -132,10 +137,15 @@ def check_data_dir_path(data_dir: Path) -> None:
                           "(it is created if missing)")
 
 
+def is_loopback(host: str) -> bool:
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
 async def serve(config: Config, *, stop: asyncio.Event | None = None,
-                on_ready: Callable[[str], None] | None = None) -> int:
+                on_ready: Callable[[str], None] | None = None, auth: AuthConfig = AUTH_OFF) -> int:
     """Run until `stop` is set (returns 0) or the broker fails (returns 1). `on_ready` gets the
-    line "chronoq serving on HOST:PORT" once the port accepts calls."""
+    line "chronoq serving on HOST:PORT" once the port accepts calls. `auth`: the `[auth]` table
+    (`chronoq.server.auth.load_auth`); off by default, with a warning beyond loopback."""
     from chronoq.broker import Broker  # the broker pulls in the store; keep `import serve` light
 
     stop = stop or asyncio.Event()
@@ -145,10 +155,12 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None,
     server: grpc.aio.Server | None = None
     try:
         advertised = None if config.host in WILDCARD_HOSTS else Endpoint(config.host, config.port)
-        messaging = MessagingService(broker, config, advertised=advertised, port=config.port)
+        authenticator = Authenticator(auth)
+        messaging = MessagingService(broker, config, advertised=advertised, port=config.port,
+                                     authenticator=authenticator)
         server = grpc.aio.server(options=server_options(config))
         server.add_generic_rpc_handlers((messaging.generic_handler(),
-                                         AdminService(broker, config).generic_handler()))
+                                         AdminService(broker, config, authenticator).generic_handler()))
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         address = bind_address(config.host, config.port)
@@ -159,6 +171,8 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None,
         if port == 0:
             raise ConfigError(f"cannot bind {address}: {bind_failure(config.host, config.port)}")
         await server.start()
+        if not auth.enabled and not is_loopback(config.host):
+            log.warning(NO_AUTH_WARNING.format(address=bind_address(config.host, port)))
         for name in ("", SERVICE_NAME, admin_codec.SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         if on_ready is not None:
