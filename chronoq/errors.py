@@ -290,10 +290,15 @@ class ConflictingDelivery(InvalidDeliveryTime):
                               given=given)
 
 
-class TimerDisabled(BadRequest):
-    """`timer_wheel_enable` is false: the broker refuses timer messages."""
+class Forbidden(BadRequest):
+    """RocketMQ's FORBIDDEN: the broker does not allow this request (a permission the caller lacks,
+    `PermissionDenied`, or a feature turned off, `TimerDisabled`). Nothing changed."""
 
     code = 40300
+
+
+class TimerDisabled(Forbidden):
+    """`timer_wheel_enable` is false: the broker refuses timer messages."""
 
     def __init__(self) -> None:
         super().__init__("timer messages are disabled on this broker (timer_wheel_enable=false)")
@@ -401,11 +406,9 @@ class StaleSignature(Unauthorized):
                          date_time=date_time, skew_ms=skew_ms, max_skew_ms=max_skew_ms)
 
 
-class Forbidden(BadRequest):
-    """The caller is authenticated but lacks the permission (RocketMQ's FORBIDDEN). Nothing changed:
-    a batch with one forbidden topic is refused whole."""
-
-    code = 40300
+class PermissionDenied(Forbidden):
+    """The caller is authenticated but lacks the permission. Nothing changed: a batch with one
+    forbidden topic is refused whole."""
 
     def __init__(self, access_key: str, action: str, resource: str) -> None:
         super().__init__(f"access key {access_key!r} may not {action} {resource}",

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from chronoq.config import ConfigError
-from chronoq.errors import BadSignature, Forbidden, StaleSignature, UnknownAccessKey
+from chronoq.errors import BadSignature, PermissionDenied, StaleSignature, UnknownAccessKey
 from chronoq.protocol import signature
 
 DEFAULT_MAX_TIME_SKEW_S = 24 * 60 * 60
@@ -183,22 +183,22 @@ class Principal:
     def require_publish(self, topics: Iterable[str]) -> None:
         for topic in topics:
             if not self.may_publish(topic):
-                raise Forbidden(self.name, "publish to", f"topic {topic!r}")
+                raise PermissionDenied(self.name, "publish to", f"topic {topic!r}")
 
     def require_subscribe(self, topic: str, group: str) -> None:
         if not self.may_subscribe(topic):
-            raise Forbidden(self.name, "subscribe to", f"topic {topic!r}")
+            raise PermissionDenied(self.name, "subscribe to", f"topic {topic!r}")
         if not self.may_use_group(group):
-            raise Forbidden(self.name, "consume as", f"group {group!r}")
+            raise PermissionDenied(self.name, "consume as", f"group {group!r}")
 
     def require_see(self, topic: str) -> None:
         """Route and description queries: publishers and subscribers of the topic both need them."""
         if not self.may_see(topic):
-            raise Forbidden(self.name, "publish to or subscribe to", f"topic {topic!r}")
+            raise PermissionDenied(self.name, "publish to or subscribe to", f"topic {topic!r}")
 
     def require_admin(self, what: str) -> None:
         if not self.admin:
-            raise Forbidden(self.name, "call", f"{what} (admin only)")
+            raise PermissionDenied(self.name, "call", f"{what} (admin only)")
 
 
 ANONYMOUS = Principal("", admin=True)
