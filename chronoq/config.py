@@ -206,7 +206,26 @@ class Config:
         unknown = set(values) - set(fields)
         if unknown:
             raise ConfigError(f"unknown configuration keys: {', '.join(sorted(unknown))}")
+        for name, value in values.items():
+            _check_type(name, value, fields[name].default)
         return cls(**values)
+
+
+def _check_type(name: str, value: Any, default: Any) -> None:
+    """A TOML value of the wrong type is a ConfigError naming it, not an AttributeError from deep
+    inside validation (found by tests/test_hostile_input.py: `delay_levels = false`)."""
+    if isinstance(default, bool):
+        ok, kind = isinstance(value, bool), "true or false"
+    elif isinstance(default, int):
+        ok, kind = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif isinstance(default, str):
+        ok, kind = isinstance(value, str), "a string"
+    elif isinstance(default, Path):
+        ok, kind = isinstance(value, str | Path), "a path (string)"
+    else:
+        return
+    if not ok:
+        raise ConfigError(f"{name} must be {kind}, not {value!r}")
 
 
 def _coerce(name: str, raw: str, default: Any) -> Any:

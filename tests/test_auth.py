@@ -9,42 +9,33 @@ are in tests/interop/test_auth_interop.py.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
 import json
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from auth_harness import AUTH, SECRET, USERS, running
 from rocketmq.grpc_protocol import service_pb2_grpc as service_grpc
 
 from chronoq import errors as core
 from chronoq.broker import Broker
-from chronoq.client import AsyncAdmin, AsyncConsumer, AsyncProducer, outgoing
+from chronoq.client import AsyncAdmin, AsyncProducer, outgoing
 from chronoq.config import Config, ConfigError
 from chronoq.protocol import signature
 from chronoq.protocol.v2 import definition, service
-from chronoq.server.admin_service import AdminService
 from chronoq.server.auth import ANONYMOUS, AuthConfig, Authenticator, User, load_auth, parse_auth
-from chronoq.server.grpc_service import MessagingService, wall_ms
-from chronoq.server.serve import server_options
+from chronoq.server.grpc_service import wall_ms
 
 DATE = "20261123T093000Z"
 DATE_MS = int(datetime(2026, 11, 23, 9, 30, tzinfo=UTC).timestamp() * 1000)
-SECRET = "s3cret"
 # HMAC-SHA1("s3cret", "20261123T093000Z"), computed independently of chronoq:
 # printf '20261123T093000Z' | openssl dgst -sha1 -hmac s3cret
 EXPECTED_HEX = hmac.new(b"s3cret", b"20261123T093000Z", hashlib.sha1).hexdigest()
 
-USERS = (
-    User("orders-app", SECRET, publish=("orders", "payments-*"), subscribe=("orders",), groups=("billing",)),
-    User("ops", "0ps-secret", admin=True),
-)
-AUTH = AuthConfig(enabled=True, users=USERS)
 
 
 def python_header(ak: str, sk: str, date: str = DATE) -> list[tuple[str, str]]:
@@ -206,40 +197,6 @@ def test_bad_auth_config_is_refused_with_the_key(doc: dict[str, Any], fault: str
 
 
 # -- a real server -------------------------------------------------------------------------------
-
-
-class Server:
-    def __init__(self, broker: Broker, address: str) -> None:
-        self.broker, self.address = broker, address
-
-    def producer(self, ak: str | None = "orders-app", sk: str | None = SECRET) -> AsyncProducer:
-        return AsyncProducer(self.address, access_key=ak or "", secret_key=sk or "", timeout_ms=5000, send_attempts=1)
-
-    def consumer(self, group: str, topic: str, ak: str = "orders-app", sk: str = SECRET) -> AsyncConsumer:
-        return AsyncConsumer(group, topic, server=self.address, access_key=ak, secret_key=sk, timeout_ms=5000)
-
-    def stored(self, topic: str) -> int:
-        if topic not in {t.name for t in self.broker.list_topics()}:
-            return 0
-        return sum(self.broker.queue_offsets(topic, q)[1] for q in range(self.broker.get_topic(topic).queue_count))
-
-
-@contextlib.asynccontextmanager
-async def running(tmp_path: Path, auth: AuthConfig = AUTH) -> AsyncIterator[Server]:
-    config = Config(data_dir=tmp_path / "data")
-    broker = await Broker.open(config)
-    server = grpc.aio.server(options=server_options(config))
-    try:
-        port = server.add_insecure_port("127.0.0.1:0")
-        authenticator = Authenticator(auth)
-        messaging = MessagingService(broker, config, advertised=None, port=port, authenticator=authenticator)
-        server.add_generic_rpc_handlers((messaging.generic_handler(),
-                                         AdminService(broker, config, authenticator).generic_handler()))
-        await server.start()
-        yield Server(broker, f"127.0.0.1:{port}")
-    finally:
-        await server.stop(0)
-        await broker.close()
 
 
 def test_sends_need_credentials_and_publish_permission(tmp_path: Path, arun: Any) -> None:

@@ -142,7 +142,7 @@ def load_auth(toml_path: str | Path | None) -> AuthConfig:
     try:
         with open(toml_path, "rb") as f:
             doc = tomllib.load(f)
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{toml_path}: not valid TOML: {exc}") from None
     section = doc.get("auth")
     if section is None and isinstance(doc.get("chronoq"), Mapping):
