@@ -140,6 +140,7 @@ class Soak:
         self.samples: list[dict[str, Any]] = []
         self.kills_s: list[float] = []
         self.t0 = time.monotonic()
+        self.started = datetime.now(UTC).isoformat(timespec="seconds")
 
     def _message(self) -> tuple[Any, int]:
         roll = self.rng.random()
@@ -283,7 +284,8 @@ def summary(soak: Soak, args: argparse.Namespace) -> dict[str, Any]:
         return lateness[min(len(lateness) - 1, int(len(lateness) * q))] if lateness else None
 
     return {
-        "started": datetime.now(UTC).isoformat(timespec="seconds"), "minutes": args.minutes, "rate": args.rate,
+        "started": soak.started, "finished": datetime.now(UTC).isoformat(timespec="seconds"),
+        "minutes": args.minutes, "rate": args.rate,
         "kill_every_min": args.kill_every_min, "kills": len(soak.kills_s), "kills_at_s": soak.kills_s,
         "sent_acknowledged": len(led.due_ms), "cancelled_acknowledged": len(led.cancelled),
         "cancels_too_late": led.cancels_too_late, "owed": len(owed), "arrived_owed": len(owed) - len(lost),
@@ -343,7 +345,7 @@ def markdown(result: dict[str, Any], command: str) -> str:
          f"{result['send_errors']} / {result['cancel_errors']} / {result['receive_errors']}"),
     ]
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
-    return (f"# Soak, {result['started']}\n\n`{command}`\n\n| measure | value |\n|---|---|\n{table}\n\n"
+    return (f"# Soak, {result['started']} to {result['finished']}\n\n`{command}`\n\n| measure | value |\n|---|---|\n{table}\n\n"
             "![soak](soak.png)\n")
 
 
