@@ -345,8 +345,8 @@ def markdown(result: dict[str, Any], command: str) -> str:
          f"{result['send_errors']} / {result['cancel_errors']} / {result['receive_errors']}"),
     ]
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
-    return (f"# Soak, {result['started']} to {result['finished']}\n\n`{command}`\n\n| measure | value |\n|---|---|\n{table}\n\n"
-            "![soak](soak.png)\n")
+    return (f"# Soak, {result['started']} to {result['finished']}\n\n`{command}`\n\n"
+            f"| measure | value |\n|---|---|\n{table}\n\n![soak](soak.png)\n")
 
 
 def main(argv: list[str] | None = None) -> int:
