@@ -45,7 +45,7 @@ from chronoq.accept import Accept
 from chronoq.clock import Clock, SystemClock
 from chronoq.config import Config
 from chronoq.deliver import Deliver
-from chronoq.errors import BrokerClosed, ChronoqError, DiskFull, FlushFailed, InvalidRecallHandle
+from chronoq.errors import BrokerClosed, ChronoqError, DiskFull, FlushFailed, InvalidRecallHandle, RecallTopicMismatch
 from chronoq.model import (
     ALL_MESSAGE_TYPES,
     SCHEDULE_TOPIC,
@@ -322,10 +322,17 @@ class Broker:
 
     async def cancel(self, *, recall_handle: str | None = None, topic: str | None = None,
                      message_id: str | None = None) -> str:
+        """Cancel a pending timer by recall handle or by (topic, message id); returns the id. With
+        both a handle and a topic, the handle must be that topic's (`RecallTopicMismatch`)."""
         self._check_open()
         deliver_at_ms = None
         if recall_handle is not None:
-            topic, deliver_at_ms, message_id = decode_recall_handle(recall_handle)
+            handle_topic, deliver_at_ms, message_id = decode_recall_handle(recall_handle)
+            if topic is not None and topic != handle_topic:
+                # RocketMQ's rule: a recall names its topic, and a handle of another topic is refused
+                # (the caller's right to that topic was checked on the request's topic).
+                raise RecallTopicMismatch(handle_topic, topic)
+            topic = handle_topic
         if topic is None or message_id is None:
             raise InvalidRecallHandle("give a recall handle, or both topic and message id")
         await self.timer.cancel(topic, message_id, self.clock.now_ms(), deliver_at_ms=deliver_at_ms)

@@ -210,6 +210,8 @@ class Config:
             with open(toml_path, "rb") as f:
                 doc = tomllib.load(f)
             for key, value in doc.get("chronoq", doc).items():
+                if key == "auth":
+                    continue  # read by chronoq.server.auth.load_auth: users are not limits
                 values[key] = check_setting(key, value, source=f"{toml_path}: ")
         for key, raw in (env or {}).items():
             if key.startswith("CHRONOQ_") and key[len("CHRONOQ_"):].lower() in _FIELDS:

@@ -23,8 +23,8 @@ the classes, and every code against the enum:
     code  RocketMQ name                        a code-only client gets (the classes raised)
     40000 BAD_REQUEST                          BadRequest (InvalidBatchSize, InvalidQueueId, InvalidQueueCount,
                                                TopicExists, InvalidRecallHandle, MalformedRequest,
-                                               MissingField, InvalidField, ConsoleInputError: RocketMQ has
-                                               no code for these)
+                                               MissingField, InvalidField, ConsoleInputError,
+                                               RecallTopicMismatch: RocketMQ has no code for these)
     40002 ILLEGAL_TOPIC                        InvalidTopicName (SystemTopicForbidden)
     40003 ILLEGAL_CONSUMER_GROUP               InvalidGroupName
     40004 ILLEGAL_MESSAGE_TAG                  InvalidTag
@@ -40,7 +40,9 @@ the classes, and every code against the enum:
     40016 MESSAGE_CORRUPTED                    CorruptRecord
     40018 ILLEGAL_POLLING_TIME                 InvalidPollingTime
     40019 ILLEGAL_OFFSET                       InvalidOffset
-    40300 FORBIDDEN                            Forbidden (TimerDisabled, a console action the caller's role lacks)
+    40100 UNAUTHORIZED                         Unauthorized (MissingCredentials, MalformedAuthorization,
+                                               UnknownAccessKey, BadSignature, StaleSignature, BadSecretKey)
+    40300 FORBIDDEN                            Forbidden (PermissionDenied, TimerDisabled)
     40401 MESSAGE_NOT_FOUND                    TimerNotFound
     40402 TOPIC_NOT_FOUND                      TopicNotFound
     41301 MESSAGE_BODY_TOO_LARGE               MessageTooLarge
@@ -400,6 +402,83 @@ class InvalidRecallHandle(BadRequest):
 
     def __init__(self, reason: str) -> None:
         super().__init__(f"invalid recall handle: {reason}", reason=reason)
+
+
+# --- who may do what (chronoq/server/auth.py) -------------------------------------------------
+
+
+class Unauthorized(BadRequest):
+    """The request carries no credentials, or credentials the broker cannot verify (RocketMQ's
+    UNAUTHORIZED). The broker answers before looking at the request: nothing changed."""
+
+    code = 40100
+
+
+class MissingCredentials(Unauthorized):
+    """Auth is on and the request has no `authorization` header, or one naming an empty access key
+    (the Python client sends the header even without credentials)."""
+
+    def __init__(self, header: str) -> None:
+        super().__init__(f"authentication required: no credentials in {header!r} (configure an access key "
+                         "and secret key in the client)", header=header)
+
+
+class MalformedAuthorization(Unauthorized):
+    """An `authorization` or `x-mq-date-time` header that is not RocketMQ ACL 2.0's shape."""
+
+    def __init__(self, header: str, reason: str) -> None:
+        super().__init__(f"malformed {header!r} header: {reason}", header=header, reason=reason)
+
+
+class UnknownAccessKey(Unauthorized):
+    def __init__(self, access_key: str) -> None:
+        super().__init__(f"unknown access key {access_key!r}", access_key=access_key)
+
+
+class BadSecretKey(Unauthorized):
+    """The secret key given with an access key (the web console's HTTP Basic credentials) is not
+    the configured one."""
+
+    def __init__(self, access_key: str) -> None:
+        super().__init__(f"wrong secret key for access key {access_key!r}", access_key=access_key)
+
+
+class BadSignature(Unauthorized):
+    """The HMAC-SHA1 of `x-mq-date-time` under the access key's secret is not the one sent: a wrong
+    secret key (or a header altered on the way)."""
+
+    def __init__(self, access_key: str) -> None:
+        super().__init__(f"signature mismatch for access key {access_key!r} (wrong secret key?)",
+                         access_key=access_key)
+
+
+class StaleSignature(Unauthorized):
+    """`x-mq-date-time` is further from the server's wall clock than `auth.max_time_skew_s`: a
+    replayed header, or a client clock that is badly off."""
+
+    def __init__(self, date_time: str, skew_ms: int, max_skew_ms: int) -> None:
+        super().__init__(f"x-mq-date-time {date_time!r} is {duration(abs(skew_ms))} "
+                         f"{'behind' if skew_ms < 0 else 'ahead of'} the server's clock; at most "
+                         f"{duration(max_skew_ms)} is accepted (check the client's clock)",
+                         date_time=date_time, skew_ms=skew_ms, max_skew_ms=max_skew_ms)
+
+
+class PermissionDenied(Forbidden):
+    """The caller is authenticated but lacks the permission. Nothing changed: a batch with one
+    forbidden topic is refused whole."""
+
+    def __init__(self, access_key: str, action: str, resource: str) -> None:
+        super().__init__(f"access key {access_key!r} may not {action} {resource}",
+                         access_key=access_key, action=action, resource=resource)
+
+
+class RecallTopicMismatch(InvalidRecallHandle):
+    """A recall or cancel names a topic that is not the topic the handle was minted for (RocketMQ
+    refuses such a handle too). Nothing is cancelled."""
+
+    def __init__(self, handle_topic: str, request_topic: str) -> None:
+        BadRequest.__init__(self, f"invalid recall handle: it belongs to topic {handle_topic!r}, not to "
+                            f"{request_topic!r}", handle_topic=handle_topic, request_topic=request_topic)
 
 
 # --- the broker's state ---------------------------------------------------------------------

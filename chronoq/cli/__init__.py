@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="chronoq", description="chronoq: a durable broker for scheduled and delayed messages.",
         epilog="Run `chronoq COMMAND --help` for a command's flags and examples. Client commands take "
-               "--server, --tls and --ca-cert, or $CHRONOQ_SERVER, $CHRONOQ_TLS and $CHRONOQ_CA_CERT.")
+               "--server, --tls and --ca-cert, or $CHRONOQ_SERVER, $CHRONOQ_TLS and $CHRONOQ_CA_CERT; with auth on, "
+               "--access-key and --secret-key, or $CHRONOQ_ACCESS_KEY and $CHRONOQ_SECRET_KEY.")
     parser.add_argument("--version", action="version", version=f"chronoq {__version__}")
     # The connection flags also before the command (`chronoq --server H:P send ...`), as kubectl
     # and gh take theirs; kept under other names so a subcommand's own defaults cannot clobber them.
@@ -54,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_GLOBAL_FLAGS = {"--server": str, "--tls": bool, "--ca-cert": str, "--tls-server-name": str}
+_GLOBAL_FLAGS = {"--server": str, "--tls": bool, "--ca-cert": str, "--tls-server-name": str, "--access-key": str,
+                 "--secret-key": str}
 
 
 def _global_dest(flag: str) -> str:

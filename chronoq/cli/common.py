@@ -49,6 +49,8 @@ SERVER_ENV = "CHRONOQ_SERVER"
 TLS_ENV = "CHRONOQ_TLS"
 CA_CERT_ENV = "CHRONOQ_CA_CERT"
 TLS_SERVER_NAME_ENV = "CHRONOQ_TLS_SERVER_NAME"
+ACCESS_KEY_ENV = "CHRONOQ_ACCESS_KEY"
+SECRET_KEY_ENV = "CHRONOQ_SECRET_KEY"
 SPARK_SETUP = "scripts/setup.sh --spark"
 """The set-up step that installs the Spark extra (and Java 17) into the checkout's .venv."""
 SPARK_MODULES = ("pyspark", "pyarrow", "pandas", "matplotlib")
@@ -124,10 +126,13 @@ class Connection:
     tls: bool = False
     root_certificates: bytes | None = None
     tls_server_name: str | None = None
+    access_key: str = ""
+    secret_key: str = ""
 
     def client_kwargs(self) -> dict[str, Any]:
         return {"server": self.server, "tls": self.tls, "root_certificates": self.root_certificates,
-                "tls_server_name": self.tls_server_name}
+                "tls_server_name": self.tls_server_name, "access_key": self.access_key,
+                "secret_key": self.secret_key}
 
 
 def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
@@ -142,6 +147,10 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tls-server-name", default=None, metavar="NAME",
                        help=f"name the server's certificate must carry, when it is not the host in --server "
                             f"(default: ${TLS_SERVER_NAME_ENV})")
+    group.add_argument("--access-key", default=None, metavar="KEY",
+                       help=f"access key of a user in the server's [auth] table (default: ${ACCESS_KEY_ENV})")
+    group.add_argument("--secret-key", default=None, metavar="SECRET",
+                       help=f"its secret key (default: ${SECRET_KEY_ENV}; prefer the variable: a flag shows in ps)")
 
 
 def _env_flag(name: str, env: Mapping[str, str]) -> bool:
@@ -177,7 +186,11 @@ def connection_of(args: argparse.Namespace, env: Mapping[str, str] | None = None
     ca_cert = getattr(args, "ca_cert", None) or env.get(CA_CERT_ENV) or None
     server_name = getattr(args, "tls_server_name", None) or env.get(TLS_SERVER_NAME_ENV) or None
     tls = bool(getattr(args, "tls", None)) or _env_flag(TLS_ENV, env) or ca_cert is not None or server_name is not None
-    return Connection(server, tls, read_ca_cert(ca_cert) if ca_cert else None, server_name)
+    access_key = getattr(args, "access_key", None) or env.get(ACCESS_KEY_ENV) or ""
+    secret_key = getattr(args, "secret_key", None) or env.get(SECRET_KEY_ENV) or ""
+    if access_key and not secret_key:
+        raise UsageError(f"--access-key needs its secret key: --secret-key or ${SECRET_KEY_ENV}")
+    return Connection(server, tls, read_ca_cert(ca_cert) if ca_cert else None, server_name, access_key, secret_key)
 
 
 # -- optional parts -----------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import sys
 from chronoq.cli.common import add_command
 from chronoq.config import Config, ConfigError
 from chronoq.errors import ChronoqError
+from chronoq.server.auth import AuthConfig, load_auth
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,6 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ["chronoq serve --data-dir data", "chronoq serve --data-dir data --host 0.0.0.0 --port 9876",
          "chronoq serve --data-dir data --http-port 8090   # console on http://127.0.0.1:8090/",
          "chronoq serve --data-dir data --tls-cert server.pem --tls-key server.key",
+         "chronoq serve --data-dir data --config chronoq.toml   # [auth] enabled = true, [[auth.users]] ...",
          "CHRONOQ_TIMER_MAX_DELAY_MS=7776000000 chronoq serve --data-dir data   # 90 days"])
     p.add_argument("--data-dir", help="data directory (created if missing; default ./data)")
     p.add_argument("--port", type=int, help="gRPC port (default 8081)")
@@ -44,6 +46,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-key", metavar="FILE", help="PEM private key")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(func=run)
+
+
+def load_auth_config(args: argparse.Namespace) -> AuthConfig:
+    return load_auth(args.config)
 
 
 def load_config(args: argparse.Namespace) -> Config:
@@ -59,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(args)
+        auth = load_auth_config(args)
     except (ConfigError, OSError, ValueError) as exc:
         print(f"chronoq serve: {exc}", file=sys.stderr)
         return 2
@@ -66,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> int:
         stop = asyncio.Event()
         install_signal_handlers(stop)
-        return await serve(config, stop=stop, on_ready=lambda line: print(line, flush=True))
+        return await serve(config, stop=stop, on_ready=lambda line: print(line, flush=True), auth=auth)
 
     try:
         return asyncio.run(main())

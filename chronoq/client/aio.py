@@ -18,6 +18,10 @@ tasks: nothing outlives a call. The SDK, unlike the broker core, may read the re
 stamps born and received times with the wall clock as it is (`WallClock`), as any client does
 (the step-proof `SystemClock` is for the broker's decisions; its timeouts are gRPC deadlines).
 
+Credentials: with an access key and secret key (arguments, or `CHRONOQ_ACCESS_KEY` and
+`CHRONOQ_SECRET_KEY`), every call carries RocketMQ ACL 2.0's signed headers
+(`chronoq.protocol.signature`), made afresh per call since they carry the time.
+
 Sends are retried (same message id, so the server's dedupe window makes a retry idempotent)
 when the failure is retriable: the connection, a deadline, or a retriable server code.
 """
@@ -59,12 +63,15 @@ from chronoq.client.types import (
 )
 from chronoq.clock import WallClock
 from chronoq.model import OutgoingMessage
+from chronoq.protocol import signature
 from chronoq.protocol.v2 import SERVICE_NAME
 from chronoq.protocol.v2 import definition as pb
 from chronoq.protocol.v2 import service as svc
 
 DEFAULT_SERVER = "127.0.0.1:8081"
 SERVER_ENV = "CHRONOQ_SERVER"
+ACCESS_KEY_ENV = "CHRONOQ_ACCESS_KEY"
+SECRET_KEY_ENV = "CHRONOQ_SECRET_KEY"
 ADMIN_SERVICE = "chronoq.admin.v1.Admin"
 DEFAULT_TIMEOUT_MS = 10_000
 DEFAULT_SEND_ATTEMPTS = 3
@@ -118,8 +125,13 @@ class AsyncAdmin:
 
     def __init__(self, server: str | None = None, *, timeout_ms: int = DEFAULT_TIMEOUT_MS,
                  tls: bool = False, root_certificates: bytes | None = None,
-                 tls_server_name: str | None = None) -> None:
+                 tls_server_name: str | None = None, access_key: str | None = None,
+                 secret_key: str | None = None) -> None:
         self.server = server or default_server()
+        self._access_key = access_key if access_key is not None else os.environ.get(ACCESS_KEY_ENV) or None
+        self._secret_key = secret_key if secret_key is not None else os.environ.get(SECRET_KEY_ENV) or ""
+        if self._access_key and not self._secret_key:
+            raise InvalidArgument("secret_key", "", f"an access key needs its secret key (or ${SECRET_KEY_ENV})")
         host, sep, port = self.server.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise InvalidArgument("server", self.server, "use host:port")
@@ -139,6 +151,11 @@ class AsyncAdmin:
         )
 
     # -- lifecycle -----------------------------------------------------------------------------
+
+    def _call_metadata(self) -> tuple[tuple[str, str], ...]:
+        if not self._access_key:
+            return self._metadata
+        return self._metadata + signature.sign_headers(self._access_key, self._secret_key, self._clock.now_ms())
 
     def _open(self) -> grpc.aio.Channel:
         if self._channel is None:
@@ -196,7 +213,7 @@ class AsyncAdmin:
     async def _rpc(self, method: str, request: Any, *, timeout_ms: int | None = None) -> Any:
         deadline_ms = timeout_ms or self.timeout_ms
         try:
-            return await self._method(method)(request, timeout=deadline_ms / 1000, metadata=self._metadata)
+            return await self._method(method)(request, timeout=deadline_ms / 1000, metadata=self._call_metadata())
         except grpc.aio.AioRpcError as e:
             raise self._translate(method, e, deadline_ms) from None
 
@@ -209,7 +226,7 @@ class AsyncAdmin:
             self._calls[key] = call
         deadline_ms = timeout_ms or self.timeout_ms
         try:
-            reply = await call(body, timeout=deadline_ms / 1000, metadata=self._metadata)
+            reply = await call(body, timeout=deadline_ms / 1000, metadata=self._call_metadata())
         except grpc.aio.AioRpcError as e:
             raise self._translate(method, e, deadline_ms) from None
         return wire.admin_result(method, reply)
@@ -291,9 +308,10 @@ class AsyncProducer(AsyncAdmin):
     def __init__(self, server: str | None = None, *, timeout_ms: int = DEFAULT_TIMEOUT_MS,
                  send_attempts: int = DEFAULT_SEND_ATTEMPTS, max_batch: int = DEFAULT_MAX_BATCH,
                  batch_via: str = "admin", tls: bool = False, root_certificates: bytes | None = None,
-                 tls_server_name: str | None = None) -> None:
+                 tls_server_name: str | None = None, access_key: str | None = None,
+                 secret_key: str | None = None) -> None:
         super().__init__(server, timeout_ms=timeout_ms, tls=tls, root_certificates=root_certificates,
-                         tls_server_name=tls_server_name)
+                         tls_server_name=tls_server_name, access_key=access_key, secret_key=secret_key)
         if send_attempts < 1:
             raise InvalidArgument("send_attempts", send_attempts, "at least 1")
         if max_batch < 1:
@@ -401,9 +419,10 @@ class AsyncConsumer(AsyncAdmin):
 
     def __init__(self, group: str, topic: str, *, filter_expression: str = "*", server: str | None = None,
                  timeout_ms: int = DEFAULT_TIMEOUT_MS, tls: bool = False,
-                 root_certificates: bytes | None = None, tls_server_name: str | None = None) -> None:
+                 root_certificates: bytes | None = None, tls_server_name: str | None = None,
+                 access_key: str | None = None, secret_key: str | None = None) -> None:
         super().__init__(server, timeout_ms=timeout_ms, tls=tls, root_certificates=root_certificates,
-                         tls_server_name=tls_server_name)
+                         tls_server_name=tls_server_name, access_key=access_key, secret_key=secret_key)
         self.group = group
         self.topic = topic
         self.filter_expression = filter_expression
@@ -451,7 +470,7 @@ class AsyncConsumer(AsyncAdmin):
         if invisible is not None:
             req.invisible_duration.CopyFrom(wire.ms_to_duration(wire.duration_to_ms("invisible", invisible)))
         deadline_ms = self.timeout_ms + wait_ms
-        call = self._method("ReceiveMessage")(req, timeout=deadline_ms / 1000, metadata=self._metadata)
+        call = self._method("ReceiveMessage")(req, timeout=deadline_ms / 1000, metadata=self._call_metadata())
         try:
             async for resp in call:
                 which = resp.WhichOneof("content")

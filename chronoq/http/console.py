@@ -15,9 +15,8 @@ what is the console's own:
   the last `console_history_samples` intervals (count, p50, p99, max of *that* interval, from the
   difference of two snapshots of the cumulative histogram); it is in memory and restarts empty;
 - `Access.check(request, role)` is the one door every console call goes through ("read" for
-  views, "admin" for cancel), called by `HttpServer.call` before it calls an admin method. There
-  is no authentication on this branch, so it allows all; the trust work (issue 14) replaces its
-  body with a role check on the caller's credentials.
+  views, "admin" for cancel), called by `HttpServer.call` before it calls an admin method; with
+  auth on it turns the browser's HTTP Basic credentials into the caller the admin methods check.
 
 Nothing here blocks: each function does bounded work (limits in `config.py`).
 """
@@ -25,6 +24,8 @@ Nothing here blocks: each function does bounded work (limits in `config.py`).
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import html
 import re
 from collections import deque
@@ -34,10 +35,11 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from chronoq.config import DAY_MS, HOUR_MS, MINUTE_MS, SECOND_MS
-from chronoq.errors import ConsoleInputError
+from chronoq.errors import ConsoleInputError, PermissionDenied, Unauthorized
 from chronoq.errors import (
     Forbidden as Forbidden,  # re-exported: the access check raises it (errors.py defines every client-visible error)
 )
+from chronoq.server.auth import ANONYMOUS, Authenticator, Principal
 from chronoq.timefmt import duration
 from chronoq.timer.metrics import LatencyHistogram
 
@@ -50,11 +52,40 @@ MAX_EPOCH_MS = 253_402_300_799_999
 
 
 class Access:
-    """The console's single authorization point (see the module docstring)."""
+    """The console's single authorization point (see the module docstring).
 
-    def check(self, request: Any, role: Role) -> None:
-        # No authentication exists yet (issue 14 adds it): every caller may read and cancel.
-        return None
+    With auth off every caller may read and cancel. With auth on (`[auth]`, issue 14) a browser
+    sends HTTP Basic credentials, the user's access key and secret key (a page cannot sign
+    RocketMQ's HMAC headers), checked by the same `Authenticator` as the gRPC services; the
+    resulting `Principal` is what the admin methods then check, so the console may do no more
+    than the same user through the CLI. Cancel asks in addition for the admin role."""
+
+    def __init__(self, authenticator: Authenticator | None = None) -> None:
+        self.authenticator = authenticator
+
+    def check(self, request: Any, role: Role) -> Principal:
+        auth = self.authenticator
+        if auth is None or not auth.enabled:
+            return ANONYMOUS
+        access_key, secret_key = basic_credentials(request.headers.get("Authorization", ""))
+        principal = auth.password(access_key, secret_key)
+        if role == "admin" and not principal.admin:
+            raise PermissionDenied(principal.name, "cancel timers from", "the console (admin only)")
+        return principal
+
+
+def basic_credentials(header: str) -> tuple[str, str]:
+    """(access key, secret key) of an `Authorization: Basic ...` header, or `Unauthorized`."""
+    scheme, _, encoded = header.partition(" ")
+    if scheme.lower() != "basic" or not encoded.strip() or len(encoded) > 4096:
+        raise Unauthorized("the console needs a user's access key and secret key (HTTP Basic)")
+    try:
+        access_key, sep, secret_key = base64.b64decode(encoded.strip(), validate=True).decode().partition(":")
+    except (binascii.Error, ValueError):
+        raise Unauthorized("the HTTP Basic credentials are not base64 of 'access key:secret key'") from None
+    if not sep or not access_key:
+        raise Unauthorized("the HTTP Basic credentials name no access key")
+    return access_key, secret_key
 
 
 # -- input --------------------------------------------------------------------------------------

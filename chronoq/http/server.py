@@ -37,7 +37,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from chronoq.config import Config, ConfigError
-from chronoq.errors import ChronoqError
+from chronoq.errors import ChronoqError, Unauthorized
 from chronoq.http.console import (
     HORIZONS,
     Access,
@@ -73,6 +73,12 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return await handler(request)
     except web.HTTPException:
         raise
+    except Unauthorized as err:
+        # The browser asks the person for an access key and secret key, then sends them with
+        # every request to this origin (the page's own fetches included).
+        reply = _json({"error": type(err).__name__, "message": err.message}, 401)
+        reply.headers["WWW-Authenticate"] = 'Basic realm="chronoq console", charset="UTF-8"'
+        return reply
     except ChronoqError as err:
         name = type(err).__name__
         status = 403 if isinstance(err, Forbidden) else 404 if name in NOT_FOUND_ERRORS else \
@@ -88,7 +94,7 @@ class HttpServer:
         self.broker = broker
         self.config = config
         self.admin = admin
-        self.access = access or Access()
+        self.access = access or Access(admin.auth)
         self.registry = make_registry(broker)
         self.admin_methods = {
             "ListTopics": admin.list_topics, "Stats": admin.stats, "QueryMessage": admin.query_message,
@@ -173,9 +179,9 @@ class HttpServer:
     async def call(self, request: web.Request, role: Role, method: str, doc: dict[str, Any]) -> dict[str, Any]:
         """Every console read and action on the broker: the access check for `role`, then the
         admin service's method of that name (its gRPC name), in process. The one place where the
-        caller's identity will be handed to the admin service once it checks permissions."""
-        self.access.check(request, role)
-        return await self.admin_methods[method](doc)
+        caller's identity (auth on: the browser's credentials) reaches the admin service."""
+        caller = self.access.check(request, role)
+        return await self.admin_methods[method](doc, caller)
 
     async def index(self, request: web.Request) -> web.Response:
         self.access.check(request, "read")

@@ -11,6 +11,15 @@ into the broker; SearchTimers (pending timers in a due-time range) and PendingBy
 bar, for its chart) exist for it, bounded by the `timer_search_*` and `timer_chart_max_bars`
 limits, and serve programs as well.
 
+Auth (`chronoq.server.auth`): each call is authenticated from its metadata like a RocketMQ call,
+then each method asks the caller for what it needs before touching the broker: CreateTopic, Stats,
+FireTimers and QueryMessage by key are admin only (they span every topic); SendBatch needs publish
+on every topic of the batch (one forbidden topic refuses the whole batch, nothing stored);
+CancelMessage publish on the topic (by handle: the handle's topic, which must match a topic the
+request also names); QueryMessage by id publish or subscribe on its topic (admin without one);
+ReadMessages subscribe; DescribeTopic publish or subscribe; ListTopics lists only the topics the
+caller may publish or subscribe to (any authenticated caller may list: the SDK's `ping`).
+
 SendBatch reports per message: messages that fail to decode get their own error entry and the
 rest go to `Broker.send_batch(partial=True)` in one durable write, which reports each message's
 outcome in its slot (one bad message does not fail the others).
@@ -27,21 +36,25 @@ from typing import Any
 import grpc
 
 from chronoq.config import Config
-from chronoq.errors import ChronoqError, InvalidBatchSize
+from chronoq.errors import ChronoqError, InvalidBatchSize, PermissionDenied
 from chronoq.model import OutgoingMessage
 from chronoq.protocol import admin as codec
 from chronoq.protocol.errors import InvalidField, MalformedRequest, MissingField
+from chronoq.server.auth import AUTH_OFF, Authenticator, Principal
+from chronoq.server.grpc_service import authenticate
 from chronoq.timefmt import duration
+from chronoq.timer.service import decode_recall_handle
 
 log = logging.getLogger(__name__)
 
-Method = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+Method = Callable[[dict[str, Any], Principal], Awaitable[dict[str, Any]]]
 
 
 class AdminService:
-    def __init__(self, broker: Any, config: Config) -> None:
+    def __init__(self, broker: Any, config: Config, authenticator: Authenticator | None = None) -> None:
         self.broker = broker
         self.config = config
+        self.auth = authenticator or Authenticator(AUTH_OFF)
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         methods: dict[str, Method] = {
@@ -57,7 +70,8 @@ class AdminService:
     def _handler(self, name: str, body: Method) -> Callable[[bytes, Any], Awaitable[bytes]]:
         async def handle(data: bytes, context: Any) -> bytes:
             try:
-                reply = await body(codec.parse_request(name, data))
+                caller = authenticate(self.auth, context)
+                reply = await body(codec.parse_request(name, data), caller)
             except ChronoqError as err:
                 reply = codec.error_json(err)
             except asyncio.CancelledError:
@@ -71,17 +85,20 @@ class AdminService:
 
     # -- topics ----------------------------------------------------------------------------------
 
-    async def create_topic(self, doc: dict[str, Any]) -> dict[str, Any]:
+    async def create_topic(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
+        caller.require_admin("CreateTopic")
         topic = await self.broker.create_topic(codec.arg_topic(doc, self.config, "name"),
                                                codec.arg_int(doc, "queue_count", required=False),
                                                codec.arg_message_types(doc))
         return codec.ok_json(topic=codec.topic_json(topic))
 
-    async def list_topics(self, doc: dict[str, Any]) -> dict[str, Any]:
-        return codec.ok_json(topics=[codec.topic_json(t) for t in self.broker.list_topics()])
+    async def list_topics(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
+        return codec.ok_json(topics=[codec.topic_json(t) for t in self.broker.list_topics() if caller.may_see(t.name)])
 
-    async def describe_topic(self, doc: dict[str, Any]) -> dict[str, Any]:
-        topic = self.broker.get_topic(codec.arg_topic(doc, self.config, "name"))
+    async def describe_topic(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
+        name = codec.arg_topic(doc, self.config, "name")
+        caller.require_see(name)
+        topic = self.broker.get_topic(name)
         queues = []
         for queue_id in range(topic.queue_count):
             min_offset, next_offset = self.broker.queue_offsets(topic.name, queue_id)
@@ -90,10 +107,14 @@ class AdminService:
 
     # -- timers ----------------------------------------------------------------------------------
 
-    async def query_message(self, doc: dict[str, Any]) -> dict[str, Any]:
+    async def query_message(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
         message_id = codec.arg_str(doc, "message_id", required=False)
         key = codec.arg_str(doc, "key", required=False)
         topic = codec.arg_topic(doc, self.config) if doc.get("topic") is not None else None
+        if topic is not None and message_id:
+            caller.require_see(topic)
+        else:
+            caller.require_admin("QueryMessage without a topic")
         if message_id:
             statuses = self.broker.query(message_id, topic)
         elif key:
@@ -102,20 +123,29 @@ class AdminService:
             raise MissingField("message_id or key", "QueryMessage")
         return codec.ok_json(statuses=[codec.timer_status_json(s) for s in statuses])
 
-    async def cancel_message(self, doc: dict[str, Any]) -> dict[str, Any]:
+    async def cancel_message(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
         recall_handle = codec.arg_str(doc, "recall_handle", required=False)
+        topic = codec.arg_topic(doc, self.config) if doc.get("topic") is not None else None
         if recall_handle:
-            message_id = await self.broker.cancel(recall_handle=recall_handle)
+            handle_topic = decode_recall_handle(recall_handle)[0]
+            caller.require_publish([topic if topic is not None else handle_topic])
+            message_id = await self.broker.cancel(recall_handle=recall_handle, topic=topic)
         else:
-            message_id = await self.broker.cancel(topic=codec.arg_topic(doc, self.config),
-                                                  message_id=codec.arg_str(doc, "message_id"))
+            topic = codec.arg_topic(doc, self.config)
+            caller.require_publish([topic])
+            message_id = await self.broker.cancel(topic=topic, message_id=codec.arg_str(doc, "message_id"))
         return codec.ok_json(message_id=message_id)
 
-    async def search_timers(self, doc: dict[str, Any]) -> dict[str, Any]:
+    async def search_timers(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
         """Pending timers due in [from_ms, to_ms), of `topic` if given, earliest first. Bounded by
         `timer_search_max_range_ms`, `timer_search_max_rows` (or a smaller `limit`) and
-        `timer_search_max_scanned`; `truncated` says a bound stopped it with more in the range."""
+        `timer_search_max_scanned`; `truncated` says a bound stopped it with more in the range.
+        A topic's timers are for whoever may publish or subscribe to it; every topic's, admin only."""
         topic = codec.arg_topic(doc, self.config) if doc.get("topic") else None
+        if topic is not None:
+            caller.require_see(topic)
+        else:
+            caller.require_admin("SearchTimers without a topic")
         from_ms, to_ms = codec.arg_int(doc, "from_ms") or 0, codec.arg_int(doc, "to_ms") or 0
         limit = codec.arg_int(doc, "limit", required=False) or self.config.timer_search_max_rows
         if from_ms < 0:
@@ -137,9 +167,10 @@ class AdminService:
                                       "accepted_ms": e.accepted_ms, "keys": list(e.keys)} for e in entries],
                              truncated=truncated)
 
-    async def pending_by_due(self, doc: dict[str, Any]) -> dict[str, Any]:
+    async def pending_by_due(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
         """Pending timers (all topics) per bar of `bar_s` seconds from `from_s` on, `bars` bars,
-        from the index's per-second counters (no scan of the timers)."""
+        from the index's per-second counters (no scan of the timers). Admin only: it spans topics."""
+        caller.require_admin("PendingByDue")
         bar_s, bars = codec.arg_int(doc, "bar_s") or 0, codec.arg_int(doc, "bars") or 0
         from_s = codec.arg_int(doc, "from_s", required=False)
         if bar_s <= 0:
@@ -155,9 +186,10 @@ class AdminService:
         return codec.ok_json(from_s=from_s, bar_s=bar_s, counts=[b - a for a, b in itertools.pairwise(edges)],
                              before=edges[0], after=total - edges[-1], total=total)
 
-    async def fire_timers(self, doc: dict[str, Any]) -> dict[str, Any]:
+    async def fire_timers(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
         """For the Spark timer engine: fire the pending timers whose records lie at these
         commit-log positions, if due. Idempotent: a position already fired is skipped."""
+        caller.require_admin("FireTimers")
         positions = doc.get("positions")
         if not isinstance(positions, list) or not all(type(p) is int and p >= 0 for p in positions):
             raise MalformedRequest("FireTimers", "'positions' must be a list of non-negative integers")
@@ -168,8 +200,10 @@ class AdminService:
 
     # -- reads, stats, sends ---------------------------------------------------------------------
 
-    async def read_messages(self, doc: dict[str, Any]) -> dict[str, Any]:
+    async def read_messages(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
         topic = codec.arg_topic(doc, self.config)
+        if not caller.may_subscribe(topic):
+            raise PermissionDenied(caller.name, "read (subscribe to)", f"topic {topic!r}")
         queue_id = codec.arg_int(doc, "queue_id") or 0
         offset = codec.arg_int(doc, "offset") or 0
         max_messages = codec.arg_int(doc, "max_messages") or 0
@@ -180,10 +214,11 @@ class AdminService:
         next_offset = messages[-1].queue_offset + 1 if messages else offset
         return codec.ok_json(messages=[codec.stored_message_json(m) for m in messages], next_offset=next_offset)
 
-    async def stats(self, doc: dict[str, Any]) -> dict[str, Any]:
+    async def stats(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
+        caller.require_admin("Stats")
         return codec.ok_json(**self.broker.stats())
 
-    async def send_batch(self, doc: dict[str, Any]) -> dict[str, Any]:
+    async def send_batch(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
         entries = doc.get("messages")
         if not isinstance(entries, list):
             raise MalformedRequest("SendBatch", "'messages' must be a list")
@@ -196,6 +231,7 @@ class AdminService:
                 decoded.append((i, codec.message_from_json(entry, self.config)))
             except ChronoqError as err:
                 results[i] = {"error": codec.error_json(err)}
+        caller.require_publish({m.topic for _, m in decoded})
         if decoded:
             outcomes = await self.broker.send_batch([m for _, m in decoded], partial=True)
             for (i, _), outcome in zip(decoded, outcomes, strict=True):

@@ -10,6 +10,15 @@ The handlers are registered by hand (`generic_handler`) rather than through the 
 `add_MessagingServiceServicer_to_server`, so that request bytes that do not parse reach the
 handler as `Undecodable` and are answered with a 40000 status instead of grpc's bare INTERNAL.
 
+Auth (`chronoq.server.auth`): every call is authenticated from its own metadata before its request
+is looked at, so an unauthenticated caller learns nothing but 40100; each handler then asks the
+caller's `Principal` for the permission its request needs (send: publish on every topic of the
+batch; receive, ack, change-invisible, dead-letter, assignment: subscribe on the topic and the
+group; route: either; recall: publish on the request's topic, which must be the handle's) before
+it calls the broker, so a refusal (40300) changes nothing. Telemetry and ReceiveMessage are
+authenticated when they open (their metadata comes once). With auth off every caller is
+`ANONYMOUS` and nothing is checked.
+
 Long polls: ReceiveMessage waits at most `min(long_polling_timeout, time_remaining - margin)`,
 so the answer arrives before the client's deadline (Python: request_timeout + await_duration).
 Auto-renewed receives (PushConsumer) are tracked in `Renewals`.
@@ -20,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -32,7 +42,9 @@ from chronoq.protocol import requests as rq
 from chronoq.protocol import responses as rs
 from chronoq.protocol.errors import MalformedRequest, Unsupported
 from chronoq.protocol.v2 import SERVICE_NAME, service
+from chronoq.server.auth import AUTH_OFF, Authenticator, Principal
 from chronoq.server.renewals import Renewals
+from chronoq.timer.service import decode_recall_handle
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +76,18 @@ def _bytes_or_serialized(response: Any) -> bytes:
     return response if isinstance(response, bytes) else response.SerializeToString()
 
 
+def wall_ms() -> int:
+    """The wall clock, for signature freshness only (a client's date is wall-clock time)."""
+    return time.time_ns() // 1_000_000
+
+
+def authenticate(authenticator: Authenticator, context: grpc.aio.ServicerContext) -> Principal:
+    """The caller of one call (ANONYMOUS with auth off, without reading the metadata)."""
+    if not authenticator.enabled:
+        return authenticator.authenticate(None, 0)
+    return authenticator.authenticate(context.invocation_metadata(), wall_ms())
+
+
 def _client_id(context: grpc.aio.ServicerContext) -> str:
     for key, value in context.invocation_metadata() or ():
         if key == CLIENT_ID_HEADER:
@@ -75,9 +99,11 @@ class MessagingService:
     """The servicer. `advertised` is the address routes name; None (server bound to a wildcard
     address) means "the address the client says it used"."""
 
-    def __init__(self, broker: Any, config: Config, *, advertised: rq.Endpoint | None, port: int) -> None:
+    def __init__(self, broker: Any, config: Config, *, advertised: rq.Endpoint | None, port: int,
+                 authenticator: Authenticator | None = None) -> None:
         self.broker = broker
         self.config = config
+        self.auth = authenticator or Authenticator(AUTH_OFF)
         self.advertised = advertised
         self.port = port
         self.renewals = Renewals(broker, broker.clock, duration_ms=config.default_invisible_duration_ms,
@@ -85,12 +111,14 @@ class MessagingService:
 
     # -- plumbing --------------------------------------------------------------------------------
 
-    async def _guard(self, rpc: str, response_type: Any, request: Any,
-                     body: Callable[[Any], Awaitable[Any]]) -> Any:
+    async def _guard(self, rpc: str, response_type: Any, request: Any, context: grpc.aio.ServicerContext,
+                     body: Callable[[Any, Any, Principal], Awaitable[Any]]) -> Any:
         try:
+            caller = authenticate(self.auth, context)
+            self.renewals.touch(_client_id(context))
             if isinstance(request, Undecodable):
                 raise MalformedRequest(rpc, request.reason)
-            return await body(request)
+            return await body(request, context, caller)
         except ChronoqError as err:
             return rs.with_status(response_type, rs.error_status(err))
         except asyncio.CancelledError:
@@ -138,10 +166,9 @@ class MessagingService:
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
     def _unary(self, rpc: str, response_type: Any,
-               body: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any], Awaitable[Any]]:
+               body: Callable[[Any, Any, Principal], Awaitable[Any]]) -> Callable[[Any, Any], Awaitable[Any]]:
         async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            self.renewals.touch(_client_id(context))
-            return await self._guard(rpc, response_type, request, lambda r: body(r, context))
+            return await self._guard(rpc, response_type, request, context, body)
         handler.__name__ = rpc
         return handler
 
@@ -158,19 +185,22 @@ class MessagingService:
 
     # -- unary RPCs -------------------------------------------------------------------------------
 
-    async def _ok(self, request: Any, context: Any) -> Any:
+    async def _ok(self, request: Any, context: Any, caller: Principal) -> Any:
         return service.HeartbeatResponse(status=rs.ok_status())
 
-    async def _unsupported(self, request: Any, context: Any) -> Any:
+    async def _unsupported(self, request: Any, context: Any, caller: Principal) -> Any:
         raise Unsupported(f"{type(request).DESCRIPTOR.name.removesuffix('Request')} (chronoq serves "
                           "Producer, SimpleConsumer and PushConsumer clients)")
 
-    async def _query_route(self, request: service.QueryRouteRequest, context: Any) -> Any:
+    async def _query_route(self, request: service.QueryRouteRequest, context: Any, caller: Principal) -> Any:
         query = rq.decode_route(request, self.config)
+        caller.require_see(query.topic)
         return rs.route_response(await self._topic(query.topic), self._endpoint(query.access_point))
 
-    async def _query_assignment(self, request: service.QueryAssignmentRequest, context: Any) -> Any:
+    async def _query_assignment(self, request: service.QueryAssignmentRequest, context: Any,
+                                caller: Principal) -> Any:
         query = rq.decode_assignment(request, self.config)
+        caller.require_subscribe(query.topic, query.group)
         access_point = None
         if request.endpoints.addresses:
             first = request.endpoints.addresses[0]
@@ -178,16 +208,18 @@ class MessagingService:
                 access_point = rq.Endpoint(first.host, first.port)
         return rs.assignment_response(await self._topic(query.topic), self._endpoint(access_point))
 
-    async def _send(self, request: service.SendMessageRequest, context: Any) -> Any:
+    async def _send(self, request: service.SendMessageRequest, context: Any, caller: Principal) -> Any:
         command = rq.decode_send(request, self.config)
+        caller.require_publish({m.topic for m in command.messages})
         if len(command.messages) == 1:
             results = [await self.broker.send(command.messages[0])]
         else:
             results = await self.broker.send_batch(command.messages)
         return rs.send_response_wire(results)
 
-    async def _ack(self, request: service.AckMessageRequest, context: Any) -> Any:
+    async def _ack(self, request: service.AckMessageRequest, context: Any, caller: Principal) -> Any:
         command = rq.decode_ack(request, self.config)
+        caller.require_subscribe(command.topic, command.group)
         handles = [e.receipt_handle for e in command.entries]
         if not self.renewals.holds_any(handles):
             errors = await self.broker.ack_many(command.group, command.topic, handles)
@@ -205,25 +237,31 @@ class MessagingService:
                     for entry, err in zip(command.entries, errors, strict=True)]
         return rs.ack_response_wire(outcomes)
 
-    async def _change_invisible(self, request: service.ChangeInvisibleDurationRequest, context: Any) -> Any:
+    async def _change_invisible(self, request: service.ChangeInvisibleDurationRequest, context: Any,
+                                caller: Principal) -> Any:
         command = rq.decode_change_invisible(request, self.config)
+        caller.require_subscribe(command.topic, command.group)
         async with self.renewals.settle(command.receipt_handle) as handle:
             new_handle = await self.broker.change_invisible_duration(
                 command.group, command.topic, handle, command.invisible_duration_ms)
         return rs.change_invisible_response(new_handle)
 
-    async def _recall(self, request: service.RecallMessageRequest, context: Any) -> Any:
+    async def _recall(self, request: service.RecallMessageRequest, context: Any, caller: Principal) -> Any:
         command = rq.decode_recall(request, self.config)
-        message_id = await self.broker.cancel(recall_handle=command.recall_handle)
+        decode_recall_handle(command.recall_handle)  # a malformed handle is a 40000 before a 40300
+        caller.require_publish([command.topic])
+        message_id = await self.broker.cancel(recall_handle=command.recall_handle, topic=command.topic)
         return rs.recall_response(message_id)
 
-    async def _dead_letter(self, request: service.ForwardMessageToDeadLetterQueueRequest, context: Any) -> Any:
+    async def _dead_letter(self, request: service.ForwardMessageToDeadLetterQueueRequest, context: Any,
+                           caller: Principal) -> Any:
         command = rq.decode_dead_letter(request, self.config)
+        caller.require_subscribe(command.topic, command.group)
         async with self.renewals.settle(command.receipt_handle) as handle:
             await self.broker.forward_to_dlq(command.group, command.topic, handle)
         return service.ForwardMessageToDeadLetterQueueResponse(status=rs.ok_status())
 
-    async def _client_termination(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def _client_termination(self, request: Any, context: grpc.aio.ServicerContext, caller: Principal) -> Any:
         client_id = _client_id(context)
         if client_id:
             self.renewals.drop_client(client_id)  # after `touch` in the handler: gone for good
@@ -238,9 +276,12 @@ class MessagingService:
         return max(0, min(requested_ms, int(remaining_s * 1000) - LONG_POLL_DEADLINE_MARGIN_MS))
 
     async def _receive(self, request: Any, context: grpc.aio.ServicerContext) -> list[Any]:
+        caller = authenticate(self.auth, context)
+        self.renewals.touch(_client_id(context))
         if isinstance(request, Undecodable):
             raise MalformedRequest("ReceiveMessage", request.reason)
         command = rq.decode_receive(request, self.config)
+        caller.require_subscribe(command.topic, command.group)
         invisible_ms = command.invisible_duration_ms or self.renewals.duration_ms
         received = await self.broker.receive(
             command.group, command.topic, filter_expression=command.filter_expression,
@@ -254,7 +295,6 @@ class MessagingService:
         return rs.receive_responses(received, invisible_ms, self.broker.clock.now_ms())
 
     async def receive_message(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        self.renewals.touch(_client_id(context))
         try:
             responses = await self._receive(request, context)
         except ChronoqError as err:
@@ -271,8 +311,14 @@ class MessagingService:
         yield service.PullMessageResponse(status=rs.error_status(Unsupported("PullMessage (use ReceiveMessage)")))
 
     async def telemetry(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        """Answer each Settings with the server's Settings; other commands need no reply."""
+        """Answer each Settings with the server's Settings; other commands need no reply. An
+        unauthenticated stream gets one status and ends (its client reopens it, and is refused again)."""
         client_id = _client_id(context)
+        try:
+            authenticate(self.auth, context)
+        except ChronoqError as err:
+            yield service.TelemetryCommand(status=rs.error_status(err))
+            return
         async for command in requests:
             self.renewals.touch(client_id)
             if isinstance(command, Undecodable):

@@ -42,12 +42,17 @@ from chronoq.protocol import admin as admin_codec
 from chronoq.protocol.requests import Endpoint
 from chronoq.protocol.v2 import SERVICE_NAME
 from chronoq.server.admin_service import AdminService
+from chronoq.server.auth import AUTH_OFF, AuthConfig, Authenticator
 from chronoq.server.grpc_service import MessagingService
 
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 2.0
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "[::1]", "localhost"})
+NO_AUTH_WARNING = ("auth is off and chronoq listens on {address}, beyond loopback: anyone who can reach the port "
+                   "may send, receive, cancel and administer. Turn it on with [auth] enabled = true and "
+                   "[[auth.users]] in the --config file (README, \"Authentication\").")
 WATCHDOG_INTERVAL_S = 1.0
 REQUEST_OVERHEAD_BYTES = 1024 * 1024
 """Room for protobuf/JSON framing above the payload limit in one request."""
@@ -134,10 +139,15 @@ def check_data_dir_path(data_dir: Path) -> None:
                           "(it is created if missing)")
 
 
+def is_loopback(host: str) -> bool:
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
 async def serve(config: Config, *, stop: asyncio.Event | None = None,
-                on_ready: Callable[[str], None] | None = None) -> int:
+                on_ready: Callable[[str], None] | None = None, auth: AuthConfig = AUTH_OFF) -> int:
     """Run until `stop` is set (returns 0) or the broker fails (returns 1). `on_ready` gets the
-    line "chronoq serving on HOST:PORT" once the port accepts calls."""
+    line "chronoq serving on HOST:PORT" once the port accepts calls. `auth`: the `[auth]` table
+    (`chronoq.server.auth.load_auth`); off by default, with a warning beyond loopback."""
     from chronoq.broker import Broker  # the broker pulls in the store; keep `import serve` light
 
     stop = stop or asyncio.Event()
@@ -148,8 +158,10 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None,
     http = None
     try:
         advertised = None if config.host in WILDCARD_HOSTS else Endpoint(config.host, config.port)
-        messaging = MessagingService(broker, config, advertised=advertised, port=config.port)
-        admin = AdminService(broker, config)
+        authenticator = Authenticator(auth)
+        messaging = MessagingService(broker, config, advertised=advertised, port=config.port,
+                                     authenticator=authenticator)
+        admin = AdminService(broker, config, authenticator)
         server = grpc.aio.server(options=server_options(config))
         server.add_generic_rpc_handlers((messaging.generic_handler(), admin.generic_handler()))
         health_servicer = health.aio.HealthServicer()
@@ -167,6 +179,8 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None,
             http = HttpServer(broker, config, admin)
             http_port = await http.start()
         await server.start()
+        if not auth.enabled and not is_loopback(config.host):
+            log.warning(NO_AUTH_WARNING.format(address=bind_address(config.host, port)))
         for name in ("", SERVICE_NAME, admin_codec.SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         if on_ready is not None:

@@ -31,6 +31,7 @@ from chronoq.http.metrics import histogram_buckets
 from chronoq.http.server import HttpServer
 from chronoq.model import OutgoingMessage
 from chronoq.server.admin_service import AdminService
+from chronoq.server.auth import ANONYMOUS, Principal
 from chronoq.timer.metrics import LatencyHistogram
 
 arun = asyncio.run
@@ -303,10 +304,11 @@ class ReadOnly(Access):
     def __init__(self) -> None:
         self.asked: list[Role] = []
 
-    def check(self, request: Any, role: Role) -> None:
+    def check(self, request: Any, role: Role) -> Principal:
         self.asked.append(role)
         if role == "admin":
             raise Forbidden("cancelling needs the admin role")
+        return ANONYMOUS
 
 
 def test_every_console_call_goes_through_the_access_check(tmp_path: Path) -> None:
