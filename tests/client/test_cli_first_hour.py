@@ -374,15 +374,23 @@ def _pty_run(argv: list[str], env: dict[str, str], seconds: float) -> str:
     full_env.pop("COLUMNS", None)
     full_env.pop("LINES", None)
     full_env["TERM"] = "xterm-256color"
-    proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=full_env, start_new_session=True)
+    # Ctrl-C as a person types it: SIGINT with its default disposition in the child, even when this
+    # process was started with SIGINT ignored (a shell's background job does that, and an ignored
+    # signal stays ignored across exec: the child would then never see its Ctrl-C).
+    proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=full_env, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     os.close(slave)
     out = b""
     deadline = time.monotonic() + seconds
+    interrupted = False
     try:
         while True:
             now = time.monotonic()
             if now >= deadline and proc.poll() is None:
+                if interrupted:
+                    raise AssertionError(f"{argv} still running 10 s after Ctrl-C; it drew {out[-400:]!r}")
                 os.kill(proc.pid, signal.SIGINT)
+                interrupted = True
                 deadline = now + 10
             ready, _, _ = select.select([master], [], [], 0.2)
             if ready:
