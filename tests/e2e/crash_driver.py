@@ -96,6 +96,8 @@ async def consume(broker: Broker, journal: Journal, c: int) -> None:
 async def main(data_dir: str, journal_path: str, mode: str, round_no: int) -> None:
     journal = Journal(journal_path)
     broker = await Broker.open(config_for(Path(data_dir)), clock=SystemClock(), background=True)
+    for topic in TOPICS:
+        broker.topics.ensure(topic)  # consumers never create topics, and may start before the first send
     print("READY", flush=True)
     tasks = [produce(broker, journal, round_no, p) for p in range(PRODUCERS)]
     if mode == "mixed":

@@ -87,6 +87,8 @@ async def consume(broker: Broker, journal: Journal, topic: str) -> None:
 async def main(data_dir: str, journal_path: str, seed: int) -> None:
     journal = Journal(journal_path)
     broker = await Broker.open(config_for(Path(data_dir)), clock=SystemClock(), background=True)
+    for topic in (TOPIC, TIMER_TOPIC):
+        broker.topics.ensure(topic)  # consumers never create topics, and may start before the first send
     print("READY", flush=True)
     rng = random.Random(seed)
     recallable: list[str] = []

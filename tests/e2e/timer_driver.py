@@ -79,6 +79,7 @@ async def consume(broker: Broker, clock: SystemClock, idle: asyncio.Event) -> No
 async def main(args: argparse.Namespace) -> None:
     clock = SystemClock()
     broker = await Broker.open(Config(data_dir=Path(args.data)), clock=clock, background=True)
+    broker.topics.ensure(TOPIC)  # consumers never create topics, and may start before the first send
     emit({"ev": "open", "now_ms": clock.now_ms(), "pending": broker.stats()["timer"]["pending_total"],
           "replayed": broker.open_report.replayed_records})
     idle = asyncio.Event()
