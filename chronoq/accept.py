@@ -26,7 +26,8 @@ from chronoq.dedupe import DedupeWindow
 from chronoq.errors import BrokerClosed, ChronoqError, InvalidBatchSize, InvalidQueueId, MessageTypeNotAccepted
 from chronoq.model import TIMER_TOPIC, OutgoingMessage, SendResult, StoredMessage, TopicConfig
 from chronoq.store.messagestore import MessageStore, PreparedMessage
-from chronoq.timer.service import TimerService, encode_recall_handle
+from chronoq.timer.recall import encode_recall_handle
+from chronoq.timer.service import TimerService
 from chronoq.topics import Topics
 from chronoq.validate import prepare
 

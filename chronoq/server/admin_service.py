@@ -43,7 +43,7 @@ from chronoq.protocol.errors import InvalidField, MalformedRequest, MissingField
 from chronoq.server.auth import AUTH_OFF, Authenticator, Principal
 from chronoq.server.grpc_service import authenticate
 from chronoq.timefmt import duration
-from chronoq.timer.service import decode_recall_handle
+from chronoq.timer.recall import decode_recall_handle
 
 log = logging.getLogger(__name__)
 

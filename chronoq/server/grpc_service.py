@@ -44,7 +44,7 @@ from chronoq.protocol.errors import MalformedRequest, Unsupported
 from chronoq.protocol.v2 import SERVICE_NAME, service
 from chronoq.server.auth import AUTH_OFF, Authenticator, Principal
 from chronoq.server.renewals import Renewals
-from chronoq.timer.service import decode_recall_handle
+from chronoq.timer.recall import decode_recall_handle
 
 log = logging.getLogger(__name__)
 

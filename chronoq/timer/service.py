@@ -69,15 +69,12 @@ from chronoq.timer.delay_queues import DelayLevelQueues
 from chronoq.timer.engine import IndexBatch, TimerEngine, TimerEntry
 from chronoq.timer.firing import firing_policy
 from chronoq.timer.levels import DelayLevels
-from chronoq.timer.recall import decode_recall_handle, encode_recall_handle
 
 log = logging.getLogger("chronoq.timer")
 Append = Callable[[list[PreparedMessage]], Awaitable[list[StoredMessage]]]
 _TIMER_ONLY_PROPS = (SYS_REAL_TOPIC, SYS_REAL_QUEUE_ID, SYS_TIMER_ENQUEUE_MS, SYS_TIMER_ROLL_TIMES,
                      SYS_TIMER_ROLLED_FROM, SYS_DELAY_LEVEL)
-__all__ = ["Append", "TimerService", "decode_recall_handle", "encode_recall_handle"]
-"""The recall-handle codec lives in `timer/recall.py`; its names are re-exported here for callers
-written before it moved (`accept.py`)."""
+__all__ = ["Append", "TimerService"]
 
 
 class TimerService:

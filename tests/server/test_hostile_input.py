@@ -42,7 +42,7 @@ from chronoq.protocol import signature
 from chronoq.server.auth import AuthConfig, Authenticator, User, load_auth, parse_auth
 from chronoq.store import commitlog, consumequeue, groups, meta, record
 from chronoq.timer import index_codec
-from chronoq.timer.service import decode_recall_handle, encode_recall_handle
+from chronoq.timer.recall import decode_recall_handle, encode_recall_handle
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 AUTH = AuthConfig(enabled=True, users=(User("app", "secret", publish=("t*",)),))
