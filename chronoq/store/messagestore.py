@@ -41,7 +41,7 @@ import itertools
 import logging
 import os
 import shutil
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,8 +117,10 @@ class MessageStore:
         self.dispatched_position = 0
         self.listeners: list[DispatchListener] = []
         self.skipped_damaged = 0
-        self._read_cache: dict[int, StoredMessage] = {}
-        """position -> record, in dispatch order (`_cache_records`)."""
+        self._read_cache: OrderedDict[int, StoredMessage] = OrderedDict()
+        """position -> record, in dispatch order (`_cache_records`). An OrderedDict, not a dict:
+        evicting the oldest of a plain dict (`next(iter(d))`) walks over every slot freed since
+        its last resize, which made each eviction cost more the longer the cache ran."""
         self._read_cache_bytes = 0
         self.read_cache_hits = 0
         """Reads that stepped over a damaged record (each range is logged once, when found)."""
@@ -507,7 +509,7 @@ class MessageStore:
             cache[msg.position] = msg
             held += msg.size + _CACHED_OBJECT_BYTES
         while held > budget and cache:
-            held -= cache.pop(next(iter(cache))).size + _CACHED_OBJECT_BYTES
+            held -= cache.popitem(last=False)[1].size + _CACHED_OBJECT_BYTES
         self._read_cache_bytes = held
 
     def read_at(self, position: int, size: int) -> StoredMessage | None:
