@@ -19,6 +19,8 @@ not a PEM certificate and its private key (swapped, a key that belongs to anothe
 checked with Python's `ssl` because gRPC only says "cannot bind"; a port that cannot be bound,
 whose cause (in use, permission, no such address) a plain socket bind names.
 
+Once ready, start-up's objects are frozen out of the garbage collector's view (`settle_heap`).
+
 The server owns the real clock; everything below gets it through the broker.
 """
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import gc
 import logging
 import signal
 import socket
@@ -183,6 +186,7 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None,
             log.warning(NO_AUTH_WARNING.format(address=bind_address(config.host, port)))
         for name in ("", SERVICE_NAME, admin_codec.SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        settle_heap()
         if on_ready is not None:
             on_ready(f"chronoq serving on {bind_address(config.host, port)}" + (" (TLS)" if credentials else ""))
             if http is not None:
@@ -208,6 +212,16 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None,
         if server is not None:
             await server.stop(0)  # no-op after a clean stop; closes the port after a failure
         await broker.close()
+
+
+def settle_heap() -> None:
+    """Collect start-up's garbage, then take what start-up built (modules, gRPC and protobuf
+    types, the broker's rooms) out of the cyclic collector's view (`gc.freeze`): each full
+    collection while serving then walks only objects made since, a shorter pause on the one event
+    loop every message goes through. What is frozen lives as long as the process, or is freed by
+    its reference count as usual."""
+    gc.collect()
+    gc.freeze()
 
 
 def http_url(host: str, port: int) -> str:

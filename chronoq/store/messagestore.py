@@ -45,6 +45,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from chronoq.config import Config
 from chronoq.errors import (
@@ -70,6 +71,38 @@ _CACHED_OBJECT_BYTES = 400
 """What a decoded record costs in memory beyond its bytes (the StoredMessage, its strings, dicts
 and the cache's slot), roughly, for a small message: what `read_cache_bytes` counts per record."""
 log = logging.getLogger("chronoq.store")
+
+_CachedRecord = tuple[Any, ...]
+"""A cached record: StoredMessage's fields in order, the message type as a plain int and each
+properties dict as a flat tuple (k1, v1, k2, v2, ...). A tuple holding only strings, ints, bytes
+and such tuples is one the garbage collector stops tracking (most in the first young collection
+they survive, the rest in the first full one that sees them; a dict inside would keep an entry
+tracked for good), where each StoredMessage (a class instance) is tracked for life: with tens of
+thousands of records cached, every full collection walked all of them, a pause of up to 150 ms
+on the event loop under load (the delivery-error tail). Building the StoredMessage again on a
+hit costs ~1 µs, and gives the caller its own copy."""
+_CACHED_SIZE = 13
+"""The index of `size` in a `_CachedRecord`."""
+
+
+def _cached(m: StoredMessage) -> _CachedRecord:
+    # Fresh inner tuples (the keys too): made just before the entry, the collection that first
+    # sees the entry has untracked them when it reaches it.
+    return (m.message_id, m.topic, m.queue_id, m.queue_offset, int(m.message_type), m.tag, (*m.keys,),
+            _flat(m.properties), _flat(m.system_properties), m.body, m.born_ms, m.store_ms, m.position, m.size)
+
+
+def _flat(d: Mapping[str, str]) -> tuple[str, ...]:
+    return tuple(itertools.chain.from_iterable(d.items())) if d else ()
+
+
+def _unflat(t: tuple[str, ...]) -> dict[str, str]:
+    return dict(zip(t[::2], t[1::2], strict=True)) if t else {}
+
+
+def _from_cache(c: _CachedRecord) -> StoredMessage:
+    return StoredMessage(c[0], c[1], c[2], c[3], MessageType(c[4]), c[5], c[6], _unflat(c[7]), _unflat(c[8]),
+                         c[9], c[10], c[11], c[12], c[13])
 
 
 @dataclass(slots=True)
@@ -117,7 +150,7 @@ class MessageStore:
         self.dispatched_position = 0
         self.listeners: list[DispatchListener] = []
         self.skipped_damaged = 0
-        self._read_cache: OrderedDict[int, StoredMessage] = OrderedDict()
+        self._read_cache: OrderedDict[int, _CachedRecord] = OrderedDict()
         """position -> record, in dispatch order (`_cache_records`). An OrderedDict, not a dict:
         evicting the oldest of a plain dict (`next(iter(d))`) walks over every slot freed since
         its last resize, which made each eviction cost more the longer the cache ran."""
@@ -506,10 +539,10 @@ class MessageStore:
         cache = self._read_cache
         held = self._read_cache_bytes
         for msg in batch:
-            cache[msg.position] = msg
+            cache[msg.position] = _cached(msg)
             held += msg.size + _CACHED_OBJECT_BYTES
         while held > budget and cache:
-            held -= cache.popitem(last=False)[1].size + _CACHED_OBJECT_BYTES
+            held -= cache.popitem(last=False)[1][_CACHED_SIZE] + _CACHED_OBJECT_BYTES
         self._read_cache_bytes = held
 
     def read_at(self, position: int, size: int) -> StoredMessage | None:
@@ -519,9 +552,9 @@ class MessageStore:
         if position < self.log.start_position or size == 0:
             return None
         cached = self._read_cache.get(position)
-        if cached is not None and cached.size == size:
+        if cached is not None and cached[_CACHED_SIZE] == size:
             self.read_cache_hits += 1
-            return cached
+            return _from_cache(cached)
         try:
             return self.log.read(position, size)
         except CorruptRecord as e:

@@ -1,0 +1,75 @@
+"""The read cache: records just dispatched, kept decoded for the reads that follow.
+
+What it must keep true: a hit is the record (equal to a read from the log, and a fresh object a
+caller may change without changing the cache); the budget (`read_cache_bytes`) bounds it, oldest
+out first; and its entries are ones the garbage collector stops tracking (most in a young collection, the
+rest in the first full one that sees them), so a full collection on the broker's event loop does
+not walk every cached record (a pause that grew with the cache).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+
+from chronoq.broker import Broker
+from chronoq.clock import FakeClock
+from chronoq.model import MessageType, OutgoingMessage
+
+
+async def _send(broker: Broker, n: int) -> None:
+    await broker.create_topic("orders", 2)
+    for first in range(0, n, 50):
+        await broker.send_batch([
+            OutgoingMessage("orders", f"body-{i}".encode(), message_id=f"m{i:04d}", tag="t" if i % 2 else "",
+                            keys=(f"k{i}",), properties={"a": str(i), "b": "x"} if i % 3 else {},
+                            message_type=MessageType.FIFO if i % 5 == 0 else MessageType.NORMAL,
+                            message_group="g" if i % 5 == 0 else None)
+            for i in range(first, min(n, first + 50))])
+
+
+def test_a_hit_is_the_record_as_the_log_holds_it(run_broker: Callable[..., None]) -> None:
+    async def body(broker: Broker, clock: FakeClock) -> None:
+        await _send(broker, 40)
+        store = broker.store
+        for rec in store.scan(0):
+            hits = store.read_cache_hits
+            cached = store.read_at(rec.position, rec.size)
+            assert store.read_cache_hits == hits + 1
+            assert cached == store.log.read(rec.position, rec.size)
+            assert type(cached.message_type) is MessageType
+            cached.system_properties["changed"] = "by a caller"  # type: ignore[index]
+            assert "changed" not in store.read_at(rec.position, rec.size).system_properties
+
+    run_broker(body)
+
+
+def test_the_budget_evicts_oldest_first(run_broker: Callable[..., None]) -> None:
+    async def body(broker: Broker, clock: FakeClock) -> None:
+        await _send(broker, 200)
+        store = broker.store
+        records = list(store.scan(0))
+        hits = store.read_cache_hits
+        assert store.read_at(records[-1].position, records[-1].size) == records[-1]
+        assert store.read_cache_hits == hits + 1, "the newest record is cached"
+        assert store.read_at(records[0].position, records[0].size) == records[0]
+        assert store.read_cache_hits == hits + 1, "the oldest was evicted: read from the log"
+
+    run_broker(body, read_cache_bytes=8 * 1024)
+
+
+def test_cached_records_leave_the_collectors_view(run_broker: Callable[..., None]) -> None:
+    async def body(broker: Broker, clock: FakeClock) -> None:
+        await _send(broker, 300)
+        cached = list(broker.store._read_cache.values())
+        assert len(cached) == 300
+        gc.collect(1)
+        young = sum(gc.is_tracked(c) for c in cached)
+        gc.collect()
+        tracked = [c for c in cached if gc.is_tracked(c)]
+        # A StoredMessage, or a dict inside an entry, would keep all 300 tracked for as long as
+        # they are cached, walked by every full collection.
+        assert not tracked, f"{len(tracked)} of {len(cached)} cached records still tracked, e.g. {tracked[0]!r}"
+        assert young < len(cached) / 2, f"{young} of {len(cached)} still tracked after the young collections"
+
+    run_broker(body)
