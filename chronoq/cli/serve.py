@@ -73,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> int:
         stop = asyncio.Event()
         install_signal_handlers(stop)
-        return await serve(config, stop=stop, on_ready=lambda line: print(line, flush=True), auth=auth)
+        return await serve(config, stop=stop, on_ready=lambda line: print(line, flush=True), auth=auth,
+                           own_process=True)
 
     try:
         return asyncio.run(main())

@@ -19,7 +19,8 @@ not a PEM certificate and its private key (swapped, a key that belongs to anothe
 checked with Python's `ssl` because gRPC only says "cannot bind"; a port that cannot be bound,
 whose cause (in use, permission, no such address) a plain socket bind names.
 
-Once ready, start-up's objects are frozen out of the garbage collector's view (`settle_heap`).
+Run as the process (`chronoq serve`), once ready it freezes start-up's objects out of the garbage
+collector's view (`settle_heap`).
 
 The server owns the real clock; everything below gets it through the broker.
 """
@@ -147,10 +148,14 @@ def is_loopback(host: str) -> bool:
 
 
 async def serve(config: Config, *, stop: asyncio.Event | None = None,
-                on_ready: Callable[[str], None] | None = None, auth: AuthConfig = AUTH_OFF) -> int:
+                on_ready: Callable[[str], None] | None = None, auth: AuthConfig = AUTH_OFF,
+                own_process: bool = False) -> int:
     """Run until `stop` is set (returns 0) or the broker fails (returns 1). `on_ready` gets the
     line "chronoq serving on HOST:PORT" once the port accepts calls. `auth`: the `[auth]` table
-    (`chronoq.server.auth.load_auth`); off by default, with a warning beyond loopback."""
+    (`chronoq.server.auth.load_auth`); off by default, with a warning beyond loopback.
+    `own_process`: the server is the process (`chronoq serve`), so once ready it may take
+    start-up's objects out of the garbage collector's view (`settle_heap`); a test or an
+    embedding program that runs `serve` among other work leaves its heap alone."""
     from chronoq.broker import Broker  # the broker pulls in the store; keep `import serve` light
 
     stop = stop or asyncio.Event()
@@ -186,7 +191,8 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None,
             log.warning(NO_AUTH_WARNING.format(address=bind_address(config.host, port)))
         for name in ("", SERVICE_NAME, admin_codec.SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        settle_heap()
+        if own_process:
+            settle_heap()
         if on_ready is not None:
             on_ready(f"chronoq serving on {bind_address(config.host, port)}" + (" (TLS)" if credentials else ""))
             if http is not None:
