@@ -294,20 +294,25 @@ def format_report(report: CheckReport, data_dir: str | Path) -> str:
         return "\n".join([f"chronoq check {data_dir}", f"  NOT A DATA DIRECTORY: {report.unusable}",
                           "  (nothing was checked; give the directory `chronoq serve --data-dir` uses)"])
     lines = [f"chronoq check {data_dir}",
-             f"  commit log: {report.segments} segments, {report.records} records, "
+             f"  commit log: {_count(report.segments, 'segment')}, {_count(report.records, 'record')}, "
              f"positions [{report.log_start}, {report.log_end})",
-             f"  consume queues: {report.queues} queues, {report.cq_entries} entries"]
+             f"  consume queues: {_count(report.queues, 'queue')}, {_count(report.cq_entries, 'entry', 'entries')}"]
     lines += [f"  note: {n}" for n in report.notes[:20]]
     if len(report.notes) > 20:
         lines.append(f"  note: ... and {len(report.notes) - 20} more")
     lines += [f"  REPAIR: {r}" for r in report.repairs]
     lines += [f"  PROBLEM: {p}" for p in report.problems]
     if report.problems:
-        lines.append(f"  DAMAGED: {len(report.problems)} problems" +
-                     (f", {len(report.repairs)} repairs" if report.repairs else ""))
+        lines.append(f"  DAMAGED: {_count(len(report.problems), 'problem')}" +
+                     (f", {_count(len(report.repairs), 'repair')}" if report.repairs else ""))
     elif report.repairs:
-        lines.append(f"  REPAIRABLE: {len(report.repairs)} findings a restart repairs without losing "
+        lines.append(f"  REPAIRABLE: {_count(len(report.repairs), 'finding')} a restart repairs without losing "
                      "anything acknowledged")
     else:
         lines.append("  OK")
     return "\n".join(lines)
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    """"1 segment", "2 segments": the report is read by a person."""
+    return f"{n:,} {one if n == 1 else many or one + 's'}"
