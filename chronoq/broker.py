@@ -19,8 +19,9 @@ Prometheus collector at scrape time (`http/metrics.py`), never a lock or a metri
 on the hot path.
 
 One asyncio event loop owns all broker state; blocking work is limited to short page-cache writes
-and RocksDB calls on the loop, with fsync in a worker thread. With `background=False` only the
-flusher runs, and a test moves a `FakeClock` and calls `run_due()`, so two days of timers run in
+and RocksDB calls on the loop, with fsync in a worker thread (the group commit's, the
+checkpoint tick's). With `background=False` only the flusher runs, and a test moves a
+`FakeClock` and calls `run_due()`, so two days of timers run in
 milliseconds, deterministically.
 
 Every decision by time uses `clock` (broker time, which a wall-clock step cannot move back or
@@ -223,7 +224,7 @@ class Broker:
         """One checkpoint tick: the reserve file made again if space allows, the checkpoint
         written (DiskFull on a full disk: the old one stays valid), the trace flushed."""
         self.store.disk.tend()
-        self.store.checkpoint()
+        await self.store.checkpoint_in_background()  # its fsyncs on a worker thread, not the loop
         if self.trace is not None:
             self.trace.flush()
 

@@ -37,6 +37,27 @@ ENTRY_SIZE = ENTRY_BODY_SIZE + 4  # 20
 _U32 = struct.Struct(">I")
 
 
+@dataclass
+class TakenFlush:
+    """A consume queue's pending fsyncs, taken by `ConsumeQueue.take_dirty`: safe to sync on
+    another thread while the queue goes on appending (an fsync covers at least what was written
+    before it began). `close` releases the duplicated descriptors, whether or not `sync` ran."""
+
+    files: list[tuple[int, Path]]
+    directory: Path | None
+
+    def sync(self) -> None:
+        for fd, path in self.files:
+            fsync.fdatasync(fd, path)
+        if self.directory is not None:
+            fsync.fsync_dir(self.directory)
+
+    def close(self) -> None:
+        files, self.files = self.files, []
+        for fd, _ in files:
+            os.close(fd)
+
+
 def tag_hash(tag: str) -> int:
     return crc32c.crc32c(tag.encode()) if tag else _EMPTY_TAG_HASH
 
@@ -262,13 +283,29 @@ class ConsumeQueue:
 
     def flush(self) -> None:
         """Make every entry appended so far, and every file created, durable (FsyncFailed)."""
+        taken = self.take_dirty()
+        try:
+            taken.sync()
+        finally:
+            taken.close()
+
+    def take_dirty(self) -> TakenFlush:
+        """What `flush` would make durable, to be synced by its taker (the store's checkpoint, on
+        a worker thread): a duplicate descriptor of each dirty file, valid even if retention
+        closes the file meanwhile, and the directory if it changed; all counted clean from now.
+        A taker whose sync fails must fail the store for good, as a failed `flush` does (the
+        next checkpoint would otherwise cover entries no fsync made durable)."""
         paths = {f.fd: f.path for f in self._files}
-        for fd in list(self._dirty):
-            fsync.fdatasync(fd, paths.get(fd, self.directory))
-            self._dirty.discard(fd)
-        if self._dir_dirty:
-            fsync.fsync_dir(self.directory)
-            self._dir_dirty = False
+        taken = TakenFlush([], self.directory if self._dir_dirty else None)
+        try:
+            for fd in self._dirty:
+                taken.files.append((os.dup(fd), paths.get(fd, self.directory)))
+        except BaseException:
+            taken.close()
+            raise
+        self._dirty.clear()
+        self._dir_dirty = False
+        return taken
 
     # -- reading ----------------------------------------------------------------------------
 

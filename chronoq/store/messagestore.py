@@ -36,6 +36,8 @@ same read for callers to whom damage means "skip".
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import fcntl
 import itertools
 import logging
@@ -43,12 +45,14 @@ import os
 import shutil
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from chronoq.config import Config
 from chronoq.errors import (
+    ChronoqError,
     CorruptRecord,
     DataDirLocked,
     DiskFull,
@@ -61,7 +65,7 @@ from chronoq.errors import (
 from chronoq.model import MessageType, StoredMessage, TopicConfig
 from chronoq.store import files, fsync
 from chronoq.store.commitlog import CommitLog, RecoveryReport, Segment
-from chronoq.store.consumequeue import ConsumeQueue, tag_hash
+from chronoq.store.consumequeue import ConsumeQueue, TakenFlush, tag_hash
 from chronoq.store.diskspace import DiskSpace, is_disk_full
 from chronoq.store.meta import decode_topics, encode_checkpoint, encode_topics, read_checkpoint, write_atomic
 from chronoq.store.record import encode_record
@@ -83,6 +87,23 @@ on the event loop under load (the delivery-error tail). Building the StoredMessa
 hit costs ~1 µs, and gives the caller its own copy."""
 _CACHED_SIZE = 13
 """The index of `size` in a `_CachedRecord`."""
+
+
+def _retrieve(done: asyncio.Future[None]) -> None:
+    if not done.cancelled():
+        done.exception()
+
+
+def _sync_and_record(taken: list[TakenFlush], path: Path, checkpoint: bytes) -> None:
+    """A checkpoint's disk work (on a worker thread, or the caller's): make the taken queue
+    writes durable, then replace the checkpoint file. The descriptors are released either way."""
+    try:
+        for t in taken:
+            t.sync()
+    finally:
+        for t in taken:
+            t.close()
+    write_atomic(path, checkpoint)
 
 
 def _cached(m: StoredMessage) -> _CachedRecord:
@@ -155,6 +176,10 @@ class MessageStore:
         evicting the oldest of a plain dict (`next(iter(d))`) walks over every slot freed since
         its last resize, which made each eviction cost more the longer the cache ran."""
         self._read_cache_bytes = 0
+        self._checkpoint_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chronoq-checkpoint")
+        """Runs background checkpoints' disk work (`checkpoint_in_background`), one at a time."""
+        self._checkpoint_thread: Future[None] | None = None
+        """The background checkpoint submitted last, until its outcome is taken."""
         self.read_cache_hits = 0
         """Reads that stepped over a damaged record (each range is logged once, when found)."""
         self.disk = DiskSpace(config.data_dir, min_free_bytes=config.disk_min_free_bytes,
@@ -577,29 +602,81 @@ class MessageStore:
     # -- checkpoint and retention -----------------------------------------------------------
 
     def checkpoint(self) -> int:
-        """Make consume queues durable and record how far they cover. After any fsync error
-        (here or in the log) it raises FlushFailed and writes nothing: the checkpoint on disk
-        stays at the last point known durable, and a restart replays the log from there."""
+        """Make consume queues durable and record how far they cover, all on the calling thread
+        (open, close, retention before it deletes; tests). After any fsync error (here or in the
+        log) it raises FlushFailed and writes nothing: the checkpoint on disk stays at the last
+        point known durable, and a restart replays the log from there."""
+        self._settle_background_checkpoint()
+        position, taken = self._take_checkpoint()
+        try:
+            _sync_and_record(taken, self.dir / files.CHECKPOINT, encode_checkpoint(position, 0))
+        except BaseException as e:
+            self._checkpoint_failed(e)
+            raise
+        return position
+
+    async def checkpoint_in_background(self) -> int:
+        """`checkpoint`, with its fsyncs and the checkpoint file's write on a worker thread: the
+        event loop goes on serving meanwhile (a checkpoint every second made of several fsyncs
+        on the loop held every message behind it for milliseconds). What it covers is decided
+        on the loop, before the thread starts: the position dispatched so far and the queue
+        files dirty up to it. Cancelled while waiting (the broker closing), the thread finishes
+        regardless, and the next checkpoint waits for it and takes its outcome."""
+        if self._checkpoint_thread is not None:
+            await asyncio.wait((asyncio.wrap_future(self._checkpoint_thread),))
+            self._settle_background_checkpoint()
+        position, taken = self._take_checkpoint()
+        job = self._checkpoint_pool.submit(_sync_and_record, taken, self.dir / files.CHECKPOINT,
+                                           encode_checkpoint(position, 0))
+        self._checkpoint_thread = job
+        done = asyncio.wrap_future(job)
+        done.add_done_callback(_retrieve)  # the outcome is taken from `job` (settle), not from here
+        # The thread must not be cancelled once its queues are counted clean: shield it.
+        await asyncio.wait((asyncio.shield(done),))
+        self._settle_background_checkpoint(quiet_disk_full=False)
+        return position
+
+    def _take_checkpoint(self) -> tuple[int, list[TakenFlush]]:
+        """On the loop: the position a checkpoint records and the fsyncs that must precede it."""
         if self.log.failure is not None:
             raise FlushFailed(self.log.failure)
         position = self.dispatched_position
-        path = self.dir / files.CHECKPOINT
         try:
-            for cq in self._cqs.values():
-                cq.flush()
             if self._topics_unsaved:
                 self._save_topics()
                 self._topics_unsaved = False
-            write_atomic(path, encode_checkpoint(position, 0))
-        except FsyncFailed as e:
-            self.log.fail(e.message)
+        except BaseException as e:
+            self._checkpoint_failed(e)
             raise
-        except OSError as e:
-            if not is_disk_full(e):
+        return position, [cq.take_dirty() for cq in self._cqs.values()]
+
+    def _settle_background_checkpoint(self, *, quiet_disk_full: bool = True) -> None:
+        """Wait for a background checkpoint still running (a close, or a checkpoint after a
+        cancelled one) and take its outcome: an fsync error fails the log for good and is
+        raised; a full disk means that checkpoint was not written (the one before stays valid),
+        raised as DiskFull unless `quiet_disk_full` (a checkpoint is about to be tried again)."""
+        job, self._checkpoint_thread = self._checkpoint_thread, None
+        if job is None:
+            return
+        try:
+            job.result()
+        except BaseException as e:
+            try:
+                self._checkpoint_failed(e)
+            except DiskFull:
+                if quiet_disk_full:
+                    return
                 raise
+            raise
+
+    def _checkpoint_failed(self, e: BaseException) -> None:
+        """What a failed checkpoint means: an fsync error fails the log for good (re-raised by
+        the caller); a full disk raises DiskFull (the old checkpoint file is still whole)."""
+        if isinstance(e, FsyncFailed):
+            self.log.fail(e.message)
+        elif isinstance(e, OSError) and is_disk_full(e):
             # write_atomic removed its temp file; the old checkpoint is still whole and valid.
-            raise self.disk.ran_out("writing the checkpoint", path) from e
-        return position
+            raise self.disk.ran_out("writing the checkpoint", self.dir / files.CHECKPOINT) from e
 
     async def expired_before(self, now_ms: int) -> int:
         """The position below which whole segments are older than the retention period, judged
@@ -638,6 +715,9 @@ class MessageStore:
     def close(self) -> None:
         try:
             if hasattr(self, "log"):
+                with contextlib.suppress(ChronoqError):  # a failure is the log's now: no checkpoint below
+                    self._settle_background_checkpoint()
+                self._checkpoint_pool.shutdown(wait=True)
                 self.log.close()
                 healthy = self.log.failure is None
                 try:
