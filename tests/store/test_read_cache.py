@@ -63,13 +63,10 @@ def test_cached_records_leave_the_collectors_view(run_broker: Callable[..., None
         await _send(broker, 300)
         cached = list(broker.store._read_cache.values())
         assert len(cached) == 300
-        gc.collect(1)
-        young = sum(gc.is_tracked(c) for c in cached)
         gc.collect()
         tracked = [c for c in cached if gc.is_tracked(c)]
         # A StoredMessage, or a dict inside an entry, would keep all 300 tracked for as long as
         # they are cached, walked by every full collection.
         assert not tracked, f"{len(tracked)} of {len(cached)} cached records still tracked, e.g. {tracked[0]!r}"
-        assert young < len(cached) / 2, f"{young} of {len(cached)} still tracked after the young collections"
 
     run_broker(body)
