@@ -63,8 +63,11 @@ def test_cached_records_leave_the_collectors_view(run_broker: Callable[..., None
         await _send(broker, 300)
         cached = list(broker.store._read_cache.values())
         assert len(cached) == 300
-        gc.collect()
-        tracked = [c for c in cached if gc.is_tracked(c)]
+        for _ in range(3):  # in a full suite run one gc.collect() was seen to leave them for the next
+            gc.collect()
+            tracked = [c for c in cached if gc.is_tracked(c)]
+            if not tracked:
+                break
         # A StoredMessage, or a dict inside an entry, would keep all 300 tracked for as long as
         # they are cached, walked by every full collection.
         assert not tracked, f"{len(tracked)} of {len(cached)} cached records still tracked, e.g. {tracked[0]!r}"
