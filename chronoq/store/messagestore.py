@@ -25,6 +25,13 @@ derived state (a consume-queue append, a listener's RocksDB write) keeps the rec
 finish in line and reports how far it got, so their senders stay unacknowledged; the log's
 flusher retries it, sends are refused meanwhile (`check_room_for_send`), and it resumes when
 space returns. A checkpoint that finds no space raises `DiskFull` and leaves the old one valid.
+
+A checkpoint (the dispatched position, once every consume-queue write below it is fsynced) runs
+on the caller's thread at open, close and before retention deletes, and on the store's own
+worker thread for the broker's periodic tick (`checkpoint_in_background`), so the loop does not
+wait out its fsyncs: what it covers is decided on the loop first, and the next checkpoint, or
+the close, takes its outcome. Records just dispatched stay decoded in a bounded read cache, in a
+form the garbage collector stops tracking (`_CachedRecord`).
 Recovery writes nothing that needs space: its checkpoint, or a topic table it had to rebuild,
 waits for a later checkpoint when the disk is full.
 
