@@ -25,6 +25,8 @@ derived state (a consume-queue append, a listener's RocksDB write) keeps the rec
 finish in line and reports how far it got, so their senders stay unacknowledged; the log's
 flusher retries it, sends are refused meanwhile (`check_room_for_send`), and it resumes when
 space returns. A checkpoint that finds no space raises `DiskFull` and leaves the old one valid.
+Recovery writes nothing that needs space: its checkpoint, or a topic table it had to rebuild,
+waits for a later checkpoint when the disk is full.
 
 A checkpoint (the dispatched position, once every consume-queue write below it is fsynced) runs
 on the caller's thread at open, close and before retention deletes, and on the store's own
@@ -32,8 +34,6 @@ worker thread for the broker's periodic tick (`checkpoint_in_background`), so th
 wait out its fsyncs: what it covers is decided on the loop first, and the next checkpoint, or
 the close, takes its outcome. Records just dispatched stay decoded in a bounded read cache, in a
 form the garbage collector stops tracking (`_CachedRecord`).
-Recovery writes nothing that needs space: its checkpoint, or a topic table it had to rebuild,
-waits for a later checkpoint when the disk is full.
 
 Reads (`read_at`) return None for a record retention removed or a hole, and raise
 `CorruptRecord` for a damaged one, after quarantining it: each caller decides what a lost
@@ -44,7 +44,6 @@ same read for callers to whom damage means "skip".
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fcntl
 import itertools
 import logging
@@ -183,12 +182,12 @@ class MessageStore:
         evicting the oldest of a plain dict (`next(iter(d))`) walks over every slot freed since
         its last resize, which made each eviction cost more the longer the cache ran."""
         self._read_cache_bytes = 0
+        self.read_cache_hits = 0
+        """Reads that stepped over a damaged record (each range is logged once, when found)."""
         self._checkpoint_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chronoq-checkpoint")
         """Runs background checkpoints' disk work (`checkpoint_in_background`), one at a time."""
         self._checkpoint_thread: Future[None] | None = None
         """The background checkpoint submitted last, until its outcome is taken."""
-        self.read_cache_hits = 0
-        """Reads that stepped over a damaged record (each range is logged once, when found)."""
         self.disk = DiskSpace(config.data_dir, min_free_bytes=config.disk_min_free_bytes,
                               reserve_file_bytes=config.disk_reserve_file_bytes)
         self._dispatch_blocked: str | None = None
@@ -637,10 +636,15 @@ class MessageStore:
                                            encode_checkpoint(position, 0))
         self._checkpoint_thread = job
         done = asyncio.wrap_future(job)
-        done.add_done_callback(_retrieve)  # the outcome is taken from `job` (settle), not from here
-        # The thread must not be cancelled once its queues are counted clean: shield it.
-        await asyncio.wait((asyncio.shield(done),))
-        self._settle_background_checkpoint(quiet_disk_full=False)
+        done.add_done_callback(_retrieve)  # the outcome is taken from `job` below, not from `done`
+        # asyncio.wait does not cancel what it waits for: cancelled here, the thread runs on
+        # (its queues are counted clean already) and whoever checkpoints next takes its outcome.
+        await asyncio.wait((done,))
+        if self._checkpoint_thread is job:
+            self._checkpoint_thread = None
+        # Taken here even if a checkpoint on the loop settled it meanwhile: this caller (the
+        # broker's tick) must hear of a full disk, or it would end the episode as recovered.
+        self._checkpoint_outcome(job, quiet_disk_full=False)
         return position
 
     def _take_checkpoint(self) -> tuple[int, list[TakenFlush]]:
@@ -657,14 +661,17 @@ class MessageStore:
             raise
         return position, [cq.take_dirty() for cq in self._cqs.values()]
 
-    def _settle_background_checkpoint(self, *, quiet_disk_full: bool = True) -> None:
+    def _settle_background_checkpoint(self) -> None:
         """Wait for a background checkpoint still running (a close, or a checkpoint after a
         cancelled one) and take its outcome: an fsync error fails the log for good and is
-        raised; a full disk means that checkpoint was not written (the one before stays valid),
-        raised as DiskFull unless `quiet_disk_full` (a checkpoint is about to be tried again)."""
+        raised; a full disk only means that checkpoint was not written (the one before stays
+        valid), and one is about to be tried again."""
         job, self._checkpoint_thread = self._checkpoint_thread, None
-        if job is None:
-            return
+        if job is not None:
+            self._checkpoint_outcome(job, quiet_disk_full=True)
+
+    def _checkpoint_outcome(self, job: Future[None], *, quiet_disk_full: bool) -> None:
+        """`job`'s result (waiting for it), as a checkpoint on this thread would have raised it."""
         try:
             job.result()
         except BaseException as e:
@@ -722,8 +729,12 @@ class MessageStore:
     def close(self) -> None:
         try:
             if hasattr(self, "log"):
-                with contextlib.suppress(ChronoqError):  # a failure is the log's now: no checkpoint below
+                try:
                     self._settle_background_checkpoint()
+                except ChronoqError:
+                    pass  # an fsync error is the log's failure now: no checkpoint below
+                except Exception:
+                    log.exception("the last background checkpoint failed; closing with a new one")
                 self._checkpoint_pool.shutdown(wait=True)
                 self.log.close()
                 healthy = self.log.failure is None
