@@ -95,7 +95,16 @@ _CACHED_SIZE = 13
 """The index of `size` in a `_CachedRecord`."""
 
 
+async def _finished(job: Future[None]) -> None:
+    """Wait until a worker thread's `job` is done, without taking its outcome (the caller takes
+    it from `job`) and without cancelling it if the wait is cancelled (`asyncio.wait` does not)."""
+    done = asyncio.wrap_future(job)
+    done.add_done_callback(_retrieve)
+    await asyncio.wait((done,))
+
+
 def _retrieve(done: asyncio.Future[None]) -> None:
+    """Mark the loop's copy of a thread's outcome as seen (it is taken from the thread's future)."""
     if not done.cancelled():
         done.exception()
 
@@ -629,17 +638,15 @@ class MessageStore:
         files dirty up to it. Cancelled while waiting (the broker closing), the thread finishes
         regardless, and the next checkpoint waits for it and takes its outcome."""
         if self._checkpoint_thread is not None:
-            await asyncio.wait((asyncio.wrap_future(self._checkpoint_thread),))
+            await _finished(self._checkpoint_thread)
             self._settle_background_checkpoint()
         position, taken = self._take_checkpoint()
         job = self._checkpoint_pool.submit(_sync_and_record, taken, self.dir / files.CHECKPOINT,
                                            encode_checkpoint(position, 0))
         self._checkpoint_thread = job
-        done = asyncio.wrap_future(job)
-        done.add_done_callback(_retrieve)  # the outcome is taken from `job` below, not from `done`
-        # asyncio.wait does not cancel what it waits for: cancelled here, the thread runs on
-        # (its queues are counted clean already) and whoever checkpoints next takes its outcome.
-        await asyncio.wait((done,))
+        # Cancelled here, the thread runs on (its queues are counted clean already) and whoever
+        # checkpoints next takes its outcome.
+        await _finished(job)
         if self._checkpoint_thread is job:
             self._checkpoint_thread = None
         # Taken here even if a checkpoint on the loop settled it meanwhile: this caller (the
