@@ -48,6 +48,8 @@ FIGURES: list[Figure] = [
     ("precision rate achieved/s", lambda r: _get(r, "precision", "produce", "per_s"), "higher", "precision"),
     ("server CPU µs per message end to end (precision)", lambda r: _get(r, "precision", "cpu_us_per_msg"), "lower",
      "precision"),
+    ("consumer CPU µs per message received (precision)", lambda r: _get(r, "precision", "consumer_cpu_us_per_msg"),
+     "lower", "precision"),
     ("messages per receive call (precision)", lambda r: _get(r, "precision", "consumer_stats", "per_receive"),
      "higher", "precision"),
     ("burst: all fired, ms after due (server's count)", lambda r: _burst(r, "fired_after_due_ms"), "lower", "burst"),

@@ -267,6 +267,9 @@ def phase_precision(ph: Phase) -> dict[str, Any]:
             out["server_stats"] = server_view
         out["resources"] = sampler.stop()
         out.update(_cpu_figures(out["resources"]["cpu_s"], out["delivered"]))
+        consumer_cpu_s = (out["consumer_stats"] or {}).get("cpu_s")
+        if consumer_cpu_s is not None and out["delivered"]:
+            out["consumer_cpu_us_per_msg"] = round(consumer_cpu_s * 1e6 / out["delivered"], 1)
         return out
 
     return _with_server(ph, body)

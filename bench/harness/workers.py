@@ -8,13 +8,17 @@ process start-up is not counted, stamp each message's due time as it is sent (no
 the one absolute `due_at_ms` of a burst), and optionally pace themselves to a fixed rate. The
 consumer stamps the receive time as the batch arrives, before it acks, and stops when it has seen
 every expected id, when its deadline passes, on SIGTERM (it still writes what it has), or when its
-client fails (the server died): it records the error and exits.
+client fails (the server died): it records the error and exits. It also reports its own CPU from
+the moment its client is open (`cpu_s`, threads included): a consumer shares this machine's two
+cores with the server, so what the client spends per message bounds delivery as much as the
+server does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import resource
 import signal
 import threading
 import time
@@ -114,8 +118,10 @@ async def _consume(system: str, addr: dict[str, Any], spec: dict[str, Any]) -> d
     received: list[tuple[str, int, float]] = []
     error = None
     client = peer.consumer(addr)
+    cpu_start_s: float | None = None
     try:
         await client.open()
+        cpu_start_s = _cpu_s()
         while not stop.is_set() and len(seen) < expected and time.time() < deadline_s:
             got = await client.receive(RECEIVE_WAIT_S)
             t = now_ms()
@@ -131,4 +137,12 @@ async def _consume(system: str, addr: dict[str, Any], spec: dict[str, Any]) -> d
         await asyncio.wait_for(client.close(), 5)
     except Exception:
         pass
-    return {"received": received, "error": error, "stopped_by_signal": stop.is_set(), "client_stats": client.stats()}
+    cpu_s = None if cpu_start_s is None else round(_cpu_s() - cpu_start_s, 3)
+    return {"received": received, "error": error, "stopped_by_signal": stop.is_set(),
+            "client_stats": {**(client.stats() or {}), "cpu_s": cpu_s}}
+
+
+def _cpu_s() -> float:
+    """This process's CPU (user + system, every thread: the gRPC client's poller included)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime

@@ -86,6 +86,9 @@ def test_smoke_figures_are_consistent(smoke: tuple[subprocess.CompletedProcess[s
     # 300 one-message requests cost the server well over a 10 ms CPU tick; 300 batched may not.
     assert system["accept"]["sync"]["cpu_us_per_msg"] > 0 and system["accept"]["batch"]["cpu_us_per_msg"] >= 0
     assert prec["cpu_us_per_msg"] > 0 and prec["consumer_stats"]["received"] >= prec["delivered"]
+    # The consumer's own CPU, from the moment its client was open: 200 streamed messages cost a
+    # Python gRPC client far more than one 10 ms CPU tick.
+    assert prec["consumer_stats"]["cpu_s"] > 0 and prec["consumer_cpu_us_per_msg"] > 0
 
 
 @pytest.mark.slow
