@@ -9,6 +9,9 @@ Theory of operation:
   resolves when an fsync covering `end` has finished. One flusher task does the fsyncs, in a
   worker thread, each covering everything written so far: concurrent producers share one fsync
   (group commit). With `flush="async"` the flusher runs every `flush_interval_ms` instead.
+  The thread is the log's own (`SyncThread`): a job goes in through a `queue.SimpleQueue` and
+  its outcome comes back with one `call_soon_threadsafe`, ~60 us of CPU less per group commit
+  than `run_in_executor`'s concurrent.futures round trip (this machine wakes threads slowly).
 - Before rolling, the old segment is fsynced, so only the last segment can hold a torn tail.
   `open()` scans the last segment from the checkpoint (or its start); at a record that fails its
   checks it asks `store/damage.py` whether that is a torn tail (truncated: nothing acknowledged
@@ -42,12 +45,14 @@ import bisect
 import errno
 import logging
 import os
+import queue
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import crc32c
 
@@ -164,7 +169,7 @@ class CommitLog:
         self._unsynced_fds: set[int] = set()
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._kick = asyncio.Event()  # binds to a loop on first use, not here
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chronoq-fsync")
+        self._sync_thread = SyncThread("chronoq-fsync")
         self._failed: str | None = None
         self._closed = False
         self.on_durable: Callable[[int], int | None] | None = None
@@ -174,7 +179,7 @@ class CommitLog:
         """Called once, with the reason, when the log fails for good."""
         self.fsync_count = 0
         self.fsync_seconds = FsyncTimes()
-        """Group-commit fsync durations (executor hand-off included), for `/metrics`."""
+        """Group-commit fsync durations (the hand-off to the sync thread included), for `/metrics`."""
         self.damage = DamageRegistry()
 
     # -- opening and recovery ---------------------------------------------------------------
@@ -462,7 +467,7 @@ class CommitLog:
         self._unsynced_fds.clear()
         started = time.perf_counter()  # a duration for /metrics only: no decision reads it
         try:
-            await loop.run_in_executor(self._executor, _fsync_all, [(fd, self._path_of(fd)) for fd in fds])
+            await self._sync_thread.run(loop, _fsync_all, [(fd, self._path_of(fd)) for fd in fds])
         except FsyncFailed as e:
             self.fail(e.message)
             return
@@ -666,9 +671,9 @@ class CommitLog:
         except FlushFailed:
             pass
         finally:
+            self._sync_thread.stop()  # waits for a group commit still running: its fds stay open
             for seg in self._segments:
                 os.close(seg.fd)
-            self._executor.shutdown(wait=True)
             for _, fut in self._waiters:
                 if not fut.done():
                     fut.set_exception(BrokerClosed())
@@ -732,6 +737,60 @@ class FsyncTimes:
     def record(self, seconds: float) -> None:
         self.counts[bisect.bisect_left(FSYNC_BUCKETS_S, seconds)] += 1
         self.sum_s += seconds
+
+
+class SyncThread:
+    """One worker thread for blocking calls the event loop must not make (the group commit's
+    fsyncs). `run` queues a call and returns a future of the loop's that the thread settles with
+    the call's outcome; calls run one at a time, in order. A future cancelled meanwhile (the
+    flusher stopped) is left alone: the call still runs to its end, as a system call must.
+
+    Started on first use; `stop` lets the calls queued so far finish, then joins the thread."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._jobs: queue.SimpleQueue[_SyncJob | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def run(self, loop: asyncio.AbstractEventLoop, fn: Callable[[_T], None], arg: _T) -> asyncio.Future[None]:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
+            self._thread.start()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._jobs.put((loop, fn, arg, fut))
+        return fut
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            loop, fn, arg, fut = job
+            error: BaseException | None = None
+            try:
+                fn(arg)
+            except BaseException as e:  # handed to the waiter, whatever it is
+                error = e
+            try:
+                loop.call_soon_threadsafe(_settle, fut, error)
+            except RuntimeError:
+                pass  # the loop is closed: nobody waits for this outcome any more
+
+
+_T = TypeVar("_T")
+_SyncJob = tuple[asyncio.AbstractEventLoop, Callable[[Any], None], Any, "asyncio.Future[None]"]
+
+
+def _settle(fut: asyncio.Future[None], error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)
 
 
 def _fsync_all(fds: list[tuple[int, Path]]) -> None:
