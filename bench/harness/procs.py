@@ -32,6 +32,7 @@ from chronoq.client.testing import free_port as free_port  # one definition, sha
 
 LOOPBACK = "127.0.0.1"
 SAMPLE_INTERVAL_S = 0.25
+THREAD_WINDOW_S = 1.0
 STOP_TIMEOUT_S = 30.0
 
 
@@ -164,7 +165,11 @@ def tcp_open(port: int, host: str = LOOPBACK) -> bool:
 
 
 class TreeSampler:
-    """Samples a server's process tree on a thread: peak RSS and CPU seconds since `start()`."""
+    """Samples a server's process tree on a thread: peak RSS and CPU seconds since `start()`,
+    and how busy its busiest thread was in each window of `THREAD_WINDOW_S` (a server with one
+    event loop, or Redis's one main thread, queues work once that thread is near 100 %, whatever
+    the other threads and cores do): reported as the 90th percentile and the maximum over the
+    windows, in percent of one core."""
 
     def __init__(self, server: Server, interval_s: float = SAMPLE_INTERVAL_S) -> None:
         self.server = server
@@ -176,6 +181,9 @@ class TreeSampler:
         self._lock = threading.Lock()
         """The sampling thread and `cpu_s()` callers both sample."""
         self._thread = threading.Thread(target=self._run, name="tree-sampler", daemon=True)
+        self._window_start: tuple[float, dict[tuple[int, int], float]] | None = None
+        self.busiest_thread_pct: list[float] = []
+        """Per window: the CPU of the tree's busiest thread in it, percent of one core."""
 
     def start(self) -> TreeSampler:
         self._sample(baseline=True)
@@ -185,7 +193,12 @@ class TreeSampler:
     def stop(self) -> dict[str, float]:
         self._stop.set()
         self._thread.join()
-        return {"rss_peak_mb": round(self.rss_peak_bytes / 2**20, 1), "cpu_s": round(self.cpu_s(), 2)}
+        out: dict[str, float] = {"rss_peak_mb": round(self.rss_peak_bytes / 2**20, 1), "cpu_s": round(self.cpu_s(), 2)}
+        busy = sorted(self.busiest_thread_pct)
+        if busy:
+            out["busiest_thread_p90_pct"] = round(busy[min(len(busy) - 1, int(0.9 * len(busy)))], 1)
+            out["busiest_thread_max_pct"] = round(busy[-1], 1)
+        return out
 
     def cpu_s(self) -> float:
         """CPU seconds (user + system) the tree has used since `start()`, sampled now."""
@@ -212,12 +225,15 @@ class TreeSampler:
 
     def _sample_locked(self, baseline: bool) -> None:
         rss = 0
+        threads: dict[tuple[int, int], float] = {}
         for proc in self.server.tree():
             try:
                 with proc.oneshot():
                     rss += proc.memory_info().rss
                     t = proc.cpu_times()
                     cpu = t.user + t.system
+                    for th in proc.threads():
+                        threads[(proc.pid, th.id)] = th.user_time + th.system_time
             except psutil.Error:
                 continue
             key = proc.pid
@@ -225,3 +241,11 @@ class TreeSampler:
                 self._cpu_base[key] = cpu
             self._cpu_last[key] = cpu
         self.rss_peak_bytes = max(self.rss_peak_bytes, rss)
+        now = time.monotonic()
+        if self._window_start is None or baseline:
+            self._window_start = (now, threads)
+        elif now - self._window_start[0] >= THREAD_WINDOW_S:
+            started, before = self._window_start
+            busiest = max((cpu - before.get(key, cpu) for key, cpu in threads.items()), default=0.0)
+            self.busiest_thread_pct.append(100 * busiest / (now - started))
+            self._window_start = (now, threads)

@@ -60,6 +60,8 @@ FIGURES: list[Figure] = [
     ("server RSS peak MB (precision)", lambda r: _get(r, "precision", "resources", "rss_peak_mb"), "lower",
      "precision"),
     ("server CPU s (precision)", lambda r: _get(r, "precision", "resources", "cpu_s"), "lower", "precision"),
+    ("server's busiest thread, % of a core, P90 of 1 s windows (precision)",
+     lambda r: _get(r, "precision", "resources", "busiest_thread_p90_pct"), "lower", "precision"),
 ]
 
 CRASH_COLS = ["accepted", "pending_at_kill", "delivered_before_kill", "restart_ready_s", "lost", "early",

@@ -89,6 +89,10 @@ def test_smoke_figures_are_consistent(smoke: tuple[subprocess.CompletedProcess[s
     # The consumer's own CPU, from the moment its client was open: 200 streamed messages cost a
     # Python gRPC client far more than one 10 ms CPU tick.
     assert prec["consumer_stats"]["cpu_s"] > 0 and prec["consumer_cpu_us_per_msg"] > 0
+    # The busiest server thread per 1 s window: some work, and never more than one core (plus a
+    # tick of /proc's rounding).
+    res = prec["resources"]
+    assert 0 < res["busiest_thread_p90_pct"] <= res["busiest_thread_max_pct"] <= 102
 
 
 @pytest.mark.slow
