@@ -14,7 +14,8 @@ This module builds them (`open`), owns their background tasks (the flusher, the 
 checkpoint and retention ticks), stops them (`close`), and refuses work once one of them failed
 (`fatal`). Its public methods only check that the broker is open and hand over to a room.
 The two doors also count what passed them, per topic, in plain dicts (`accepted_by_topic`,
-`timers_by_topic`, `delivered_by_topic`): one dict update per message or receive, read by the
+`timers_by_topic`, `delivered_by_topic`; and each timer's delay, `timer_delays_by_topic`): one
+dict update per message or receive (a histogram bucket per timer), read by the
 Prometheus collector at scrape time (`http/metrics.py`), never a lock or a metrics library call
 on the hot path.
 
@@ -64,6 +65,7 @@ from chronoq.store import files
 from chronoq.store.groups import GroupStore
 from chronoq.store.messagestore import MessageStore, OpenReport
 from chronoq.timer.loop import TimerLoop, open_timer_service
+from chronoq.timer.metrics import DELAY_EDGES_MS, DelayHistogram
 from chronoq.timer.recall import decode_recall_handle
 from chronoq.timer.service import TimerService
 from chronoq.topics import Topics
@@ -96,6 +98,9 @@ class Broker:
         self.accepted_by_topic: dict[str, int] = {}
         self.timers_by_topic: dict[str, int] = {}
         self.delivered_by_topic: dict[str, int] = {}
+        self.timer_delays_by_topic: dict[str, DelayHistogram] = {}
+        """Per topic, each accepted timer's delay (due minus accepted, ms; 0 when already due):
+        RocketMQ's `rocketmq_delay_message_latency`."""
 
     @property
     def closed(self) -> bool:
@@ -265,14 +270,19 @@ class Broker:
         """Store `msgs` durably (see `accept.py`). All-or-nothing validation by default; with
         `partial=True` each bad message yields its error in its slot and the good ones are stored."""
         self._check_open()
+        now = self.clock.now_ms()
         outcomes = await self.accept.send_batch(msgs, partial=partial)
-        accepted, timers = self.accepted_by_topic, self.timers_by_topic
+        accepted, timers, delays = self.accepted_by_topic, self.timers_by_topic, self.timer_delays_by_topic
         for outcome in outcomes:
             if type(outcome) is SendResult and not outcome.duplicate:
                 topic = outcome.topic
                 accepted[topic] = accepted.get(topic, 0) + 1
                 if outcome.deliver_at_ms is not None:
                     timers[topic] = timers.get(topic, 0) + 1
+                    hist = delays.get(topic)
+                    if hist is None:
+                        hist = delays[topic] = DelayHistogram(DELAY_EDGES_MS)
+                    hist.record(max(0, outcome.deliver_at_ms - now))
         return outcomes
 
     # -- deliver ----------------------------------------------------------------------------

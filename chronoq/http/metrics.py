@@ -7,7 +7,9 @@ consistent state without locks) and turns what the broker already keeps into met
 - `broker.stats()`, the dict the admin service's Stats method returns: pending timers by topic
   and by due time, the timer latencies, the commit log, the disk, consumer groups;
 - the per-topic counts the broker's doors keep in plain dicts (`Broker.accepted_by_topic`,
-  `timers_by_topic`, `delivered_by_topic`) and the timer side's `fired_by_topic`;
+  `timers_by_topic`, `delivered_by_topic`), the delays timers asked for
+  (`timer_delays_by_topic`), and the timer side's `fired_by_topic`;
+- the timer records written and not yet indexed (`MessageStore.undispatched`), counted when scraped;
 - the timer engine's in-memory latency histograms (`timer/metrics.py`), re-bucketed here into
   Prometheus's cumulative `le` buckets; the commit log's fsync durations (`FsyncTimes`).
 
@@ -30,6 +32,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from chronoq.model import TIMER_TOPIC
 from chronoq.store.commitlog import FSYNC_BUCKETS_S
 from chronoq.timer.metrics import DUE_BUCKETS, MORE_BUCKET, OVERDUE_BUCKET, LatencyHistogram
 
@@ -115,6 +118,18 @@ class BrokerCollector(Collector):
                                 "before acknowledging it)", value=enqueue.get("p99") or 0)
         yield GaugeMetricFamily("chronoq_timer_pending_total", "Timer messages pending, all topics",
                                 value=timer["pending_total"])
+        yield GaugeMetricFamily("rocketmq_timer_enqueue_lag",
+                                "Timer messages written to the log and not yet in the time index (waiting for "
+                                "their group commit; chronoq acknowledges a timer only once indexed)",
+                                value=self.broker.store.undispatched(TIMER_TOPIC))
+        delays = HistogramMetricFamily("rocketmq_delay_message_latency",
+                                       "Delay asked for by each accepted timer message, per topic: due minus "
+                                       "accepted, seconds (0 when already due)", labels=["topic"])
+        for topic, hist in sorted(self.broker.timer_delays_by_topic.items()):
+            cumulative = list(itertools.accumulate(hist.counts))
+            buckets = [(f"{edge_ms // 1000}", float(n)) for edge_ms, n in zip(hist.edges_ms, cumulative, strict=False)]
+            delays.add_metric([topic], [*buckets, ("+Inf", float(cumulative[-1]))], sum_value=hist.sum_ms / 1000)
+        yield delays
 
     def _counters(self) -> Iterator[Metric]:
         broker = self.broker

@@ -505,6 +505,12 @@ class MessageStore:
             await self.wait_durable(stored[-1].position + stored[-1].size)
         return stored
 
+    def undispatched(self, topic: str) -> int:
+        """Records of `topic` written and not yet dispatched (waiting for their fsync, or for room
+        to write their derived state): for the timer topic, RocketMQ's timer enqueue lag."""
+        start = self.dispatched_position
+        return sum(1 for m in self._undispatched if m.topic == topic and m.position >= start)
+
     def check_room_for_send(self) -> None:
         """Refuse a producer send (DiskFull) below the send reserve, or while dispatch is held
         back by a full disk (a send now would only wait for it)."""
