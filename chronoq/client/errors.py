@@ -14,6 +14,7 @@ covers everything the SDK raises.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from chronoq import errors as core
@@ -121,18 +122,23 @@ def _core_class(name: str | None) -> type[core.ChronoqError] | None:
     return None
 
 
-def from_status(code: int, message: str, *, error: str | None = None,
-                retriable: bool | None = None) -> core.ChronoqError:
+def from_status(code: int, message: str, *, error: str | None = None, retriable: bool | None = None,
+                details: Mapping[str, Any] | None = None) -> core.ChronoqError:
     """The exception for a non-OK server status. `error` is the class name the admin service
-    sends; `retriable` the flag it sends (the RocketMQ protocol has neither)."""
+    sends, `retriable` the flag it sends and `details` the error's values (the RocketMQ protocol
+    has none of them): they become the exception's `details`, beside `server_code`."""
+    values = {str(k): v for k, v in (details or {}).items() if k not in ("message", "server_code")}
     cls = _core_class(error) or _CLASS_BY_CODE.get(code)
     if cls is None:
         flag = retriable if retriable is not None else code in (42900, 50002, 50400, 40800)
-        return RemoteError(code, message, flag, error)
+        remote = RemoteError(code, message, flag, error)
+        remote.details.update({k: v for k, v in values.items() if k not in remote.details})
+        return remote
     # Rebuild without the class's own __init__: its arguments (topic=, limit=...) are spread
-    # over the server's message text, which already names the value and the limit.
+    # over the server's message text, which already names the value and the limit; the values
+    # themselves come back as `details` when the server sent them (the admin service does).
     err = cls.__new__(cls)
-    core.ChronoqError.__init__(err, message, server_code=code)
+    core.ChronoqError.__init__(err, message, **values, server_code=code)
     err.code = code
     err.retriable = cls.retriable if retriable is None else retriable
     return err

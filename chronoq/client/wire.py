@@ -237,9 +237,11 @@ def _error_from_json(doc: Mapping[str, Any], fallback_code: int) -> core.Chronoq
     code = doc.get("code")
     error = doc.get("error")
     retriable = doc.get("retriable")
+    details = doc.get("details")
     return from_status(code if isinstance(code, int) and not isinstance(code, bool) else fallback_code,
                        str(doc.get("message", "")), error=error if isinstance(error, str) else None,
-                       retriable=retriable if isinstance(retriable, bool) else None)
+                       retriable=retriable if isinstance(retriable, bool) else None,
+                       details=details if isinstance(details, dict) else None)
 
 
 def admin_result(method: str, reply: Any) -> dict[str, Any]:

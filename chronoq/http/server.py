@@ -17,9 +17,9 @@ Routes:
   (`Access.check`, `http/console.py`: "read", or "admin" for cancel), then the method.
 
 Errors are converted at one point, `_errors`: a `ChronoqError` (bad input, unknown topic or
-message, a refused cancel) becomes a JSON reply `{"error", "message"}` with a 4xx status, and
-anything else a 500 with "internal error; see the server log" and a log line: never a traceback
-in a reply.
+message, a refused cancel) becomes a JSON reply `{"error", "message", "details"}` (details: the
+error's values) with a 4xx status, and anything else a 500 with "internal error; see the server
+log" and a log line: never a traceback in a reply.
 
 The server owns its one background task, the delivery-error sampler (`run`); `serve` runs it in
 its task group and stops the HTTP side before the broker closes.
@@ -52,6 +52,7 @@ from chronoq.http.console import (
     pending_chart_svg,
 )
 from chronoq.http.metrics import make_registry
+from chronoq.protocol.admin import details_json
 from chronoq.server.admin_service import AdminService
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         name = type(err).__name__
         status = 403 if isinstance(err, Forbidden) else 404 if name in NOT_FOUND_ERRORS else \
             503 if err.retriable else 400
-        return _json({"error": name, "message": err.message}, status)
+        return _json({"error": name, "message": err.message, "details": details_json(err)}, status)
     except Exception:
         log.exception("HTTP %s %s failed", request.method, request.path)
         return _json({"error": "InternalError", "message": "internal error; see the server log"}, 500)

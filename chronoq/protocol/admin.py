@@ -48,7 +48,23 @@ def ok_json(**result: Any) -> dict[str, Any]:
 
 
 def error_json(err: ChronoqError) -> dict[str, Any]:
-    return {"code": err.code, "message": err.message, "error": type(err).__name__, "retriable": err.retriable}
+    return {"code": err.code, "message": err.message, "error": type(err).__name__, "retriable": err.retriable,
+            "details": details_json(err)}
+
+
+def details_json(err: ChronoqError) -> dict[str, Any]:
+    """The error's values for programs (the limit, the topic, the offending value), as JSON: numbers,
+    strings, booleans and null as they are, lists of them too; anything else as its text."""
+    return {str(k): _json_value(v) for k, v in err.details.items()}
+
+
+def _json_value(v: Any) -> Any:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (list, tuple, set, frozenset)):
+        items = sorted(v, key=str) if isinstance(v, (set, frozenset)) else v
+        return [_json_value(x) for x in items]
+    return str(v)
 
 
 def internal_json(err: BaseException) -> dict[str, Any]:

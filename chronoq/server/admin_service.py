@@ -4,7 +4,8 @@ Theory of operation: a JSON-over-gRPC service beside MessagingService on the sam
 RocketMQ v2 protocol has no admin RPCs). Each method is a unary RPC whose request and reply bodies
 are UTF-8 JSON objects; the codec is `chronoq.protocol.admin`, and this module only calls the
 broker. Errors are converted at one point (`_handler`): a `ChronoqError` becomes
-`{"code", "message", "error", "retriable"}`, anything else a 50000 reply and a log line.
+`{"code", "message", "error", "retriable", "details"}` (details: the error's values for programs,
+`protocol/admin.py` `details_json`), anything else a 50000 reply and a log line.
 
 The web console (`chronoq/http/`) calls these same methods in process, so it has no second path
 into the broker; SearchTimers (pending timers in a due-time range) and PendingByDue (counts per

@@ -270,8 +270,11 @@ def test_server_refusals_arrive_as_chronoq_errors(server: str) -> None:
             with pytest.raises(core.InvalidDeliveryTime) as far:
                 await p.send(any_type, b"t", deliver_at=too_far)
             assert far.value.code == 40012
-            with pytest.raises(core.TopicNotFound):
-                await p.describe_topic(fresh("nosuch"))
+            missing = fresh("nosuch")
+            with pytest.raises(core.TopicNotFound) as admin_err:
+                await p.describe_topic(missing)
+            # The admin service sends the error's values too: a program reads them, not the text.
+            assert admin_err.value.details["topic"] == missing and admin_err.value.details["server_code"] == 40402
             assert [t.message_types for t in await p.list_topics() if t.name == topic] == [("NORMAL",)]
 
     asyncio.run(body())

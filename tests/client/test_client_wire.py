@@ -163,6 +163,14 @@ def test_admin_replies() -> None:
     with pytest.raises(core.TopicExists) as e:
         wire.admin_result("M", {"code": 40000, "message": "exists", "error": "TopicExists", "retriable": False})
     assert e.value.message == "exists"
+    with pytest.raises(core.InvalidBatchSize) as sized:
+        wire.admin_result("M", {"code": 40000, "message": "too many", "error": "InvalidBatchSize",
+                                "details": {"size": 2000, "limit": 1024, "message": "ignored", "server_code": 1}})
+    # The server's values come back as details; names the exception keeps for itself are not overwritten.
+    assert sized.value.details == {"size": 2000, "limit": 1024, "server_code": 40000}
+    with pytest.raises(RemoteError) as unknown:
+        wire.admin_result("M", {"code": 40099, "message": "new", "error": "NotAClass", "details": {"x": [1, "a"]}})
+    assert unknown.value.details["x"] == [1, "a"] and unknown.value.details["server_message"] == "new"
     msg = outgoing("t", b"\x00\xff", delay_level=2, keys=("a",), tag="g")
     doc = wire.outgoing_to_json(msg)
     assert base64.b64decode(doc["body_b64"]) == b"\x00\xff" and doc["delay_level"] == 2 and doc["keys"] == ["a"]
@@ -199,8 +207,8 @@ def test_cli_argument_types() -> None:
 _scalar = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8)
 _json = st.recursive(_scalar, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
                                                                                          max_size=4), max_leaves=12)
-_reply_keys = st.sampled_from(["code", "message", "error", "retriable", "topics", "topic", "queues", "statuses",
-                               "messages", "next_offset", "results", "message_id"])
+_reply_keys = st.sampled_from(["code", "message", "error", "retriable", "details", "topics", "topic", "queues",
+                               "statuses", "messages", "next_offset", "results", "message_id"])
 
 
 @settings(max_examples=300, deadline=None)

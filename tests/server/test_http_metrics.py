@@ -233,6 +233,7 @@ def test_cancel_bad_bodies(tmp_path: Path) -> None:
                     assert reply.status == 413  # larger than MAX_CANCEL_BODY_BYTES: refused unread
             status, reply = await post_json(base + "/api/cancel", {"topic": TOPIC, "message_id": "nope"})
             assert status == 404 and reply["error"] == "TimerNotFound"
+            assert reply["details"] == {"topic": TOPIC, "message_id": "nope"}
             status, reply = await post_json(base + "/api/cancel", ["a list"])
             assert status == 400 and "names the topic and the message id" in reply["message"]
     arun(main())

@@ -36,6 +36,7 @@ def test_topics_create_list_describe(tmp_path: Path) -> None:
                                            {"queue_id": 1, "min_offset": 0, "max_offset": 0}]
             missing = await h.admin("DescribeTopic", {"name": "nope"})
             assert (missing["code"], missing["error"]) == (40402, "TopicNotFound")
+            assert missing["details"]["topic"] == "nope"  # the error's values, for programs
             bad = await h.admin("CreateTopic", {"name": "x", "message_types": ["LITE"]})
             assert bad["code"] == 40000 and "LITE" in bad["message"]
     run(body())
