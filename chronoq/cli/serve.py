@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         stop = asyncio.Event()
         install_signal_handlers(stop)
         return await serve(config, stop=stop, on_ready=lambda line: print(line, flush=True), auth=auth,
-                           own_process=True)
+                           own_process=True, auth_file=args.config)
 
     try:
         return asyncio.run(main())

@@ -1,7 +1,8 @@
 """Who may do what: the `[auth]` configuration, authentication of a call, and permission checks.
 
-Theory of operation: the broker knows a fixed table of users, read once at start from the
-server's TOML (`[auth]` and `[[auth.users]]`, `load_auth`). Each user has an access key and a
+Theory of operation: the broker knows a table of users, read at start from the server's TOML
+(`[auth]` and `[[auth.users]]`, `load_auth`) and read again on SIGHUP (`Authenticator.reload`:
+a table that does not load is refused whole, and the one in use stays). Each user has an access key and a
 secret key (RocketMQ ACL 2.0's credentials, so the official clients work unmodified), the topics
 it may publish to and subscribe to (names or shell-style globs: `payments-*`), the consumer groups
 it may consume as, and an `admin` flag. An admin may do everything.
@@ -218,6 +219,12 @@ class Authenticator:
     """Turns one call's metadata into its `Principal`, or raises an `Unauthorized` error."""
 
     def __init__(self, config: AuthConfig) -> None:
+        self.reload(config)
+
+    def reload(self, config: AuthConfig) -> None:
+        """Use `config` from the next call on (`chronoq serve` calls this on SIGHUP with the
+        `[auth]` table read again). One step on the event loop, so no call sees half a table; a
+        stream opened before keeps the `Principal` it was authenticated as."""
         self.config = config
         self.enabled = config.enabled
         self._users = {u.access_key: (u, Principal.of(u)) for u in config.users}

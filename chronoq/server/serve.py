@@ -20,7 +20,8 @@ checked with Python's `ssl` because gRPC only says "cannot bind"; a port that ca
 whose cause (in use, permission, no such address) a plain socket bind names.
 
 Run as the process (`chronoq serve`), once ready it freezes start-up's objects out of the garbage
-collector's view (`settle_heap`).
+collector's view (`settle_heap`), and on SIGHUP it reads the `[auth]` table of its `--config` file
+again (`reload_auth`; a file that does not load changes nothing).
 
 The server owns the real clock; everything below gets it through the broker.
 """
@@ -46,7 +47,7 @@ from chronoq.protocol import admin as admin_codec
 from chronoq.protocol.requests import Endpoint
 from chronoq.protocol.v2 import SERVICE_NAME
 from chronoq.server.admin_service import AdminService
-from chronoq.server.auth import AUTH_OFF, AuthConfig, Authenticator
+from chronoq.server.auth import AUTH_OFF, AuthConfig, Authenticator, load_auth
 from chronoq.server.grpc_service import MessagingService
 
 log = logging.getLogger(__name__)
@@ -149,13 +150,15 @@ def is_loopback(host: str) -> bool:
 
 async def serve(config: Config, *, stop: asyncio.Event | None = None,
                 on_ready: Callable[[str], None] | None = None, auth: AuthConfig = AUTH_OFF,
-                own_process: bool = False) -> int:
+                own_process: bool = False, auth_file: str | Path | None = None) -> int:
     """Run until `stop` is set (returns 0) or the broker fails (returns 1). `on_ready` gets the
     line "chronoq serving on HOST:PORT" once the port accepts calls. `auth`: the `[auth]` table
     (`chronoq.server.auth.load_auth`); off by default, with a warning beyond loopback.
     `own_process`: the server is the process (`chronoq serve`), so once ready it may take
-    start-up's objects out of the garbage collector's view (`settle_heap`); a test or an
-    embedding program that runs `serve` among other work leaves its heap alone."""
+    start-up's objects out of the garbage collector's view (`settle_heap`), and, given the
+    `auth_file` the table came from, it reads that table again on SIGHUP (`reload_auth`); a test
+    or an embedding program that runs `serve` among other work leaves its heap and its signals
+    alone."""
     from chronoq.broker import Broker  # the broker pulls in the store; keep `import serve` light
 
     stop = stop or asyncio.Event()
@@ -193,6 +196,10 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None,
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         if own_process:
             settle_heap()
+            if auth_file is not None:
+                with contextlib.suppress(NotImplementedError):  # no SIGHUP on Windows
+                    asyncio.get_running_loop().add_signal_handler(
+                        signal.SIGHUP, reload_auth, authenticator, auth_file, config.host, port)
         if on_ready is not None:
             on_ready(f"chronoq serving on {bind_address(config.host, port)}" + (" (TLS)" if credentials else ""))
             if http is not None:
@@ -218,6 +225,23 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None,
         if server is not None:
             await server.stop(0)  # no-op after a clean stop; closes the port after a failure
         await broker.close()
+
+
+def reload_auth(authenticator: Authenticator, auth_file: str | Path, host: str, port: int) -> bool:
+    """Read the `[auth]` table of `auth_file` again and use it from the next call on; a file
+    that does not load (bad TOML, a bad user entry, unreadable) changes nothing and is logged with
+    its reason. Returns whether the new table is in use."""
+    try:
+        table = load_auth(auth_file)
+    except (ConfigError, OSError, ValueError) as exc:
+        log.error("SIGHUP: the [auth] table was not reloaded, the one in use stays: %s", exc)
+        return False
+    authenticator.reload(table)
+    log.info("SIGHUP: reloaded [auth] from %s: auth %s, %d user%s", auth_file, "on" if table.enabled else "off",
+             len(table.users), "" if len(table.users) == 1 else "s")
+    if not table.enabled and not is_loopback(host):
+        log.warning(NO_AUTH_WARNING.format(address=bind_address(host, port)))
+    return True
 
 
 def settle_heap() -> None:

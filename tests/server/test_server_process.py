@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -155,6 +156,65 @@ def test_cli_serve_sigterm_is_a_clean_shutdown_and_data_survives(tmp_path: Path)
         read = _admin(address, "ReadMessages", {"topic": "keep", "queue_id": queue_id, "offset": 0,
                                                 "max_messages": 10})
         assert [m["message_id"] for m in read["messages"]] == ["KEEP-1"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _auth_toml(*users: tuple[str, str]) -> str:
+    entries = "".join(f'\n[[auth.users]]\naccess_key = "{ak}"\nsecret_key = "{sk}"\nadmin = true\n' for ak, sk in users)
+    return f"[auth]\nenabled = true\n{entries}"
+
+
+@pytest.mark.slow
+def test_sighup_reloads_the_auth_table_and_keeps_it_when_the_file_is_bad(tmp_path: Path) -> None:
+    """Keys are added and removed without a restart: SIGHUP reads `[auth]` again. A file that does
+    not load changes nothing (the error is logged) and the table in use stays."""
+    from chronoq import errors as core
+    from chronoq.client import AsyncAdmin
+
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    toml = tmp_path / "chronoq.toml"
+    toml.write_text(_auth_toml(("ops", "s1")))
+    log_path = tmp_path / "serve.log"
+    module = ["chronoq", "serve"] if "chronoq.cli.serve" in COMMAND_MODULES else ["chronoq.cli.serve", "serve"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", *module, "--data-dir", str(tmp_path / "data"), "--port",
+                                 str(port), "--config", str(toml)], stdout=subprocess.PIPE, stderr=log_file, env=env)
+
+    async def topics(ak: str, sk: str) -> object:
+        async with AsyncAdmin(address, access_key=ak, secret_key=sk, timeout_ms=5000) as admin:
+            try:
+                return await admin.list_topics()
+            except core.ChronoqError as e:
+                return e
+
+    def reload_and_wait(line: str) -> None:
+        seen = log_path.read_text().count(line)
+        proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 15
+        while log_path.read_text().count(line) == seen:
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.05)
+
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().decode().strip() == f"chronoq serving on {address}"
+        assert isinstance(asyncio.run(topics("ops", "s1")), list)
+        assert isinstance(asyncio.run(topics("dev", "s2")), core.UnknownAccessKey)
+        toml.write_text(_auth_toml(("dev", "s2")))  # dev added, ops removed
+        reload_and_wait("SIGHUP: reloaded [auth]")
+        assert isinstance(asyncio.run(topics("dev", "s2")), list)
+        assert isinstance(asyncio.run(topics("ops", "s1")), core.UnknownAccessKey)
+        toml.write_text(_auth_toml(("dev", "s2")) + "\n[[auth.users]]\naccess_key = 7\n")  # a bad entry
+        reload_and_wait("was not reloaded")
+        assert "access_key" in log_path.read_text().rsplit("was not reloaded", 1)[1].splitlines()[0]
+        assert isinstance(asyncio.run(topics("dev", "s2")), list)  # the table in use stayed
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
     finally:
