@@ -118,6 +118,11 @@ class Config:
     timer_max_delay_ms: int = limit(30 * DAY_MS)
     timer_congest_num_each_slot: int = limit(0, minimum=0)
     """Most messages due within one second; 0 means unlimited."""
+    timer_fire_gap_ms: int = limit(5, minimum=0, maximum=1000)
+    """After a fire step that fired something, the next starts no sooner than this many ms after
+    it: timers falling due in between fire together and share one group commit, instead of one
+    step (and one fsync) each. Adds at most this much lateness while timers come due faster than
+    one per gap; a timer due after a quiet spell fires at once. 0: every due time its own step."""
     timer_fire_batch: int = limit(2048)
     """Timers fired per step; the loop steps again at once while due timers remain."""
     timer_roll_batch: int = limit(1024)

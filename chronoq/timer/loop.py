@@ -3,10 +3,12 @@
 Theory of operation: `TimerService` knows *what* firing, cancelling and rolling write; this
 module decides *when*, against the broker's clock. The loop asks the service to fire what is due,
 runs again at once while a full batch fired, and otherwise sleeps until the engine's next
-deadline, woken early (`poke`) by a dispatch that brought timer records (a new, earlier timer, a
-tombstone, a fired copy) or by a cancel. It never dies of its own faults: a full disk holds
-firing back (`disk_full_retry_ms`, the timers stay pending: nothing lost, nothing early), and a
-timer index found damaged while running is rebuilt from the log in one step on the loop.
+deadline, but no sooner than `timer_fire_gap_ms` after a step that fired (timers falling due
+within the gap share the next step and its fsync; design.md, "The fire gap"). A dispatch that
+brought timer records (a new, earlier timer, a tombstone, a fired copy) or a cancel wakes it
+early (`poke`). It never dies of its own faults: a full disk holds firing back
+(`disk_full_retry_ms`, the timers stay pending: nothing lost, nothing early), and a timer index
+found damaged while running is rebuilt from the log in one step on the loop.
 
 The index is derived state. `open_timer_service` opens it and replays the log from its
 `indexed_position`; missing, damaged, of another format version, or ahead of the log (files
@@ -50,6 +52,9 @@ class TimerLoop:
         """While the loop sleeps, the time it will wake by itself (inf: it waits for a wake-up
         only); 0 while it runs. A new timer due at or after it needs no wake-up: the loop wakes
         by then anyway and finds it in the index."""
+        self._next_step_ms = 0
+        """No fire step starts before this broker time (`timer_fire_gap_ms` after the last step
+        that fired something)."""
         self.passes = 0
         """Times the loop asked the index what is due (each costs a RocksDB seek): for `stats`
         and the tests of when the loop wakes."""
@@ -97,6 +102,10 @@ class TimerLoop:
                     self.store.disk.note_full("timer index rebuild", e)
                     await asyncio.sleep(self.config.disk_full_retry_ms / 1000)
                     continue
+            if self._next_step_ms > self.clock.now_ms():
+                # Timers fired a moment ago: let those falling due meanwhile gather, so they
+                # fire in one step. The step at the end of the gap reads the index anew.
+                await self.clock.sleep_until(self._next_step_ms)
             now = self.clock.now_ms()
             self._wakeup.clear()
             self.passes += 1
@@ -113,7 +122,9 @@ class TimerLoop:
                 continue
             self.store.disk.note_ok("timer firing")
             if fired >= self.config.timer_fire_batch:
-                continue
+                continue  # more are due now: no gap
+            if fired:
+                self._next_step_ms = now + self.config.timer_fire_gap_ms
             deadline = self.service.next_deadline_ms()
             if deadline is None:
                 self._asleep_until_ms = math.inf
@@ -121,10 +132,10 @@ class TimerLoop:
                     await self._wakeup.wait()
                 finally:
                     self._asleep_until_ms = 0
-            elif deadline > now or fired == 0:
+            elif deadline > now or fired == 0 or self._next_step_ms > now:
                 # fired == 0 with a past deadline: the head is held by a cancel in progress;
                 # its completion (or any new timer) sets the wake-up.
-                wake_ms = max(deadline, now + (fired == 0))
+                wake_ms = max(deadline, now + (fired == 0), self._next_step_ms)
                 sleeper = asyncio.ensure_future(self.clock.sleep_until(wake_ms))
                 waker = asyncio.ensure_future(self._wakeup.wait())
                 self._asleep_until_ms = wake_ms
