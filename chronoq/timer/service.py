@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 from typing import Any
 
 from chronoq.config import Config
@@ -150,12 +149,12 @@ class TimerService:
     def on_dispatch(self, msgs: list[StoredMessage], now_ms: int | None) -> None:
         """Index durable records. If the engine refuses (a full disk: `DiskFull`), nothing here
         changed and the store calls again later with the same records."""
-        batch, indexed_seconds = self._batch_for(msgs, now_ms)
-        end = msgs[-1].position + msgs[-1].size if msgs else self.engine.indexed_position
+        indexed = self.engine.indexed_position
+        end = max(msgs[-1].position + msgs[-1].size, indexed) if msgs else indexed
+        batch, indexed_seconds = self._batch_for(msgs, now_ms, end)
         try:
-            if batch.adds or batch.cancels or batch.fired or batch.rolled or batch.level_progress \
-                    or end > self.engine.indexed_position:
-                self.engine.apply(replace(batch, indexed_position=max(end, self.engine.indexed_position)))
+            if batch.adds or batch.cancels or batch.fired or batch.rolled or batch.level_progress or end > indexed:
+                self.engine.apply(batch)
         except DiskFull:
             raise  # the same records come again: their slot reservations are released then, once
         except BaseException:
@@ -165,8 +164,10 @@ class TimerService:
         if batch.level_progress or any(m.topic == SCHEDULE_TOPIC for m in msgs):
             self.delay_queues.invalidate()
 
-    def _batch_for(self, msgs: list[StoredMessage], now_ms: int | None) -> tuple[IndexBatch, list[int]]:
-        """The engine's batch for `msgs`, and the due seconds whose slot reservations it settles."""
+    def _batch_for(self, msgs: list[StoredMessage], now_ms: int | None,
+                   indexed_position: int) -> tuple[IndexBatch, list[int]]:
+        """The engine's batch for `msgs` (bringing it to `indexed_position`), and the due seconds
+        whose slot reservations it settles."""
         adds: list[TimerEntry] = []
         cancels: list[tuple[str, str, int, int]] = []
         fired: list[tuple[int, int]] = []
@@ -195,7 +196,7 @@ class TimerService:
                 else:
                     fired.append((int(sp[SYS_FIRED_FROM]), m.store_ms))
         return IndexBatch(adds=adds, cancels=cancels, fired=fired, rolled=rolled, applied_ms=now_ms,
-                          level_progress=level_offsets), indexed_seconds
+                          level_progress=level_offsets, indexed_position=indexed_position), indexed_seconds
 
     def recover(self, end: int | None = None) -> int:
         """Replay the log into the engine from its indexed position up to `end` (the log's end);
