@@ -33,17 +33,23 @@ async def health_status(channel: grpc.aio.Channel, service_name: str = "") -> in
     return reply.status
 
 
+async def start_serving(config: Config) -> tuple[asyncio.Task[int], asyncio.Event, str]:
+    """Run `serve` as a task until it reports ready: (the task, its stop event, the ready line)."""
+    stop = asyncio.Event()
+    ready: list[str] = []
+    task = asyncio.create_task(serve(config, stop=stop, on_ready=ready.append))
+    while not ready:
+        assert not task.done(), task
+        await asyncio.sleep(0.05)
+    return task, stop, ready[0]
+
+
 def test_serve_reports_ready_is_healthy_and_stops_cleanly(tmp_path: Path) -> None:
     async def body() -> None:
         port = free_port()
         config = Config(data_dir=tmp_path / "data", port=port)
-        stop = asyncio.Event()
-        ready: list[str] = []
-        task = asyncio.create_task(serve(config, stop=stop, on_ready=ready.append))
-        while not ready:
-            assert not task.done(), task
-            await asyncio.sleep(0.05)
-        assert ready == [f"chronoq serving on 127.0.0.1:{port}"]
+        task, stop, ready = await start_serving(config)
+        assert ready == f"chronoq serving on 127.0.0.1:{port}"
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             for name in ("", "apache.rocketmq.v2.MessagingService", "chronoq.admin.v1.Admin"):
                 assert await health_status(channel, name) == health_pb2.HealthCheckResponse.SERVING
@@ -72,13 +78,8 @@ def test_tls_serves_secure_clients_only(tmp_path: Path) -> None:
     async def body() -> None:
         port = free_port()
         config = Config(data_dir=tmp_path / "data", port=port, tls_cert_file=str(cert), tls_key_file=str(key))
-        stop = asyncio.Event()
-        ready: list[str] = []
-        task = asyncio.create_task(serve(config, stop=stop, on_ready=ready.append))
-        while not ready:
-            assert not task.done(), task
-            await asyncio.sleep(0.05)
-        assert ready[0].endswith("(TLS)")
+        task, stop, ready = await start_serving(config)
+        assert ready.endswith("(TLS)")
         credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
         async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
             assert await health_status(channel) == health_pb2.HealthCheckResponse.SERVING
