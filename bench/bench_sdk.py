@@ -11,7 +11,9 @@ default configuration: sync flush), driven by
      the due time (same machine, same clock), beside the broker's own fire time - due time.
      Never-early is checked: any negative error is counted.
 Throughput phases send timers due in an hour, so the timer wheel holds them and nothing fires
-while sending. Results go to `bench/results/sdk.json` and a table on stdout.
+while sending. Each throughput run also reports the server's CPU per message (its process's
+user + system time over the run, psutil). Results go to `bench/results/sdk.json` and a table on
+stdout.
 
     .venv/bin/python bench/bench_sdk.py --messages 20000
 """
@@ -28,8 +30,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -221,14 +226,32 @@ def main() -> int:
     }
     with tempfile.TemporaryDirectory(prefix="chronoq-bench-") as tmp, ServerProcess(Path(tmp) / "data") as server:
         addr = server.address
-        results["sdk_batch_grpc"] = asyncio.run(
-            sdk_batches(addr, "bench-batch-grpc", args.messages, args.batch, "grpc"))
-        results["sdk_batch_admin"] = asyncio.run(
-            sdk_batches(addr, "bench-batch-admin", args.messages, args.batch, "admin"))
-        results["sdk_single_sequential"] = asyncio.run(sdk_single(addr, "bench-single", args.single, 1))
-        results["sdk_single_window"] = asyncio.run(sdk_single(addr, "bench-window", args.single, args.window))
-        results["official_sync"] = run_official(addr, "bench-official-sync", args.official, "sync", 1)
-        results["official_async"] = run_official(addr, "bench-official-async", args.official, "async", args.window)
+        assert server.pid is not None
+        server_cpu = psutil.Process(server.pid).cpu_times
+
+        def with_server_cpu(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+            """`run`'s result plus the server's CPU over it, per message (a client process's
+            start-up, for the official client, counts: it is a few connection set-up RPCs)."""
+            before = server_cpu()
+            result = run()
+            after = server_cpu()
+            cpu_s = (after.user + after.system) - (before.user + before.system)
+            if "error" not in result:
+                result["server_cpu_us_per_message"] = cpu_s * 1e6 / result["messages"]
+            return result
+
+        results["sdk_batch_grpc"] = with_server_cpu(lambda: asyncio.run(
+            sdk_batches(addr, "bench-batch-grpc", args.messages, args.batch, "grpc")))
+        results["sdk_batch_admin"] = with_server_cpu(lambda: asyncio.run(
+            sdk_batches(addr, "bench-batch-admin", args.messages, args.batch, "admin")))
+        results["sdk_single_sequential"] = with_server_cpu(
+            lambda: asyncio.run(sdk_single(addr, "bench-single", args.single, 1)))
+        results["sdk_single_window"] = with_server_cpu(
+            lambda: asyncio.run(sdk_single(addr, "bench-window", args.single, args.window)))
+        results["official_sync"] = with_server_cpu(
+            lambda: run_official(addr, "bench-official-sync", args.official, "sync", 1))
+        results["official_async"] = with_server_cpu(
+            lambda: run_official(addr, "bench-official-async", args.official, "async", args.window))
         from chronoq.client import Admin
 
         with Admin(addr) as a:
@@ -256,7 +279,7 @@ def print_table(results: dict[str, Any]) -> None:
 
     load = ", ".join(f"{x:.1f}" for x in results["load_average_at_start"])
     table = Table(title=f"chronoq serve on loopback, {results['cpus']} cpus, load {load}, {results['when']}")
-    for col in ("run", "messages", "seconds", "timer msgs/s"):
+    for col in ("run", "messages", "seconds", "timer msgs/s", "server CPU µs/msg"):
         table.add_column(col, justify="right" if col != "run" else "left")
     labels = {
         "sdk_batch_grpc": f"SDK batches of {results['sdk_batch_grpc']['batch']} (SendMessage)",
@@ -269,9 +292,10 @@ def print_table(results: dict[str, Any]) -> None:
     for key, label in labels.items():
         r = results[key]
         if "error" in r:
-            table.add_row(label, str(r["messages"]), "-", "failed: " + r["error"].splitlines()[-1][:60])
+            table.add_row(label, str(r["messages"]), "-", "failed: " + r["error"].splitlines()[-1][:60], "-")
         else:
-            table.add_row(label, f"{r['messages']:,}", f"{r['seconds']:.2f}", f"{r['per_second']:,.0f}")
+            table.add_row(label, f"{r['messages']:,}", f"{r['seconds']:.2f}", f"{r['per_second']:,.0f}",
+                          f"{r['server_cpu_us_per_message']:,.0f}")
     console = Console()
     console.print(table)
     d = results["delivery"]
