@@ -34,6 +34,7 @@ def test_bench_sdk_small_run(tmp_path: Path) -> None:
                 "official_sync", "official_async"):
         assert "error" not in doc[key], doc[key].get("error", "")[-2000:]
         assert doc[key]["per_second"] > 0
+        assert doc[key]["server_cpu_us_per_message"] > 0
     delivery = doc["delivery"]
     assert delivery["received"] == delivery["messages"] == 60
     assert delivery["early"] == 0 and delivery["error_ms"]["min"] >= 0
