@@ -169,10 +169,15 @@ def _check_entry(entry: TimerEntry, batch_end: int) -> None:
 
 
 class _Guard:
-    """The context manager `RocksTimerIndex._guard` hands out, one per index: a class rather
-    than a generator, because it wraps every index write and a generator-based one cost ~2 % of
-    the instructions of a one-timer send. An exception raised inside becomes the named error
-    `_translate` says."""
+    """The context manager `RocksTimerIndex._guard` hands out: a class rather than a generator,
+    because it wraps every index write and a generator-based one cost ~2 % of the instructions
+    of a one-timer send. An exception raised inside becomes the named error `_translate` says.
+
+    No reference cycle may survive a failure: the original exception's traceback holds the
+    frame that held the RocksDB handle, and a handle kept alive until the cyclic collector runs
+    keeps the database's lock, so the reopen after a full disk would find it "in use"
+    (`tests/store/test_faults_disk_full.py`). So `__exit__` drops its locals before the named
+    error leaves, and the index does not hold its guard (one is made per use)."""
 
     __slots__ = ("_index",)
 
@@ -186,9 +191,14 @@ class _Guard:
         if exc is None:
             return False
         named = self._index._translate(exc)
-        if named is not None:
+        if named is None:
+            return False
+        try:
             raise named from exc
-        return False
+        finally:
+            # The frame of this call is in `named`'s traceback: it must not hold `named` itself
+            # (a cycle), nor the original exception and its traceback.
+            del named, exc, tb
 
 
 # --- RocksDB options ----------------------------------------------------------------------------
@@ -287,7 +297,6 @@ class RocksTimerIndex:
         """A write failed for space: RocksDB refuses writes until reopened (module docstring)."""
         self._write_opt = WriteOptions()  # WAL on, no fsync: see the module docstring
         self._closed = False
-        self._guard_cm = _Guard(self)
         self._indexed_position = 0
         self._topic_counts: dict[str, int] = {}
         self._minute_slots: dict[int, array[int]] = {}
@@ -488,7 +497,7 @@ class RocksTimerIndex:
             raise TimerIndexClosed(self._path)
         if self._db is None:
             self._attach()  # detached by a reopen that found no space: DiskFull until it can
-        return self._guard_cm
+        return _Guard(self)
 
     def _translate(self, exc: BaseException) -> BaseException | None:
         """What a RocksDB call's exception becomes (None: it stays as it is)."""
