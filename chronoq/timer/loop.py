@@ -45,8 +45,10 @@ class TimerLoop:
         self.store = store
         self.service = service
         self._wakeup = asyncio.Event()
-        self._index_damaged: TimerIndexCorrupt | None = None
-        """Set when the timer index failed while running: the loop rebuilds it."""
+        self._index_damaged: str | None = None
+        """Why the timer index failed while running (set: the loop rebuilds it). Text, never the
+        exception: its traceback holds the failed call's frames, and with them the RocksDB
+        handle, whose lock would then refuse the rebuild's reopen ("in use")."""
         self.index_rebuilds = 0
         self._asleep_until_ms: float = 0
         """While the loop sleeps, the time it will wake by itself (inf: it waits for a wake-up
@@ -72,7 +74,7 @@ class TimerLoop:
             except TimerIndexCorrupt as e:
                 # The records are durable in the log; only the derived index is hurt. The loop
                 # rebuilds it (from the log, these records included); senders go on.
-                self._index_damaged = e
+                self._index_damaged = e.message
                 self._wakeup.set()
         if self._wakeup.is_set():
             return
@@ -95,11 +97,14 @@ class TimerLoop:
     async def run(self) -> None:
         """The background task: fire what is due, sleep until the next deadline, repeat."""
         while True:
+            # A full disk is waited out after its `except` block, never in it: the error's
+            # traceback holds the failed call's frames (and a RocksDB handle the retry reopens).
             if self._index_damaged is not None:
                 try:
                     self._rebuild_index(self._index_damaged)
                 except DiskFull as e:  # destroyed, but no room to make it again yet
                     self.store.disk.note_full("timer index rebuild", e)
+                if self._index_damaged is not None:
                     await asyncio.sleep(self.config.disk_full_retry_ms / 1000)
                     continue
             if self._next_step_ms > self.clock.now_ms():
@@ -112,12 +117,14 @@ class TimerLoop:
             try:
                 fired = await self.service.fire_due(now)
             except TimerIndexCorrupt as e:
-                self._index_damaged = e
+                self._index_damaged = e.message
                 continue
             except DiskFull as e:
                 # Fired copies (or the index) found no space: nothing fired; try again soon. The
                 # timers stay pending, so nothing is lost and nothing fires early.
                 self.store.disk.note_full("timer firing", e)
+                fired = -1
+            if fired < 0:
                 await asyncio.sleep(self.config.disk_full_retry_ms / 1000)
                 continue
             self.store.disk.note_ok("timer firing")
@@ -156,11 +163,11 @@ class TimerLoop:
             if fired == 0:
                 return total
 
-    def _rebuild_index(self, reason: TimerIndexCorrupt) -> None:
+    def _rebuild_index(self, reason: str) -> None:
         """Replace a timer index found damaged while running by one rebuilt from the log (up to
         what has been dispatched; later records arrive through dispatch as usual). Runs in one
         step on the loop, so no fire, cancel or roll sees a half-built index."""
-        log.error("%s: rebuilding it from the commit log while running", reason.message)
+        log.error("%s: rebuilding it from the commit log while running", reason)
         path = self.config.data_dir / files.TIMER_DIR
         with contextlib.suppress(Exception):
             self.service.engine.close()

@@ -9,6 +9,7 @@ lost, and serves everything else; `chronoq check` tells a torn tail from damage.
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import shutil
 import subprocess
@@ -397,6 +398,104 @@ def test_a_timer_index_that_fails_while_running_is_rebuilt_and_nothing_fires_twi
             await broker.close()
 
     asyncio.run(body())
+
+
+def test_a_timer_index_damaged_inside_a_dispatch_write_is_rebuilt(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The damage is found inside the index's own write (as a malformed value read back from
+    RocksDB is: `IndexTxn.finish` raises it here), so the error's traceback holds that write's
+    frames and the RocksDB handle in them. The loop used to keep the error itself until the
+    rebuild, whose reopen then found the index "in use by another broker" (its own old handle)
+    and the broker stopped. The cyclic collector is off: no collection may hide a kept handle."""
+    from chronoq.timer import index_txn
+    from chronoq.timer.index_codec import MalformedValue
+
+    real_finish = index_txn.IndexTxn.finish
+    calls = []
+
+    def finish(self: index_txn.IndexTxn, indexed_position: int) -> None:
+        calls.append(indexed_position)
+        if len(calls) == 1:
+            raise MalformedValue("a pending count would go negative (injected)")
+        real_finish(self, indexed_position)
+
+    async def body() -> None:
+        clock = FakeClock(START_MS)
+        broker = await Broker.open(_config(tmp_path / "data"), clock=clock, background=True)
+        try:
+            monkeypatch.setattr(index_txn.IndexTxn, "finish", finish)
+            await broker.send(OutgoingMessage("t", b"1", message_id="one", delay_ms=1_000))
+            clock.advance(1_000)
+            for _ in range(300):
+                if broker.fatal is not None or (broker.index_rebuilds and await _drain(broker, "t")):
+                    break
+                await asyncio.sleep(0.01)
+            assert broker.fatal is None, broker.fatal
+            assert broker.index_rebuilds == 1
+            assert broker.query("one", "t")[0].state is TimerState.DELIVERED
+        finally:
+            await broker.close()
+
+    gc.disable()
+    try:
+        asyncio.run(body())
+    finally:
+        gc.enable()
+
+
+def test_a_full_disk_while_a_damaged_timer_is_marked_does_not_stop_the_broker(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two faults at once: a due timer's record is damaged (a flipped byte) and the index write
+    that marks it damaged finds no space (RocksDB's ENOSPC error, raised at the index transaction:
+    a real full disk cannot be made to fail exactly that one write). The loop waits
+    `disk_full_retry_ms`, then tries again. It used to wait inside its `except DiskFull` block, so
+    the error's traceback kept the failed write's RocksDB handle, and a send meanwhile, whose
+    dispatch reopens the index, found it "in use by another broker" and stopped the broker."""
+    from chronoq.timer import index_txn
+
+    real_damage = index_txn.IndexTxn.damage
+    failures = [1]
+
+    def damage(self: index_txn.IndexTxn, position: int, damaged_ms: int) -> None:
+        if failures:
+            failures.pop()
+            raise Exception("IO error: No space left on device: While appending to file: 000004.log")
+        real_damage(self, position, damaged_ms)
+
+    async def body() -> None:
+        clock = FakeClock(START_MS)
+        data = tmp_path / "data"
+        broker = await Broker.open(_config(data, read_cache_bytes=0, disk_full_retry_ms=1_000), clock=clock,
+                                   background=True)
+        try:
+            one = await broker.send(OutgoingMessage("t", b"x" * 100, message_id="one", delay_ms=1_000))
+            segment, offset = _segment_offset(data, one.position)
+            _flip(segment, offset + 100)  # inside the body: the CRC32C catches it
+            monkeypatch.setattr(index_txn.IndexTxn, "damage", damage)
+            clock.advance(1_000)
+            for _ in range(300):
+                if not failures:
+                    break
+                await asyncio.sleep(0.01)
+            assert not failures, "the loop never tried to mark the damaged timer"
+            await asyncio.sleep(0.05)  # the loop is in its wait now
+            two = await broker.send(OutgoingMessage("t", b"2", message_id="two"))
+            assert broker.fatal is None, broker.fatal
+            for _ in range(500):  # the loop's next try marks it (after its 1 s wait)
+                if broker.query("one", "t")[0].state is TimerState.DAMAGED:
+                    break
+                await asyncio.sleep(0.01)
+            assert broker.query("one", "t")[0].state is TimerState.DAMAGED
+            assert [m.message_id for m in await _drain(broker, "t")] == [two.message_id]
+            assert broker.fatal is None
+        finally:
+            await broker.close()
+
+    gc.disable()
+    try:
+        asyncio.run(body())
+    finally:
+        gc.enable()
 
 
 @pytest.mark.slow
