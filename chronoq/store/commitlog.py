@@ -404,6 +404,38 @@ class CommitLog:
             self.fail(f"cannot cut {seg.path} back after a failed write: {e}")
             raise FlushFailed(self._failed or str(e)) from e
 
+    def undo_to(self, position: int) -> None:
+        """Take back everything written from `position` on: the records of one append that failed
+        part-way (a roll or a write that ran out of space after its first records were written).
+        Nothing from `position` on is acknowledged or dispatched (an append is one step on the
+        loop), so nothing is lost. Segments rolled to since are removed, and the segment that
+        `position` falls in is cut back to it and fsynced: the roll fsynced the records before
+        it, and cut back in memory only they would come back after a power loss, stored though
+        refused. If any of that fails, the log cannot vouch for its tail: it fails for good."""
+        if position < self._flushed:
+            raise ValueError(f"cannot undo to {position}: the log is durable up to {self._flushed}")
+        try:
+            removed = False
+            while len(self._segments) > 1 and self._segments[-1].base > position:
+                seg = self._segments.pop()
+                self._bases.pop()
+                self._unsynced_fds.discard(seg.fd)
+                os.close(seg.fd)
+                seg.path.unlink()
+                removed = True
+            seg = self._segments[-1]
+            if seg.end > position:
+                os.ftruncate(seg.fd, position - seg.base + SEGMENT_HEADER_SIZE)
+                seg.data_size = position - seg.base
+                fsync.fsync(seg.fd, seg.path)
+                self._unsynced_fds.discard(seg.fd)
+            if removed:
+                fsync.fsync_dir(self.directory)
+        except (OSError, FsyncFailed) as e:
+            reason = e.message if isinstance(e, FsyncFailed) else f"cannot take back a failed append: {e}"
+            self.fail(reason)
+            raise FlushFailed(reason) from e
+
     def roll_if_needed(self, size: int) -> None:
         if self.fits_in_active(size) or self._segments[-1].data_size == 0:
             return

@@ -435,9 +435,11 @@ class MessageStore:
         """Write `msgs` (validated, topics existing) to the log; return them as stored.
         Durable only after `wait_durable(result[-1].position + result[-1].size)`.
 
-        Two phases, so that a refusal (a bad queue id, a field too long to encode) changes nothing:
-        a queue offset handed to a record that is never written would leave a hole in its queue,
-        and recovery rebuilds a queue only up to its first hole."""
+        All or nothing, so that a refusal changes nothing: every record is encoded before any is
+        written (a bad queue id, a field too long to encode), and a write or roll that fails
+        part-way takes back what the batch wrote (`CommitLog.undo_to`). A queue offset handed to a
+        record that is never written would leave a hole in its queue, and recovery rebuilds a
+        queue only up to its first hole."""
         out: list[StoredMessage] = []
         blobs: list[bytes] = []
         next_qoff: dict[tuple[str, int], int] = {}
@@ -457,7 +459,7 @@ class MessageStore:
                 system_properties=msg.system_properties, body=msg.body, born_ms=msg.born_ms,
                 store_ms=store_ms, position=position, size=len(blob)))
             position += len(blob)
-        written = 0
+        start = self.log.end_position
         try:
             chunk_start = 0
             chunk_len = 0
@@ -465,18 +467,21 @@ class MessageStore:
                 if not self.log.fits_in_active(chunk_len + len(blob)):
                     if chunk_len:
                         self.log.write(b"".join(blobs[chunk_start:i]), store_ms)
-                        written = i
                     self.log.roll_if_needed(len(blob))
                     chunk_start, chunk_len = i, 0
                 chunk_len += len(blob)
             if chunk_len:
                 self.log.write(b"".join(blobs[chunk_start:]), store_ms)
-            written = len(blobs)
-        finally:
-            # On a failed write only what reached the log takes its queue offsets.
-            for msg in out[:written]:
-                self._next_qoff[(msg.topic, msg.queue_id)] = msg.queue_offset + 1
-            self._undispatched.extend(out[:written])
+        except BaseException:
+            # All or nothing: records written before a roll or write that failed (a batch that
+            # spans segments) are taken back, or a refused batch would be stored and delivered
+            # anyway, and its retry stored again. A failed log refuses everything already.
+            if self.log.failure is None:
+                self.log.undo_to(start)
+            raise
+        for msg in out:
+            self._next_qoff[(msg.topic, msg.queue_id)] = msg.queue_offset + 1
+        self._undispatched.extend(out)
         if self.config.flush == "async":
             self._on_durable(self.log.end_position)  # async mode: visible once written
         return out

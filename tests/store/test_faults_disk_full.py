@@ -392,6 +392,79 @@ def test_a_commit_log_write_or_roll_that_runs_out_of_space_is_undone(disk: Disk)
     asyncio.run(body())
 
 
+def test_a_batch_whose_roll_runs_out_of_space_after_its_first_records_leaves_nothing(disk: Disk) -> None:
+    """A batch that spans two segments: its first records fit the active segment and are
+    written, then the roll to the next segment finds no space. The sender is refused, so none of
+    the batch may stay: it used to be stored and delivered all the same (and a retry stored it
+    again). The disk has room for exactly the first records' pages."""
+    data = disk.root / "data"
+    config = _config(data, disk_min_free_bytes=0, segment_size_bytes=128 * 1024, max_message_size_bytes=64 * 1024)
+
+    async def body() -> None:
+        broker = await Broker.open(config, clock=FakeClock(1_000_000), background=False)
+        sent = [await broker.send(OutgoingMessage("t", b"a" * 10_000, message_id=f"a{i}")) for i in range(10)]
+        record = sent[1].position - sent[0].position
+        log = broker.store.log
+        segment = log.segments()[-1]
+        room = 128 * 1024 - 24 - segment.data_size
+        first = room // record  # records of the batch that fit the active segment
+        assert 1 <= first < 4
+        size = segment.path.stat().st_size
+        disk.fill()
+        disk.give_back(-(-(size + first * record) // PAGE) * PAGE - -(-size // PAGE) * PAGE)
+        batch = [OutgoingMessage("t", b"b" * 10_000, message_id=f"b{i}") for i in range(4)]
+        with pytest.raises(DiskFull) as info:
+            await broker.send_batch(batch)
+        assert "new commit-log segment" in str(info.value)
+        assert segment.path.stat().st_size == size, "the batch's first records were not taken back"
+        assert len(log.segments()) == 1 and not _tmp_files(data)
+        assert log.failure is None and broker.fatal is None
+        await broker.store.log.flush_now()
+        assert await _receive_all(broker, "t") == [m.message_id for m in sent]
+        disk.unfill()
+        retried = await broker.send_batch(batch)
+        assert not any(r.duplicate for r in retried)
+        assert await _receive_all(broker, "t") == [m.message_id for m in batch]
+        await broker.close()
+
+    asyncio.run(body())
+
+
+def test_fired_copies_whose_roll_runs_out_of_space_fire_once_when_space_returns(disk: Disk) -> None:
+    """The same for the timer side: a fire step's copies span two segments and the roll finds no
+    space. The copies written before it used to stay in the log while their timers stayed
+    pending, so the next step fired them again and consumers got them twice. The disk has room
+    for the rest of the active segment only."""
+    data = disk.root / "data"
+    segment_size = 64 * 1024
+    config = _config(data, disk_min_free_bytes=0, segment_size_bytes=segment_size, max_message_size_bytes=4096)
+
+    async def body() -> None:
+        clock = FakeClock(1_000_000)
+        broker = await Broker.open(config, clock=clock, background=False)
+        ids = [f"m{i:02d}" for i in range(12)]
+        for mid in ids:
+            await broker.send(OutgoingMessage("t", b"x" * 600, message_id=mid, delay_ms=1_000))
+        log = broker.store.log
+        while segment_size - 24 - log.segments()[-1].data_size > 3_000:  # room for a few copies
+            await broker.send(OutgoingMessage("filler", b"f" * 1_000))
+        size = log.segments()[-1].path.stat().st_size
+        disk.fill()
+        disk.give_back(-(-segment_size // PAGE) * PAGE - -(-size // PAGE) * PAGE)
+        clock.advance(1_000)
+        with pytest.raises(DiskFull):
+            await broker.run_due()
+        assert log.segments()[-1].path.stat().st_size == size and len(log.segments()) == 1
+        assert broker.fatal is None and log.failure is None
+        assert await _receive_all(broker, "t") == []  # nothing fired, nothing delivered
+        disk.unfill()
+        assert await broker.run_due() == len(ids)
+        assert sorted(await _receive_all(broker, "t")) == ids  # each once
+        await broker.close()
+
+    asyncio.run(body())
+
+
 async def _block_dispatch(broker: Broker, disk: Disk) -> asyncio.Future:
     """Two messages fill the queue's file (two entries per file); the disk is filled; a third is
     sent: its record fits the log's last page (one is given back if not) and is made durable, but
