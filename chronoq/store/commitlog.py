@@ -170,6 +170,8 @@ class CommitLog:
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._kick = asyncio.Event()  # binds to a loop on first use, not here
         self._sync_thread = SyncThread("chronoq-fsync")
+        self._fsync_job: asyncio.Future[None] | None = None
+        """The group commit's fsync while it runs (it outlives a flusher cancelled meanwhile)."""
         self._failed: str | None = None
         self._closed = False
         self.on_durable: Callable[[int], int | None] | None = None
@@ -192,6 +194,17 @@ class CommitLog:
         log = cls(directory, segment_size_bytes=segment_size_bytes, flush=flush,
                   flush_interval_ms=flush_interval_ms, disk=disk, dispatch_retry_ms=dispatch_retry_ms)
         report = log._load(scan_from)
+        # Records a crashed run wrote but never fsynced (their senders were never acknowledged)
+        # are still in the page cache: made durable here, before recovery dispatches them to
+        # consumers, so a power loss cannot take back what a consumer has seen. Only the last
+        # segment can hold them (a roll fsyncs the old one).
+        last = log._segments[-1]
+        try:
+            fsync.fsync(last.fd, last.path)
+        except FsyncFailed as e:
+            log.fail(e.message)
+            log.close()
+            raise
         log._flushed = log._visible = log.end_position
         return log, report
 
@@ -486,6 +499,10 @@ class CommitLog:
         await self._flush_once(asyncio.get_running_loop())
 
     async def _flush_once(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._fsync_job is not None:
+            # The fsync of a flusher cancelled mid-way (close) is still running; it took the
+            # descriptors it covers, so this one must not call anything durable before it ends.
+            await asyncio.wait((self._fsync_job,))
         if self._failed is not None:
             # Nothing written since the failure is ever called durable: an fsync now would
             # return 0 for pages the failed one already lost.
@@ -498,11 +515,17 @@ class CommitLog:
         fds = list(self._unsynced_fds)
         self._unsynced_fds.clear()
         started = time.perf_counter()  # a duration for /metrics only: no decision reads it
-        try:
-            await self._sync_thread.run(loop, _fsync_all, [(fd, self._path_of(fd)) for fd in fds])
-        except FsyncFailed as e:
-            self.fail(e.message)
-            return
+        job = self._sync_thread.run(loop, _fsync_all, [(fd, self._path_of(fd)) for fd in fds])
+        self._fsync_job = job
+        job.add_done_callback(self._fsync_done)
+        # Not `await job`: a flusher cancelled meanwhile (close) would cancel the job's future,
+        # and the fsync's outcome, an error included, would be dropped while the fsync goes on.
+        await asyncio.wait((job,))
+        error = job.exception()
+        if error is not None:  # `_fsync_done` failed the log
+            if isinstance(error, FsyncFailed):
+                return
+            raise error  # not an fsync's error but a bug: the flusher dies of it, loudly
         if self._failed is not None:  # failed elsewhere (a roll) while this fsync ran
             self.fail(self._failed)
             return
@@ -510,6 +533,20 @@ class CommitLog:
         self.fsync_seconds.record(time.perf_counter() - started)
         self._flushed = max(self._flushed, target)
         self._dispatch_and_release()
+
+    def _fsync_done(self, job: asyncio.Future[None]) -> None:
+        """A group commit's fsync ended, whether or not its flusher still waits for it: an error
+        fails the log for good, so it is never lost with a cancelled flusher."""
+        if self._fsync_job is job:
+            self._fsync_job = None
+        if job.cancelled():  # nothing cancels it; if something did, its outcome is unknown
+            self.fail("the group commit's fsync was cancelled before its outcome was known")
+            return
+        error = job.exception()
+        if isinstance(error, FsyncFailed):
+            self.fail(error.message)
+        elif error is not None:
+            self.fail(f"the group commit's fsync raised {error!r}")
 
     def _dispatch_and_release(self) -> None:
         visible = self._flushed

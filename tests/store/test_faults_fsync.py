@@ -126,6 +126,115 @@ def test_after_a_failed_group_commit_nothing_is_checkpointed_past_it(tmp_path: P
     asyncio.run(body())
 
 
+def test_a_group_commit_fsync_that_fails_while_the_broker_closes_is_not_lost(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The group commit's fdatasync is still running when `close` cancels the flusher, and then
+    fails (EIO). Its outcome used to be dropped with the cancelled flusher: close's own flush
+    found the descriptors taken, fsynced nothing, called everything durable, acknowledged the
+    sender and checkpointed past the failure."""
+    import threading
+
+    held, release, armed = threading.Event(), threading.Event(), threading.Event()
+    real = os.fdatasync
+    failed: list[str] = []
+
+    def fdatasync(fd: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if armed.is_set() and path.endswith(files.SEGMENT_SUFFIX):
+            armed.clear()
+            held.set()
+            assert release.wait(10)
+            failed.append(path)
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+
+    async def body() -> None:
+        broker = await Broker.open(_config(tmp_path), clock=FakeClock(), background=False)
+        await broker.send(OutgoingMessage("t", b"first"))
+        broker.store.checkpoint()
+        durable = broker.store.log.flushed_position
+        armed.set()
+        sender = asyncio.create_task(broker.send(OutgoingMessage("t", b"never durable", message_id="X")))
+        while not held.is_set():
+            await asyncio.sleep(0.001)
+        closer = asyncio.create_task(broker.close())
+        await asyncio.sleep(0.05)  # close has cancelled the flusher and started its own flush
+        release.set()
+        with pytest.raises(FlushFailed):
+            await asyncio.wait_for(sender, 5)
+        await closer
+        assert failed and broker.store.log.failure is not None
+        assert read_checkpoint(tmp_path / "data" / files.CHECKPOINT) == durable
+
+    asyncio.run(body())
+
+
+_CRASH_AFTER_AN_APPEND = """
+import os, sys
+from pathlib import Path
+from chronoq.config import Config
+from chronoq.model import MessageType
+from chronoq.store.messagestore import MessageStore, PreparedMessage
+store, _ = MessageStore.open(Config(data_dir=Path(sys.argv[1]), default_queue_count=1))
+store.create_topic("t", 1, frozenset(MessageType), 0)
+store.checkpoint()
+store.append([PreparedMessage("t", "never-fsynced", MessageType.NORMAL, b"body", 1)], 1)
+os._exit(0)  # a crash before the group commit: written to the page cache, never fsynced
+"""
+
+
+def test_records_a_crash_left_unsynced_are_made_durable_before_recovery_delivers_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A crashed run's last records may be in the page cache only (their senders were never
+    acknowledged). Recovery dispatches them, so consumers can see them: the segment must be
+    fsynced first, or a power loss would take back a message a consumer has seen."""
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, "-c", _CRASH_AFTER_AN_APPEND, str(data)], check=True)
+    synced: list[str] = []
+    real_fsync, real_fdatasync = os.fsync, os.fdatasync
+
+    def spy(real: Callable[[int], None]) -> Callable[[int], None]:
+        def call(fd: int) -> None:
+            synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+            real(fd)
+        return call
+
+    monkeypatch.setattr(os, "fsync", spy(real_fsync))
+    monkeypatch.setattr(os, "fdatasync", spy(real_fdatasync))
+
+    async def body() -> None:
+        broker = await Broker.open(Config(data_dir=data, default_queue_count=1), clock=FakeClock(), background=False)
+        try:
+            assert [p for p in synced if p.endswith(files.SEGMENT_SUFFIX)], "recovered without an fsync"
+            got = await broker.receive("g", "t", batch_size=8)
+            assert [m.message.message_id for m in got] == ["never-fsynced"]
+        finally:
+            await broker.close()
+
+    asyncio.run(body())
+
+
+def test_an_fsync_error_at_open_refuses_to_open_and_releases_the_directory(tmp_path: Path, eio) -> None:
+    async def body() -> None:
+        broker = await Broker.open(_config(tmp_path), clock=FakeClock(), background=False)
+        await broker.send(OutgoingMessage("t", b"kept", message_id="kept"))
+        await broker.close()
+        broken = [True]
+        failed = eio(lambda path: broken[0] and path.endswith(files.SEGMENT_SUFFIX))
+        with pytest.raises(FlushFailed):
+            await Broker.open(_config(tmp_path), clock=FakeClock(), background=False)
+        assert failed
+        broken[0] = False  # the disk is well again: the directory was released, so it opens
+        broker = await Broker.open(_config(tmp_path), clock=FakeClock(), background=False)
+        got = await broker.receive("g", "t", batch_size=8)
+        assert [m.message.message_id for m in got] == ["kept"]
+        await broker.close()
+
+    asyncio.run(body())
+
+
 def test_a_consume_queue_fsync_error_stops_checkpoints_and_sends(tmp_path: Path, eio) -> None:
     async def body() -> None:
         broker = await Broker.open(_config(tmp_path, segment_size_bytes=1 << 20), clock=FakeClock(),
