@@ -95,24 +95,25 @@ class Accept:
         batch_done: asyncio.Future[list[SendResult]] = asyncio.get_running_loop().create_future()
         for j, (_, key, _) in enumerate(slots):
             self._sending[key] = (batch_done, j)
+        # Whatever happens from here, every key leaves `_sending` and `batch_done` is settled:
+        # a later send of the same id waits on it, and would wait forever.
         try:
             stored = self._write(to_write, now)
             if stored:
                 await self.store.wait_durable(stored[-1].position + stored[-1].size)
+            results = [_result_for(rec, key, deliver_at_ms)
+                       for (_, key, deliver_at_ms), rec in zip(slots, stored, strict=True)]
         except BaseException as e:
-            for _, key, _ in slots:
-                self._sending.pop(key, None)
             batch_done.set_exception(e if isinstance(e, Exception) else BrokerClosed())
             batch_done.exception()  # mark retrieved: waiters may not exist
             raise
-        results: list[SendResult] = []
-        for (i, key, deliver_at_ms), rec in zip(slots, stored, strict=True):
-            result = _result_for(rec, key, deliver_at_ms)
-            outcomes[i] = result
-            results.append(result)
-            self.recent.add(key, now, result)
-            self._sending.pop(key, None)
+        finally:
+            for _, key, _ in slots:
+                self._sending.pop(key, None)
         batch_done.set_result(results)
+        for (i, key, _), result in zip(slots, results, strict=True):
+            outcomes[i] = result
+            self.recent.add(key, now, result)
         for i, j in repeats:
             outcomes[i] = _as_duplicate(outcomes[slots[j][0]])
         for i, (fut, j) in waits:

@@ -31,8 +31,8 @@ from collections import Counter, deque
 from chronoq.model import SendResult
 from chronoq.timer.recall import encode_recall_handle
 
-_ENTRY = struct.Struct("<qqqqHB")
-"""at_ms, position, queue_offset, deliver_at_ms (-1: none), queue_id, flags."""
+_ENTRY = struct.Struct("<qqqqIB")
+"""at_ms, position, queue_offset, deliver_at_ms (-1: none), queue_id (u32, as in the record), flags."""
 _HAS_HANDLE = 1
 _NO_DELIVER_AT = -1
 

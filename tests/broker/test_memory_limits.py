@@ -85,6 +85,38 @@ def test_the_window_expires_by_age_and_by_count_in_insertion_order() -> None:
     assert window.get(("t", "c")) == SendResult("c", "t", 0, 11, 1100, duplicate=True)
 
 
+def test_the_window_holds_any_queue_id_a_record_holds() -> None:
+    """Queue ids were packed in 16 bits while a record holds 32: remembering a send to queue
+    70,000 raised after the record was durable."""
+    window = DedupeWindow(window_ms=100, max_entries=2)
+    window.add(("t", "a"), 0, SendResult("a", "t", 70_000, 7, 700))
+    assert window.get(("t", "a")) == SendResult("a", "t", 70_000, 7, 700, duplicate=True)
+
+
+def test_a_send_that_fails_after_it_is_durable_does_not_hang_later_sends_of_its_id(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any failure between durability and the answer (remembering the result failed, here) used
+    to leave the id marked in flight, so every later send of it waited forever."""
+    async def body() -> None:
+        broker = await Broker.open(Config(data_dir=tmp_path / "data"), clock=FakeClock(), background=False)
+        try:
+            real_add = broker.accept.recent.add
+
+            def add_fails(*args: Any) -> None:
+                monkeypatch.setattr(broker.accept.recent, "add", real_add)
+                raise RuntimeError("injected: the result could not be remembered")
+
+            monkeypatch.setattr(broker.accept.recent, "add", add_fails)
+            with pytest.raises(RuntimeError, match="injected"):
+                await broker.send(Msg("orders", b"x", message_id="ID1"))
+            again = await asyncio.wait_for(broker.send(Msg("orders", b"x", message_id="ID1")), 5)
+            assert again.message_id == "ID1"
+        finally:
+            await broker.close()
+
+    asyncio.run(body())
+
+
 def test_memory_limits_must_be_positive(tmp_path: Path) -> None:
     for name in ("dedupe_window_max_entries", "timer_index_block_cache_bytes", "timer_index_write_buffer_bytes",
                  "groups_block_cache_bytes", "groups_write_buffer_bytes"):
