@@ -3,7 +3,8 @@
 Theory of operation: a consume queue is derived state. The dispatcher appends one fixed-size
 entry per durable record; entry i describes the record with queue offset i. Files hold
 `entries_per_file` entries each and are named by their first offset, so offset -> file is
-arithmetic and retention drops whole files from the front. Entries carry their own CRC32C so a
+arithmetic (a binary search over first offsets when files written under another setting hold
+other counts) and retention drops whole files from the front. Entries carry their own CRC32C so a
 torn or flipped entry is found by `load`; the caller (recovery) then re-dispatches from the commit
 log. Reads go through `os.pread` on the page cache; nothing is held in memory but file handles.
 A write that runs out of space (a short `pwrite`, ENOSPC at a new file) is undone: the file is
@@ -16,6 +17,7 @@ out in `docs/disk-format.md` ("Consume queue"), their one description.
 
 from __future__ import annotations
 
+import bisect
 import errno
 import os
 import struct
@@ -310,12 +312,16 @@ class ConsumeQueue:
     # -- reading ----------------------------------------------------------------------------
 
     def _file_for(self, offset: int) -> CQFile | None:
-        if not self._files or offset < self._files[0].first_offset:
+        files = self._files
+        if not files or offset < files[0].first_offset:
             return None
-        i = (offset - self._files[0].first_offset) // self.entries_per_file
-        if i >= len(self._files):
-            return None
-        f = self._files[i]
+        # Arithmetic finds the file when every file holds `entries_per_file` entries; files
+        # written under another `consume_queue_entries_per_file` (the setting changed between
+        # runs) do not, and are found by their first offsets instead.
+        i = (offset - files[0].first_offset) // self.entries_per_file
+        f = files[i] if i < len(files) else None
+        if f is None or not f.first_offset <= offset < f.first_offset + f.count:
+            f = files[bisect.bisect_right(files, offset, key=_first_offset) - 1]
         return f if offset < f.first_offset + f.count else None
 
     def get(self, offset: int) -> tuple[int, int, int] | None:
@@ -374,3 +380,7 @@ class ConsumeQueue:
                 os.close(f.fd)
             self._dirty.clear()
             self._files = []
+
+
+def _first_offset(f: CQFile) -> int:
+    return f.first_offset

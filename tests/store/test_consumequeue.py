@@ -57,6 +57,25 @@ def test_reopen_restores_everything(tmp_path: Path) -> None:
         cq.close()
 
 
+@pytest.mark.parametrize("per_file_now", [2, 3, 7])
+def test_files_written_under_another_entries_per_file_are_read_and_appended_to(tmp_path: Path,
+                                                                              per_file_now: int) -> None:
+    """`consume_queue_entries_per_file` changed between runs: the files on disk hold the old
+    count. Finding an offset's file by arithmetic alone read the wrong file (a negative pread
+    offset, EINVAL) or nothing, and consumers stopped while the queue showed messages waiting."""
+    filled(tmp_path, 10).close()  # files of 4, 4 and 2 entries
+    cq, report = ConsumeQueue.open(tmp_path, per_file_now, log_start=0, log_end=10**9)
+    try:
+        assert report == LoadReport()
+        assert [cq.get(i) for i in range(10)] == [(i * STRIDE, STRIDE, i % 3) for i in range(10)]
+        assert [e[0] for e in cq.read_range(5, 100)] == [5, 6, 7]
+        for i in range(10, 20):
+            assert cq.append(i * STRIDE, STRIDE, i % 3) == i
+        assert [cq.get(i) for i in range(20)] == [(i * STRIDE, STRIDE, i % 3) for i in range(20)]
+    finally:
+        cq.close()
+
+
 def test_entries_past_the_log_end_are_dropped(tmp_path: Path) -> None:
     filled(tmp_path, 10).close()
     cq, report = reopen(tmp_path, log_end=850)  # records 8 and 9 were cut with a torn tail
