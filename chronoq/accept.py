@@ -90,8 +90,12 @@ class Accept:
             batch_keys[key] = len(to_write)
             to_write.append(prepared)
             slots.append((i, key, timer.deliver_at_ms if timer is not None else None))
-        for topic_name in {key[0] for _, key, _ in slots}:
-            self.topics.ensure(topic_name)
+        try:
+            for topic_name in {key[0] for _, key, _ in slots}:
+                self.topics.ensure(topic_name)
+        except BaseException:  # auto-create found no space, say: the batch's slots are free again
+            self.timer.release_reservations(to_write)
+            raise
         batch_done: asyncio.Future[list[SendResult]] = asyncio.get_running_loop().create_future()
         for j, (_, key, _) in enumerate(slots):
             self._sending[key] = (batch_done, j)

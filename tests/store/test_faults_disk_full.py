@@ -465,6 +465,29 @@ def test_fired_copies_whose_roll_runs_out_of_space_fire_once_when_space_returns(
     asyncio.run(body())
 
 
+def test_a_timer_refused_because_its_topic_could_not_be_made_frees_its_slot(disk: Disk) -> None:
+    """With `timer_congest_num_each_slot` on, a timer holds a place in its second while it is
+    written. A send whose new topic could not be made (no space for its queue files) kept that
+    place, so its second stayed full for good: the retry, once space was back, was refused as
+    congested."""
+    data = disk.root / "data"
+    config = _config(data, disk_min_free_bytes=0, timer_congest_num_each_slot=1)
+
+    async def body() -> None:
+        clock = FakeClock(1_000_000)
+        broker = await Broker.open(config, clock=clock, background=False)
+        due = clock.now_ms() + 60_000
+        disk.fill()
+        with pytest.raises(DiskFull):
+            await broker.send(OutgoingMessage("new-topic", b"t", message_id="t1", deliver_at_ms=due))
+        disk.unfill()
+        sent = await broker.send(OutgoingMessage("new-topic", b"t", message_id="t1", deliver_at_ms=due))
+        assert sent.deliver_at_ms == due
+        await broker.close()
+
+    asyncio.run(body())
+
+
 async def _block_dispatch(broker: Broker, disk: Disk) -> asyncio.Future:
     """Two messages fill the queue's file (two entries per file); the disk is filled; a third is
     sent: its record fits the log's last page (one is given back if not) and is made durable, but

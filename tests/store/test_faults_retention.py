@@ -213,3 +213,32 @@ def test_damaged_records_are_stepped_over_and_their_store_times_not_trusted(
             await b.close()
 
     asyncio.run(body())
+
+
+def test_a_retention_step_while_the_timer_index_waits_to_be_rebuilt_deletes_nothing(
+        make_config: Callable[..., Config]) -> None:
+    """A timer index found damaged is destroyed and made again; on a full disk the making waits,
+    and the service holds the closed index meanwhile. Retention, the task that frees space, then
+    died of the closed index (and stopped the broker); it must keep every segment instead, since
+    which timers are pending there is unknown, and go on once the index is back."""
+    async def body() -> None:
+        clock = FakeClock(START_MS)
+        b = await Broker.open(make_config(), clock=clock, background=False)
+        try:
+            timer = await b.send(OutgoingMessage("orders", BODY, message_id="later", delay_ms=30 * DAY_MS))
+            sent = await send(b, 60, "m")
+            clock.advance(RETENTION_MS + HOUR_MS)
+            before = [(s.base, s.end) for s in b.store.log.segments()]
+            assert len(before) >= 4
+            b.timer.engine.close()  # as `_rebuild_index` leaves it when the new index finds no room
+            await b.enforce_retention()
+            assert [(s.base, s.end) for s in b.store.log.segments()] == before
+            b.timer_loop._rebuild_index("the test's closed index")  # the disk has room again
+            await b.enforce_retention()
+            assert len(b.store.log.segments()) < len(before)
+            assert b.query("later", "orders")[0].deliver_at_ms == timer.deliver_at_ms  # rolled, pending
+            assert b.store.log.start_position > sent[0].position
+        finally:
+            await b.close()
+
+    asyncio.run(body())
