@@ -170,8 +170,9 @@ class CommitLog:
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._kick = asyncio.Event()  # binds to a loop on first use, not here
         self._sync_thread = SyncThread("chronoq-fsync")
-        self._fsync_job: asyncio.Future[None] | None = None
-        """The group commit's fsync while it runs (it outlives a flusher cancelled meanwhile)."""
+        self._fsync_idle = asyncio.Event()
+        """Clear while a group commit's fsync runs: it outlives a flusher cancelled meanwhile."""
+        self._fsync_idle.set()
         self._failed: str | None = None
         self._closed = False
         self.on_durable: Callable[[int], int | None] | None = None
@@ -499,10 +500,10 @@ class CommitLog:
         await self._flush_once(asyncio.get_running_loop())
 
     async def _flush_once(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self._fsync_job is not None:
+        if not self._fsync_idle.is_set():
             # The fsync of a flusher cancelled mid-way (close) is still running; it took the
             # descriptors it covers, so this one must not call anything durable before it ends.
-            await asyncio.wait((self._fsync_job,))
+            await self._fsync_idle.wait()
         if self._failed is not None:
             # Nothing written since the failure is ever called durable: an fsync now would
             # return 0 for pages the failed one already lost.
@@ -515,17 +516,13 @@ class CommitLog:
         fds = list(self._unsynced_fds)
         self._unsynced_fds.clear()
         started = time.perf_counter()  # a duration for /metrics only: no decision reads it
-        job = self._sync_thread.run(loop, _fsync_all, [(fd, self._path_of(fd)) for fd in fds])
-        self._fsync_job = job
-        job.add_done_callback(self._fsync_done)
-        # Not `await job`: a flusher cancelled meanwhile (close) would cancel the job's future,
-        # and the fsync's outcome, an error included, would be dropped while the fsync goes on.
-        await asyncio.wait((job,))
-        error = job.exception()
-        if error is not None:  # `_fsync_done` failed the log
-            if isinstance(error, FsyncFailed):
-                return
-            raise error  # not an fsync's error but a bug: the flusher dies of it, loudly
+        self._fsync_idle.clear()
+        try:
+            # Its outcome reaches `_fsync_done` even if this flusher is cancelled meanwhile.
+            await self._sync_thread.run(loop, _fsync_all, [(fd, self._path_of(fd)) for fd in fds],
+                                        self._fsync_done)
+        except FsyncFailed:
+            return  # `_fsync_done` failed the log; anything else is a bug the flusher dies of
         if self._failed is not None:  # failed elsewhere (a roll) while this fsync ran
             self.fail(self._failed)
             return
@@ -534,15 +531,10 @@ class CommitLog:
         self._flushed = max(self._flushed, target)
         self._dispatch_and_release()
 
-    def _fsync_done(self, job: asyncio.Future[None]) -> None:
-        """A group commit's fsync ended, whether or not its flusher still waits for it: an error
-        fails the log for good, so it is never lost with a cancelled flusher."""
-        if self._fsync_job is job:
-            self._fsync_job = None
-        if job.cancelled():  # nothing cancels it; if something did, its outcome is unknown
-            self.fail("the group commit's fsync was cancelled before its outcome was known")
-            return
-        error = job.exception()
+    def _fsync_done(self, error: BaseException | None) -> None:
+        """A group commit's fsync ended, whether or not its flusher still waits for it (close
+        cancels the flusher): an error fails the log for good, so it is never lost."""
+        self._fsync_idle.set()
         if isinstance(error, FsyncFailed):
             self.fail(error.message)
         elif error is not None:
@@ -812,7 +804,8 @@ class SyncThread:
     """One worker thread for blocking calls the event loop must not make (the group commit's
     fsyncs). `run` queues a call and returns a future of the loop's that the thread settles with
     the call's outcome; calls run one at a time, in order. A future cancelled meanwhile (the
-    flusher stopped) is left alone: the call still runs to its end, as a system call must.
+    flusher stopped) is left alone: the call still runs to its end, as a system call must, and
+    its outcome still reaches the `done` callback given with it (an fsync error is never lost).
 
     Started on first use; `stop` lets the calls queued so far finish, then joins the thread."""
 
@@ -821,12 +814,15 @@ class SyncThread:
         self._jobs: queue.SimpleQueue[_SyncJob | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def run(self, loop: asyncio.AbstractEventLoop, fn: Callable[[_T], None], arg: _T) -> asyncio.Future[None]:
+    def run(self, loop: asyncio.AbstractEventLoop, fn: Callable[[_T], None], arg: _T,
+            done: Callable[[BaseException | None], None]) -> asyncio.Future[None]:
+        """Queue `fn(arg)`; `done` gets its outcome on the loop (None, or what it raised) before
+        the returned future does, and gets it even if the future was cancelled meanwhile."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
             self._thread.start()
         fut: asyncio.Future[None] = loop.create_future()
-        self._jobs.put((loop, fn, arg, fut))
+        self._jobs.put((loop, fn, arg, fut, done))
         return fut
 
     def stop(self) -> None:
@@ -837,23 +833,26 @@ class SyncThread:
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
-            loop, fn, arg, fut = job
+            loop, fn, arg, fut, done = job
             error: BaseException | None = None
             try:
                 fn(arg)
             except BaseException as e:  # handed to the waiter, whatever it is
                 error = e
             try:
-                loop.call_soon_threadsafe(_settle, fut, error)
+                loop.call_soon_threadsafe(_settle, fut, error, done)
             except RuntimeError:
                 pass  # the loop is closed: nobody waits for this outcome any more
 
 
 _T = TypeVar("_T")
-_SyncJob = tuple[asyncio.AbstractEventLoop, Callable[[Any], None], Any, "asyncio.Future[None]"]
+_SyncJob = tuple[asyncio.AbstractEventLoop, Callable[[Any], None], Any, "asyncio.Future[None]",
+                 Callable[[BaseException | None], None]]
 
 
-def _settle(fut: asyncio.Future[None], error: BaseException | None) -> None:
+def _settle(fut: asyncio.Future[None], error: BaseException | None,
+            done: Callable[[BaseException | None], None]) -> None:
+    done(error)
     if fut.done():
         return
     if error is None:
