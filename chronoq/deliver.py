@@ -58,6 +58,8 @@ class Deliver:
         self.trace = trace
         self._arrivals: dict[str, list[asyncio.Future[None]]] = {}
         """Long polls waiting per topic: plain futures, woken in one loop turn by a dispatch."""
+        self._dead_lettering: set[tuple[str, str]] = set()
+        """(group, receipt handle) of in-flight entries whose DLQ copy is being written."""
 
     def on_dispatch(self, msgs: list[StoredMessage]) -> None:
         """Records of these topics just became visible: wake the long polls waiting on them."""
@@ -139,6 +141,19 @@ class Deliver:
         await self._dead_letter(group, [(entry, msg)])
 
     async def _dead_letter(self, group: str, items: list[tuple[InFlight, StoredMessage]]) -> None:
+        # An entry stays in flight (and exhausted) until its DLQ copy is durable: a receive
+        # meanwhile finds it again, and must not write a second copy.
+        items = [item for item in items if (group, item[0].receipt_handle) not in self._dead_lettering]
+        keys = [(group, entry.receipt_handle) for entry, _ in items]
+        if not items:
+            return
+        self._dead_lettering.update(keys)
+        try:
+            await self._write_dead_letters(group, items)
+        finally:
+            self._dead_lettering.difference_update(keys)
+
+    async def _write_dead_letters(self, group: str, items: list[tuple[InFlight, StoredMessage]]) -> None:
         dlq = dlq_topic(group)
         self.store.create_topic(dlq, 1, ALL_MESSAGE_TYPES, self.clock.now_ms(), exist_ok=True)
         copies = []

@@ -9,6 +9,7 @@ rebuilt from the log. Everything runs on a FakeClock with background=False: no s
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -178,6 +179,24 @@ def test_dead_letter_after_max_delivery_attempts(env: Callable) -> None:
         assert await e.receive() == []  # still dead after a restart, not back in the group
 
     env(body, max_delivery_attempts=3)
+
+
+def test_receives_at_once_write_one_dead_letter_copy(env: Callable) -> None:
+    """An exhausted entry stays in flight until its DLQ copy is durable; two receives at once
+    (two consumers of the group, or a poll while the other waits) each found it and each wrote
+    a copy, so the DLQ held the message twice."""
+    async def body(e: Env) -> None:
+        (sent,) = await e.send("orders", 1)
+        (received,) = await e.receive()
+        assert received.message.message_id == sent
+        e.clock.advance(INVISIBLE_MS)
+        first, second = await asyncio.gather(e.receive(), e.receive())
+        assert first == second == []
+        dead = await e.receive(topic="%DLQ%g", group="dlq-reader")
+        assert [d.message.message_id for d in dead] == [sent]
+        assert e.broker.groups.inflight_count("g", "orders") == 0
+
+    env(body, max_delivery_attempts=1)
 
 
 def test_forward_to_dlq_and_nack(env: Callable) -> None:
