@@ -240,7 +240,7 @@ class TimerService:
         horizon_ms = self.firing.loop_horizon_ms(now_ms)
         damaged: list[TimerEntry] = []
         for entry in self.engine.due(horizon_ms, batch):
-            if entry.position in self._firing or (entry.topic, entry.message_id) in self._holding:
+            if entry.position in self._firing or self._busy((entry.topic, entry.message_id)):
                 continue
             rec = self._read_timer(entry, damaged)
             if rec is not None:
@@ -251,6 +251,12 @@ class TimerService:
                 copies.append(self.delivered_copy(rec, {SYS_FIRED_OFFSET: str(off), SYS_DELAY_LEVEL: str(level)}))
         await self._append_fired(copies)
         return len(copies) + len(damaged)
+
+    def _busy(self, key: tuple[str, str]) -> bool:
+        """A cancel of this timer is being made durable, or its fire is (from any copy: a roll
+        copy made durable first can move the timer to a new position while its fire from the old
+        one still waits for its fsync)."""
+        return key in self._holding or key in self._firing_ids
 
     def _read_timer(self, entry: TimerEntry, damaged: list[TimerEntry]) -> StoredMessage | None:
         """The timer record of a pending `entry`; None (and `entry` added to `damaged`) when the
@@ -299,7 +305,7 @@ class TimerService:
         damaged: list[TimerEntry] = []
         for position in dict.fromkeys(positions):
             entry = self._pending_at(position)
-            if entry is None or position in self._firing or (entry.topic, entry.message_id) in self._holding \
+            if entry is None or position in self._firing or self._busy((entry.topic, entry.message_id)) \
                     or entry.deliver_at_ms > now_ms:
                 continue
             rec = self._read_timer(entry, damaged)

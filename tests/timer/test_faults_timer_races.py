@@ -9,9 +9,12 @@ restores are made by putting back copies of a store's directory taken earlier.
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import threading
 from pathlib import Path
 
+import pytest
 from timer_helpers import START_MS, drain, make_config, open_broker, run
 
 from chronoq.broker import Broker
@@ -221,6 +224,52 @@ def test_a_roll_reads_and_writes_one_chunk_at_a_time(tmp_path: Path) -> None:
             clock.advance(30 * DAY_MS)
             await broker.run_due()
             assert sorted(m.message_id for m in _fired_copies(broker, "orders")) == ids
+        finally:
+            await broker.close()
+
+    run(body())
+
+
+def test_a_timer_indexed_at_its_roll_copy_while_its_fire_is_unwritten_is_not_fired_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job fires timers by position (the Spark engine's FireTimers). A roll copy written first
+    and made durable first moves a timer to its new position while the fire from its old record
+    still waits for its own fsync: for that moment the timer is pending at the new position and
+    firing at the old one. A FireTimers naming the new position fired it a second time."""
+    held, release = threading.Event(), threading.Event()
+    hold = [False]
+    real = os.fdatasync
+
+    def fdatasync(fd: int) -> None:
+        if hold[0] and os.readlink(f"/proc/self/fd/{fd}").endswith(files.SEGMENT_SUFFIX):
+            hold[0] = False
+            held.set()
+            assert release.wait(10)
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+
+    async def body() -> None:
+        clock = FakeClock(START_MS)
+        broker = await _open(tmp_path / "data", clock)
+        try:
+            sent = await broker.send(OutgoingMessage("orders", b"t", message_id="t1", delay_ms=1_000))
+            clock.advance(1_000)
+            hold[0] = True
+            roll = asyncio.ensure_future(broker.timer.roll_before(broker.store.log.end_position, clock.now_ms()))
+            while not held.is_set():  # the roll copy's fsync has begun, and waits
+                await asyncio.sleep(0.001)
+            fire_old = asyncio.ensure_future(broker.fire_timers([sent.position]))
+            await asyncio.sleep(0.01)  # the fired copy is written after the roll copy, not yet fsynced
+            release.set()
+            assert await roll == 1
+            (moved,) = broker.timer.engine.pending_in(sent.position + 1, broker.store.log.end_position, 10)
+            assert moved.message_id == "t1"  # pending at the roll copy; its fire is not durable yet
+            again = await broker.fire_timers([moved.position])
+            assert await fire_old == (1, 0)
+            assert again == (0, 1)
+            assert [m.message_id for m in _fired_copies(broker, "orders")] == ["t1"]
+            assert [m.message_id for m in await drain(broker, "orders")] == ["t1"]
         finally:
             await broker.close()
 
