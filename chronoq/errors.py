@@ -48,7 +48,7 @@ the classes, and every code against the enum:
     41301 MESSAGE_BODY_TOO_LARGE               MessageTooLarge
     41302 MESSAGE_BODY_EMPTY                   MessageBodyEmpty
     42800 PRECONDITION_FAILED                  TimerNotPending (TimerAlreadyFired, TimerAlreadyCancelled)
-    42900 TOO_MANY_REQUESTS                    Throttled (TimerSlotCongested, DiskFull)
+    42900 TOO_MANY_REQUESTS                    Throttled (TimerSlotCongested, DiskFull, TimerIndexRebuilding)
     43101 MESSAGE_PROPERTIES_TOO_LARGE         PropertiesTooLarge
     50001 INTERNAL_SERVER_ERROR                ServerError (BrokerClosed, FlushFailed, FsyncFailed, DataDirLocked,
                                                UnsupportedVersion, LogDamaged, IndexPositionWentBack,
@@ -367,6 +367,16 @@ class TimerSlotCongested(Throttled):
             f"(timer_congest_num_each_slot) is {limit}",
             slot_s=slot_s, count=count, limit=limit,
         )
+
+
+class TimerIndexRebuilding(Throttled):
+    """The timer index was found damaged while running and is being rebuilt from the commit log:
+    until then it may be stale, so a call that would act on it (fire by position, cancel) does
+    nothing. Retry shortly."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"the timer index is being rebuilt from the commit log ({reason}); retry shortly",
+                         reason=reason)
 
 
 class TimerNotFound(BadRequest):

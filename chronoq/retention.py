@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 
 from chronoq.config import Config
-from chronoq.errors import TimerIndexClosed
 from chronoq.store.groups import GroupStore
 from chronoq.store.messagestore import MessageStore
 from chronoq.timer.service import TimerService
@@ -31,22 +30,20 @@ class Retention:
         self.timer = timer
 
     async def step(self, now_ms: int) -> None:
-        limit = await self.store.expired_before(now_ms)
-        try:
-            for pin in (self.groups.min_inflight_position(), self.timer.min_level_position()):
-                if pin is not None:
-                    limit = min(limit, pin)
-            if limit <= self.store.log.start_position:
-                return
-            await self.timer.roll_before(limit, now_ms)
-            pending = self.timer.pending_below(limit)
-        except TimerIndexClosed:
-            # The timer index is closed while it waits to be rebuilt (found damaged, and the
-            # disk had no room to make it again): which timers are pending is unknown, so
-            # nothing is deleted until it is back.
+        if self.timer.index_damaged is not None:
+            # The timer index is being rebuilt (stale until then, or closed while the disk has
+            # no room to make it again): which timers are pending is unknown, so nothing is
+            # rolled or deleted until it is back.
             log.info("retention: the timer index is being rebuilt; deleting nothing this time")
             return
-        if pending:
+        limit = await self.store.expired_before(now_ms)
+        for pin in (self.groups.min_inflight_position(), self.timer.min_level_position()):
+            if pin is not None:
+                limit = min(limit, pin)
+        if limit <= self.store.log.start_position:
+            return
+        await self.timer.roll_before(limit, now_ms)
+        if self.timer.pending_below(limit):
             # A timer the roll skipped (it was being fired or cancelled) is still pending there,
             # or one failed to roll: keep the segments; the next step tries again.
             log.info("retention: pending timers remain below position %d; deleting nothing this time", limit)

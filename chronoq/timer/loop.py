@@ -45,10 +45,6 @@ class TimerLoop:
         self.store = store
         self.service = service
         self._wakeup = asyncio.Event()
-        self._index_damaged: str | None = None
-        """Why the timer index failed while running (set: the loop rebuilds it). Text, never the
-        exception: its traceback holds the failed call's frames, and with them the RocksDB
-        handle, whose lock would then refuse the rebuild's reopen ("in use")."""
         self.index_rebuilds = 0
         self._asleep_until_ms: float = 0
         """While the loop sleeps, the time it will wake by itself (inf: it waits for a wake-up
@@ -68,13 +64,15 @@ class TimerLoop:
     def on_dispatch(self, msgs: list[StoredMessage]) -> None:
         """Durable records: apply them to the index (the store calls this before it releases the
         senders, so an acknowledged timer is indexed) and wake the loop if they touch timers."""
-        if self._index_damaged is None:
+        if self.service.index_damaged is None:
             try:
                 self.service.on_dispatch(msgs, self.clock.now_ms())
             except TimerIndexCorrupt as e:
                 # The records are durable in the log; only the derived index is hurt. The loop
-                # rebuilds it (from the log, these records included); senders go on.
-                self._index_damaged = e.message
+                # rebuilds it (from the log, these records included); senders go on. The reason
+                # is kept as text, never the exception: its traceback holds the failed write's
+                # frames and their RocksDB handle, whose lock would refuse the rebuild's reopen.
+                self.service.index_damaged = e.message
                 self._wakeup.set()
         if self._wakeup.is_set():
             return
@@ -99,25 +97,27 @@ class TimerLoop:
         while True:
             # A full disk is waited out after its `except` block, never in it: the error's
             # traceback holds the failed call's frames (and a RocksDB handle the retry reopens).
-            if self._index_damaged is not None:
+            if self.service.index_damaged is not None:
                 try:
-                    self._rebuild_index(self._index_damaged)
+                    self._rebuild_index(self.service.index_damaged)
                 except DiskFull as e:  # destroyed, but no room to make it again yet
                     self.store.disk.note_full("timer index rebuild", e)
-                if self._index_damaged is not None:
+                if self.service.index_damaged is not None:
                     await asyncio.sleep(self.config.disk_full_retry_ms / 1000)
                     continue
             if self._next_step_ms > self.clock.now_ms():
                 # Timers fired a moment ago: let those falling due meanwhile gather, so they
-                # fire in one step. The step at the end of the gap reads the index anew.
+                # fire in one step. The step at the end of the gap reads the index anew, after
+                # the check above (the index may have been found damaged meanwhile).
                 await self.clock.sleep_until(self._next_step_ms)
+                continue
             now = self.clock.now_ms()
             self._wakeup.clear()
             self.passes += 1
             try:
                 fired = await self.service.fire_due(now)
             except TimerIndexCorrupt as e:
-                self._index_damaged = e.message
+                self.service.index_damaged = e.message
                 continue
             except DiskFull as e:
                 # Fired copies (or the index) found no space: nothing fired; try again soon. The
@@ -174,7 +174,7 @@ class TimerLoop:
         RocksTimerIndex.destroy(path)
         self.service.replace_engine(RocksTimerIndex.open(path, **_index_memory(self.config), disk=self.store.disk))
         self.service.recover(self.store.dispatched_position)
-        self._index_damaged = None
+        self.service.index_damaged = None
         self.index_rebuilds += 1
 
 

@@ -41,6 +41,7 @@ from chronoq.errors import (
     TimerAlreadyCancelled,
     TimerAlreadyFired,
     TimerDisabled,
+    TimerIndexRebuilding,
     TimerNotFound,
     TimerSlotCongested,
 )
@@ -93,6 +94,10 @@ class TimerService:
         """(topic, message id) of the timers in `_firing`: a cancel of one is refused."""
         self.damaged_timers = 0
         """Timers marked DAMAGED since start (their records failed their checks when due)."""
+        self.index_damaged: str | None = None
+        """Why the index was found damaged while running, until the timer loop has rebuilt it.
+        Dispatch skips the index meanwhile, so it may be stale (a fired timer still pending):
+        nothing fires, cancels or rolls by it, and retention waits."""
         self._reserved: Counter[int] = Counter()
         """Per-second count of timers accepted but not yet indexed (for slot congestion)."""
         self.fired_by_topic: dict[str, int] = {}
@@ -301,6 +306,8 @@ class TimerService:
         """Fire the pending timers at these positions (the Spark engine decides when).
         Returns (fired, skipped): a position not pending (fired, cancelled, unknown) is skipped,
         so a retried call fires nothing twice."""
+        if self.index_damaged is not None:
+            raise TimerIndexRebuilding(self.index_damaged)
         copies = []
         damaged: list[TimerEntry] = []
         for position in dict.fromkeys(positions):
@@ -342,6 +349,8 @@ class TimerService:
     # -- cancel and query -------------------------------------------------------------------
 
     async def cancel(self, topic: str, message_id: str, now_ms: int, *, deliver_at_ms: int | None = None) -> None:
+        if self.index_damaged is not None:
+            raise TimerIndexRebuilding(self.index_damaged)
         status = self.engine.lookup(topic, message_id)
         if status is None:
             raise TimerNotFound(topic, message_id)

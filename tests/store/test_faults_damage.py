@@ -498,6 +498,70 @@ def test_a_full_disk_while_a_damaged_timer_is_marked_does_not_stop_the_broker(tm
         gc.enable()
 
 
+def test_a_timer_index_found_damaged_during_the_fire_gap_is_rebuilt_before_the_next_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The index is found damaged while the loop waits out its fire gap: the dispatch that found
+    it (a fired copy's, from a FireTimers call) could not mark that timer fired, so the index
+    says it is pending. The step at the gap's end fired from that stale index, a second time;
+    it must rebuild the index first. Meanwhile a call that would act on the index is refused."""
+    from chronoq.errors import TimerIndexRebuilding
+    from chronoq.timer import index_txn
+    from chronoq.timer.index_codec import MalformedValue
+
+    real_finish = index_txn.IndexTxn.finish
+    armed = [False]
+
+    def finish(self: index_txn.IndexTxn, indexed_position: int) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise MalformedValue("a pending count would go negative (injected)")
+        real_finish(self, indexed_position)
+
+    async def body() -> None:
+        clock = FakeClock(START_MS)
+        broker = await Broker.open(_config(tmp_path / "data", timer_fire_gap_ms=5), clock=clock, background=True)
+        try:
+            monkeypatch.setattr(index_txn.IndexTxn, "finish", finish)
+            await broker.send(OutgoingMessage("t", b"a", message_id="a", delay_ms=1_000))
+            b = await broker.send(OutgoingMessage("t", b"b", message_id="b", delay_ms=1_002))
+            clock.advance(1_000)  # "a" fires; the loop waits out the gap until +1_005
+            for _ in range(300):
+                if broker.query("a", "t")[0].state is TimerState.DELIVERED:
+                    break
+                await asyncio.sleep(0.01)
+            clock.advance(2)
+            # A new timer due within the gap wakes the loop, which then sleeps out the rest of
+            # the gap (the damage below cannot wake it from that sleep).
+            await broker.send(OutgoingMessage("t", b"c", message_id="c", delay_ms=1))
+            await asyncio.sleep(0.05)
+            armed[0] = True  # "b"'s fired copy is durable, its index write finds the damage
+            assert await broker.fire_timers([b.position]) == (1, 0)
+            assert broker.timer.index_damaged is not None and broker.index_rebuilds == 0
+            with pytest.raises(TimerIndexRebuilding):
+                await broker.fire_timers([b.position])
+            clock.advance(3)  # the gap ends
+            for _ in range(300):
+                if broker.index_rebuilds:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+            assert broker.index_rebuilds == 1 and broker.fatal is None
+            assert broker.query("b", "t")[0].state is TimerState.DELIVERED
+            for _ in range(300):
+                if broker.query("c", "t")[0].state is TimerState.DELIVERED:
+                    break
+                await asyncio.sleep(0.01)
+            assert sorted(m.message_id for m in await _drain(broker, "t")) == ["a", "b", "c"]  # each once
+        finally:
+            await broker.close()
+
+    gc.disable()
+    try:
+        asyncio.run(body())
+    finally:
+        gc.enable()
+
+
 @pytest.mark.slow
 def test_chronoq_serve_on_a_damaged_copy_stays_up_and_serves(tmp_path: Path) -> None:
     """As a new user would: copy a data directory, flip bytes in a pending timer's record and in
