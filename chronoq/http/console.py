@@ -14,9 +14,11 @@ what is the console's own:
 - `ErrorHistory` samples the delivery-error histogram every `console_sample_interval_ms` and keeps
   the last `console_history_samples` intervals (count, p50, p99, max of *that* interval, from the
   difference of two snapshots of the cumulative histogram); it is in memory and restarts empty;
-- `Access.check(request, role)` is the one door every console call goes through ("read" for
-  views, "admin" for cancel), called by `HttpServer.call` before it calls an admin method; with
-  auth on it turns the browser's HTTP Basic credentials into the caller the admin methods check.
+- `Access.check(request, role)` is the one door every HTTP call but `/healthz` goes through
+  ("read" for a topic's views, "admin" for cancel and for the broker-wide views that call no
+  admin method: `/metrics` and the delivery-error chart), called by `HttpServer.call` before it
+  calls an admin method; with auth on it turns the HTTP Basic credentials (a browser's, or a
+  Prometheus scrape's `basic_auth`) into the caller the admin methods check.
 
 Nothing here blocks: each function does bounded work (limits in `config.py`).
 """
@@ -35,7 +37,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from chronoq.config import DAY_MS, HOUR_MS, MINUTE_MS, SECOND_MS
-from chronoq.errors import ConsoleInputError, PermissionDenied, Unauthorized
+from chronoq.errors import ConsoleInputError, Unauthorized
 from chronoq.errors import (
     Forbidden as Forbidden,  # re-exported: the access check raises it (errors.py defines every client-visible error)
 )
@@ -58,7 +60,11 @@ class Access:
     sends HTTP Basic credentials, the user's access key and secret key (a page cannot sign
     RocketMQ's HMAC headers), checked by the same `Authenticator` as the gRPC services; the
     resulting `Principal` is what the admin methods then check, so the console may do no more
-    than the same user through the CLI. Cancel asks in addition for the admin role."""
+    than the same user through the CLI. "admin" asks in addition for the admin role, through the
+    same `Principal.require_admin` the admin methods use: cancel, and the broker-wide views that
+    call no admin method (`/metrics` names every topic and group, the delivery-error chart spans
+    every topic). The overview and the pending chart are admin only through their admin methods
+    (Stats, PendingByDue), so one user sees the same thing through every door."""
 
     def __init__(self, authenticator: Authenticator | None = None) -> None:
         self.authenticator = authenticator
@@ -69,8 +75,8 @@ class Access:
             return ANONYMOUS
         access_key, secret_key = basic_credentials(request.headers.get("Authorization", ""))
         principal = auth.password(access_key, secret_key)
-        if role == "admin" and not principal.admin:
-            raise PermissionDenied(principal.name, "cancel timers from", "the console (admin only)")
+        if role == "admin":
+            principal.require_admin(f"{request.method} {request.path}")
         return principal
 
 

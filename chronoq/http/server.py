@@ -8,13 +8,17 @@ broker steps, with no lock and no copy, and costs the hot path nothing until som
 search and chart limits in `config.py`), so a scrape or a console click never stalls the loop.
 
 Routes:
-- `GET /metrics`: the Prometheus text format, by prometheus_client from `BrokerCollector`.
+- `GET /metrics`: the Prometheus text format, by prometheus_client from `BrokerCollector`. It
+  names every topic and consumer group, so with auth on it asks for an admin user's HTTP Basic
+  credentials (`Access.check(request, "admin")`; Prometheus: `basic_auth` in the scrape config).
 - `GET /healthz`: 200 `{"ready": true, ...}` while the broker accepts sends; otherwise 503 with
   the reason (the broker failed, shutting down, the disk below `disk_min_free_bytes`).
 - `GET /`: the console page (`static/`); its script calls the JSON endpoints under `/api/` and
   shows the SVG charts under `/chart/`. They call the admin service's methods in process (the same
   API as the gRPC admin service and the CLI), each through `HttpServer.call`: the access check
-  (`Access.check`, `http/console.py`: "read", or "admin" for cancel), then the method.
+  (`Access.check`, `http/console.py`: "read", or "admin" for cancel), then the method. The
+  delivery-error chart calls no admin method and spans every topic: it asks for "admin" itself.
+  `/healthz` alone answers without credentials (it says only whether the broker is ready).
 
 Errors are converted at one point, `_errors`: a `ChronoqError` (bad input, unknown topic or
 message, a refused cancel) becomes a JSON reply `{"error", "message", "details"}` (details: the
@@ -154,6 +158,7 @@ class HttpServer:
     # -- operators' endpoints ------------------------------------------------------------------
 
     async def metrics(self, request: web.Request) -> web.Response:
+        self.access.check(request, "admin")  # every topic's and group's name: a broker-wide view
         body = generate_latest(self.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -257,6 +262,6 @@ class HttpServer:
         return web.Response(text=svg, content_type="image/svg+xml", headers={"Cache-Control": "no-store"})
 
     async def error_chart(self, request: web.Request) -> web.Response:
-        self.access.check(request, "read")
+        self.access.check(request, "admin")  # every topic's deliveries: broker-wide, like Stats
         svg = error_chart_svg(list(self.history.samples), self.config.console_sample_interval_ms)
         return web.Response(text=svg, content_type="image/svg+xml", headers={"Cache-Control": "no-store"})

@@ -92,3 +92,28 @@ def test_console_asks_for_credentials_and_checks_them_like_the_grpc_services(tmp
             assert broker.query("o-1", "orders")[0].state is TimerState.CANCELLED
 
     arun(body())
+
+
+def test_metrics_and_the_error_chart_are_for_admins(tmp_path: Path, arun: Any) -> None:
+    """/metrics names every topic and group, and the delivery-error chart spans every topic: with
+    auth on both ask for an admin's HTTP Basic credentials (a Prometheus scrape's `basic_auth`),
+    like the other broker-wide views. /healthz says only whether the broker is ready: open."""
+    async def body() -> None:
+        async with console(tmp_path) as (broker, base):
+            await broker.send(OutgoingMessage("secret-payroll", b"x", deliver_at_ms=T0 + 3_600_000))
+            await broker.receive("hr-group", "secret-payroll", wait_ms=0)
+            for path in ("/metrics", "/chart/error.svg"):
+                status, reply_headers, reply = await call("GET", base + path)
+                assert status == 401, (path, reply)
+                assert reply_headers["WWW-Authenticate"].startswith("Basic ")
+                assert "secret-payroll" not in str(reply) and "hr-group" not in str(reply)
+                status, _, reply = await call("GET", base + path, APP)
+                assert status == 403 and reply["error"] == "PermissionDenied", (path, reply)
+                assert reply["message"] == f"access key 'orders-app' may not call GET {path} (admin only)"
+                assert "secret-payroll" not in str(reply)
+                assert (await call("GET", base + path, ADMIN))[0] == 200, path
+            status, _, text = await call("GET", base + "/metrics", ADMIN)
+            assert 'topic="secret-payroll"' in text and 'group="hr-group"' in text
+            assert (await call("GET", base + "/healthz"))[0] == 200
+
+    arun(body())
