@@ -43,6 +43,11 @@ def encode_reply(doc: Mapping[str, Any]) -> bytes:
     return json.dumps(doc, separators=(",", ":")).encode("utf-8")
 
 
+def encoded_size(doc: Any) -> int:
+    """Bytes `doc` takes in a reply body (`encode_reply`'s separators; ASCII, so characters are bytes)."""
+    return len(json.dumps(doc, separators=(",", ":")))
+
+
 def ok_json(**result: Any) -> dict[str, Any]:
     return {"code": OK_CODE, "message": "OK", **result}
 

@@ -21,6 +21,12 @@ request also names); QueryMessage by id publish or subscribe on its topic (admin
 ReadMessages subscribe; DescribeTopic publish or subscribe; ListTopics lists only the topics the
 caller may publish or subscribe to (any authenticated caller may list: the SDK's `ping`).
 
+ReadMessages caps its reply by count (`max_send_batch`) and by bytes (`read_reply_budget_bytes`,
+`READ_REPLY_MARGIN_BYTES` below gRPC's send limit, which follows `max_message_size_bytes`), always
+carrying at least one message; it reads a few messages at a time, so the server never holds more
+than about one reply (not a send batch of messages at the size limit). `next_offset` is where to
+read on; `truncated` says the byte budget stopped the reply with messages left.
+
 SendBatch reports per message: messages that fail to decode get their own error entry and the
 rest go to `Broker.send_batch(partial=True)` in one durable write, which reports each message's
 outcome in its slot (one bad message does not fail the others).
@@ -50,12 +56,21 @@ log = logging.getLogger(__name__)
 
 Method = Callable[[dict[str, Any], Principal], Awaitable[dict[str, Any]]]
 
+READ_REPLY_MARGIN_BYTES = 64 * 1024
+"""Room for a ReadMessages reply's envelope (code, message, next_offset, truncated) between its
+messages' byte budget and gRPC's send limit (`serve.max_request_bytes`)."""
+
 
 class AdminService:
     def __init__(self, broker: Any, config: Config, authenticator: Authenticator | None = None) -> None:
         self.broker = broker
         self.config = config
         self.auth = authenticator or Authenticator(AUTH_OFF)
+        from chronoq.server.serve import max_request_bytes  # serve imports this module
+
+        self.read_reply_budget_bytes = max_request_bytes(config) - READ_REPLY_MARGIN_BYTES
+        """The most encoded JSON of messages one ReadMessages reply carries: below gRPC's send
+        limit (`max_request_bytes`, from `max_message_size_bytes`) by the reply's envelope."""
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         methods: dict[str, Method] = {
@@ -210,10 +225,36 @@ class AdminService:
         max_messages = codec.arg_int(doc, "max_messages") or 0
         if max_messages <= 0:
             raise InvalidField("max_messages", f"{max_messages} must be positive")
-        # One reply carries at most a send batch's worth; `next_offset` says where to go on.
-        messages = await self.broker.read(topic, queue_id, offset, min(max_messages, self.config.max_send_batch))
-        next_offset = messages[-1].queue_offset + 1 if messages else offset
-        return codec.ok_json(messages=[codec.stored_message_json(m) for m in messages], next_offset=next_offset)
+        entries, next_offset, truncated = await self._read_within_budget(
+            topic, queue_id, offset, min(max_messages, self.config.max_send_batch))
+        return codec.ok_json(messages=entries, next_offset=next_offset, truncated=truncated)
+
+    async def _read_within_budget(self, topic: str, queue_id: int, offset: int,
+                                  want: int) -> tuple[list[dict[str, Any]], int, bool]:
+        """ReadMessages' reply: at most `want` messages (a send batch's worth) and at most
+        `read_reply_budget_bytes` of encoded JSON, so the reply fits gRPC's send limit whatever
+        the messages' sizes; the first message always goes (one message at the size limit fits
+        alone), so a caller pages past a big one. Read a few at a time, never more than the
+        budget left could hold at the message size limit, so the server holds at most about one
+        reply's worth (not `want` messages of 4 MiB). Returns (entries, next_offset, truncated):
+        `truncated` says the byte budget stopped the reply with messages left before `want`."""
+        budget, max_size = self.read_reply_budget_bytes, self.config.max_message_size_bytes
+        entries: list[dict[str, Any]] = []
+        used, next_offset = 0, offset
+        while len(entries) < want:
+            chunk = max(1, min(want - len(entries), (budget - used) // max_size))
+            messages = await self.broker.read(topic, queue_id, next_offset, chunk)
+            if not messages:
+                break
+            for m in messages:
+                entry = codec.stored_message_json(m)
+                size = codec.encoded_size(entry) + 1  # the comma between entries
+                if entries and used + size > budget:
+                    return entries, next_offset, True
+                entries.append(entry)
+                used += size
+                next_offset = m.queue_offset + 1
+        return entries, next_offset, False
 
     async def stats(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
         caller.require_admin("Stats")

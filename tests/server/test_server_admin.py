@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import time
 from pathlib import Path
 
 from server_harness import running
+
+from chronoq.server.auth import ANONYMOUS
 
 
 def run(coro) -> None:
@@ -112,4 +115,44 @@ def test_stats_and_malformed_requests(tmp_path: Path) -> None:
             assert wrong["error"] == "InvalidField" and "queue_id" in wrong["message"]
             empty = await h.admin("SendBatch", {"messages": []})
             assert empty["error"] == "InvalidBatchSize"
+    run(body())
+
+
+def test_read_messages_caps_its_reply_by_bytes_and_pages_past_big_messages(tmp_path: Path) -> None:
+    """Large messages: a reply holds what fits in the byte budget below gRPC's send limit, says
+    `truncated`, and `next_offset` pages on; before, 12 messages of 250 KiB made one reply of 4 MiB,
+    over the 1.5 MiB limit of this config, and the call always failed."""
+    from chronoq.model import OutgoingMessage
+    from chronoq.server.admin_service import AdminService
+    from chronoq.server.serve import max_request_bytes
+
+    async def body() -> None:
+        async with running(tmp_path, max_message_size_bytes=256 * 1024, flush="async") as h:
+            await h.broker.create_topic("big", 1)
+            sizes = [250 * 1024] * 6 + [10] * 3 + [250 * 1024] * 3
+            await h.broker.send_batch([OutgoingMessage(topic="big", body=bytes([i]) * n) for i, n in enumerate(sizes)])
+            got: list[int] = []
+            offset, replies = 0, 0
+            while offset < len(sizes):
+                raw = await h.channel.unary_unary("/chronoq.admin.v1.Admin/ReadMessages")(
+                    json.dumps({"topic": "big", "queue_id": 0, "offset": offset, "max_messages": 1024}).encode(),
+                    timeout=10)
+                assert len(raw) <= max_request_bytes(h.broker.config)
+                reply = json.loads(raw)
+                assert reply["code"] == 20000, reply
+                got += [m["queue_offset"] for m in reply["messages"]]
+                assert [base64.b64decode(m["body_b64"]) for m in reply["messages"]] == \
+                    [bytes([i]) * sizes[i] for i in range(offset, reply["next_offset"])]
+                assert reply["truncated"] is (reply["next_offset"] < len(sizes))
+                offset, replies = reply["next_offset"], replies + 1
+            assert got == list(range(len(sizes))) and 3 <= replies <= 5
+
+            # A budget smaller than any message: one message per reply, never none.
+            admin = AdminService(h.broker, h.broker.config)
+            admin.read_reply_budget_bytes = 1
+            for offset in range(len(sizes)):
+                reply = await admin.read_messages({"topic": "big", "queue_id": 0, "offset": offset,
+                                                   "max_messages": 5}, ANONYMOUS)
+                assert [m["queue_offset"] for m in reply["messages"]] == [offset]
+                assert reply["next_offset"] == offset + 1 and reply["truncated"] is (offset + 1 < len(sizes))
     run(body())
