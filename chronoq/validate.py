@@ -103,6 +103,20 @@ def check_keys_count(count: int, config: Config) -> None:
         raise InvalidKeys(f"{count} keys; the limit (max_keys_count) is {config.max_keys_count}")
 
 
+def check_key(key: object) -> str:
+    """One message key as a lookup names it (admin QueryMessage by key): the rule every stored key
+    follows (`_check_keys`), so a key no message can carry is refused rather than looked up. An
+    over-long key is quoted only in part (the error goes back to whoever sent it, and into logs)."""
+    if not isinstance(key, str):
+        raise InvalidKeys(f"a key must be text, not {type(key).__name__}")
+    size = len(encode_keys((key,)))
+    if size > MAX_U16:
+        raise InvalidKeys(f"key {key[:64]!r}... takes {size} bytes; the record format allows {MAX_U16}")
+    if not key or not _text_ok(key):
+        raise InvalidKeys(f"key {key!r} is empty or has control characters")
+    return key
+
+
 def check_property_count(count: int, config: Config) -> None:
     if count > config.max_property_count:
         raise PropertiesTooLarge("property count", count, config.max_property_count)

@@ -51,6 +51,7 @@ from chronoq.server.auth import AUTH_OFF, Authenticator, Principal
 from chronoq.server.grpc_service import authenticate
 from chronoq.timefmt import duration
 from chronoq.timer.recall import decode_recall_handle
+from chronoq.validate import check_key, check_message_id
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,10 @@ class AdminService:
     async def query_message(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
         message_id = codec.arg_str(doc, "message_id", required=False)
         key = codec.arg_str(doc, "key", required=False)
+        if message_id:
+            check_message_id(message_id, self.config)  # the rule of every door, before the index sees it
+        elif key:
+            check_key(key)
         topic = codec.arg_topic(doc, self.config) if doc.get("topic") is not None else None
         if topic is not None and message_id:
             caller.require_see(topic)
@@ -148,8 +153,9 @@ class AdminService:
             message_id = await self.broker.cancel(recall_handle=recall_handle, topic=topic)
         else:
             topic = codec.arg_topic(doc, self.config)
+            message_id = check_message_id(codec.arg_str(doc, "message_id"), self.config)
             caller.require_publish([topic])
-            message_id = await self.broker.cancel(topic=topic, message_id=codec.arg_str(doc, "message_id"))
+            message_id = await self.broker.cancel(topic=topic, message_id=message_id)
         return codec.ok_json(message_id=message_id)
 
     async def search_timers(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:

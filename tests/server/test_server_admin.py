@@ -156,3 +156,31 @@ def test_read_messages_caps_its_reply_by_bytes_and_pages_past_big_messages(tmp_p
                 assert [m["queue_offset"] for m in reply["messages"]] == [offset]
                 assert reply["next_offset"] == offset + 1 and reply["truncated"] is (offset + 1 < len(sizes))
     run(body())
+
+
+def test_query_and_cancel_check_ids_and_keys_like_every_door(tmp_path: Path) -> None:
+    """A message id or key no message can carry gets the same specific error as through the
+    gRPC path (before: a 100,000-character one reached the index and came back 50000, an empty
+    or control-character id a TimerNotFound)."""
+    async def body() -> None:
+        async with running(tmp_path) as h:
+            await h.admin("CreateTopic", {"name": "t1"})
+            long_id, long_key = "a" * 100_000, "k" * 100_000
+            cases = [
+                ("QueryMessage", {"message_id": long_id, "topic": "t1"}, "InvalidMessageId", "max_message_id_length"),
+                ("QueryMessage", {"message_id": long_id}, "InvalidMessageId", "max_message_id_length"),
+                ("QueryMessage", {"message_id": "a\x00b", "topic": "t1"}, "InvalidMessageId", "printable ASCII"),
+                ("QueryMessage", {"key": long_key}, "InvalidKeys", "the record format allows 65535"),
+                ("QueryMessage", {"key": "a\x00b"}, "InvalidKeys", "control characters"),
+                ("CancelMessage", {"message_id": long_id, "topic": "t1"}, "InvalidMessageId", "max_message_id_length"),
+                ("CancelMessage", {"message_id": "a\x00b", "topic": "t1"}, "InvalidMessageId", "printable ASCII"),
+                ("CancelMessage", {"message_id": "", "topic": "t1"}, "InvalidMessageId", "empty"),
+            ]
+            for method, doc, error, says in cases:
+                reply = await h.admin(method, doc)
+                assert reply["code"] in (40005, 40009) and reply["error"] == error, (method, reply)
+                assert says in reply["message"] and len(reply["message"]) < 300, reply
+            # Well-formed ids and keys are still looked up.
+            assert (await h.admin("QueryMessage", {"message_id": "no-such-id", "topic": "t1"}))["statuses"] == []
+            assert (await h.admin("QueryMessage", {"key": "no-such-key"}))["statuses"] == []
+    run(body())
