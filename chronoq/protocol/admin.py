@@ -102,6 +102,26 @@ def arg_int(doc: Mapping[str, Any], name: str, *, required: bool = True) -> int 
     return value
 
 
+MAX_STORED_INT = 2**63 - 1
+"""The largest time or position the broker stores (a signed 64-bit field on disk and in the index)."""
+
+
+def show_int(value: int) -> str:
+    """An integer for an error message: in full up to 30 digits, else its sign and digit count."""
+    text = str(value)
+    return text if len(text) <= 30 else f"{'-' if value < 0 else ''}a {len(text.lstrip('-'))}-digit number"
+
+
+def arg_stored_int(doc: Mapping[str, Any], name: str, what: str) -> int:
+    """A required integer the broker stores or indexes (a time in ms, a commit-log position):
+    0 <= value <= MAX_STORED_INT, refused here with the field's name rather than met by the
+    index's encoder. `what` says what the value is, for the error."""
+    value = arg_int(doc, name) or 0  # required: arg_int raises MissingField rather than return None
+    if not 0 <= value <= MAX_STORED_INT:
+        raise InvalidField(name, f"{show_int(value)} is not a {what} in 0..2^63-1")
+    return value
+
+
 def arg_topic(doc: Mapping[str, Any], config: Config, name: str = "topic") -> str:
     return decode_topic_name(arg_str(doc, name) or "", config)
 

@@ -168,10 +168,9 @@ class AdminService:
             caller.require_see(topic)
         else:
             caller.require_admin("SearchTimers without a topic")
-        from_ms, to_ms = codec.arg_int(doc, "from_ms") or 0, codec.arg_int(doc, "to_ms") or 0
+        from_ms = codec.arg_stored_int(doc, "from_ms", "time in ms since 1970")
+        to_ms = codec.arg_stored_int(doc, "to_ms", "time in ms since 1970")
         limit = codec.arg_int(doc, "limit", required=False) or self.config.timer_search_max_rows
-        if from_ms < 0:
-            raise InvalidField("from_ms", f"{from_ms} is before 1970")
         if to_ms <= from_ms:
             raise InvalidField("to_ms", f"the range must end after it starts ({from_ms} .. {to_ms})")
         max_range_ms = self.config.timer_search_max_range_ms
@@ -213,10 +212,14 @@ class AdminService:
         commit-log positions, if due. Idempotent: a position already fired is skipped."""
         caller.require_admin("FireTimers")
         positions = doc.get("positions")
-        if not isinstance(positions, list) or not all(type(p) is int and p >= 0 for p in positions):
-            raise MalformedRequest("FireTimers", "'positions' must be a list of non-negative integers")
+        if not isinstance(positions, list) or not all(type(p) is int for p in positions):
+            raise MalformedRequest("FireTimers", "'positions' must be a list of commit-log positions (integers)")
         if len(positions) > self.config.max_send_batch:
             raise InvalidBatchSize(len(positions), self.config.max_send_batch)
+        for i, p in enumerate(positions):
+            if not 0 <= p <= codec.MAX_STORED_INT:
+                raise InvalidField(f"positions[{i}]", f"{codec.show_int(p)} is not a commit-log position "
+                                                      "in 0..2^63-1")
         fired, skipped = await self.broker.fire_timers(positions)
         return codec.ok_json(fired=fired, skipped=skipped)
 

@@ -184,3 +184,31 @@ def test_query_and_cancel_check_ids_and_keys_like_every_door(tmp_path: Path) -> 
             assert (await h.admin("QueryMessage", {"message_id": "no-such-id", "topic": "t1"}))["statuses"] == []
             assert (await h.admin("QueryMessage", {"key": "no-such-key"}))["statuses"] == []
     run(body())
+
+
+def test_search_and_fire_refuse_times_and_positions_beyond_what_is_stored(tmp_path: Path) -> None:
+    """Integers past 2^63 reached the timer index's encoder and came back as a false
+    TimerIndexCorrupt (50001); they are a bad request naming the field, and the index is fine."""
+    async def body() -> None:
+        async with running(tmp_path) as h:
+            await h.admin("CreateTopic", {"name": "t1"})
+            now = h.broker.clock.now_ms()
+            cases = [
+                ("SearchTimers", {"from_ms": 2**70, "to_ms": 2**70 + 1}, "from_ms", "1180591620717411303424 is not a"),
+                ("SearchTimers", {"from_ms": 2**63, "to_ms": 2**63 + 1}, "from_ms", "is not a time in ms since 1970"),
+                ("SearchTimers", {"from_ms": now, "to_ms": 2**63}, "to_ms", "9223372036854775808 is not a time"),
+                ("SearchTimers", {"from_ms": -1, "to_ms": 5}, "from_ms", "-1 is not a time in ms since 1970"),
+                ("SearchTimers", {"from_ms": 10**40, "to_ms": 1}, "from_ms", "a 41-digit number is not"),
+                ("FireTimers", {"positions": [0, 2**70]}, "positions[1]", "is not a commit-log position in 0..2^63-1"),
+                ("FireTimers", {"positions": [-1]}, "positions[0]", "-1 is not a commit-log position"),
+            ]
+            for method, doc, field, says in cases:
+                reply = await h.admin(method, doc)
+                assert (reply["code"], reply["error"]) == (40000, "InvalidField"), (method, doc, reply)
+                assert reply["details"]["field"] == field and says in reply["message"], reply
+            # The top of the range is accepted, and the index still answers.
+            reply = await h.admin("SearchTimers", {"from_ms": 2**63 - 2, "to_ms": 2**63 - 1})
+            assert reply["code"] == 20000 and reply["timers"] == [], reply
+            assert (await h.admin("FireTimers", {"positions": [2**63 - 1]}))["code"] == 20000
+            assert (await h.admin("Stats", {}))["code"] == 20000
+    run(body())
