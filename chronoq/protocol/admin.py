@@ -32,7 +32,9 @@ _MISSING = object()
 def parse_request(method: str, data: bytes) -> dict[str, Any]:
     try:
         doc = json.loads(data.decode("utf-8")) if data else {}
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:
+        # ValueError covers UnicodeDecodeError, JSONDecodeError, and the plain ValueError of an
+        # integer literal over Python's int-conversion limit (4,300 digits): all undecodable bodies.
         raise MalformedRequest(method, f"the body is not UTF-8 JSON ({type(exc).__name__}: {exc})") from None
     if not isinstance(doc, dict):
         raise MalformedRequest(method, f"the body must be a JSON object, not {type(doc).__name__}")

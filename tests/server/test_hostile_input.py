@@ -39,6 +39,7 @@ from chronoq.client import AsyncConsumer, AsyncProducer
 from chronoq.config import Config, ConfigError
 from chronoq.protocol import admin as admin_codec
 from chronoq.protocol import signature
+from chronoq.protocol.errors import MalformedRequest
 from chronoq.server.auth import AuthConfig, Authenticator, User, load_auth, parse_auth
 from chronoq.store import commitlog, consumequeue, groups, meta, record
 from chronoq.timer import index_codec
@@ -101,6 +102,16 @@ def test_admin_bodies_raise_only_chronoq_errors(method: str, body: bytes) -> Non
 def test_deeply_nested_admin_json_is_a_malformed_request_not_a_crash() -> None:
     with pytest.raises(core.ChronoqError):
         admin_codec.parse_request("Stats", b"[" * 100_000 + b"]" * 100_000)
+
+
+@pytest.mark.parametrize("body", [b"1" * 5000, b'{"from_ms": ' + b"1" * 5000 + b"}",
+                                  b'{"messages": [{"deliver_at_ms": -' + b"9" * 4301 + b"}]}"])
+def test_an_integer_literal_over_the_conversion_limit_is_a_malformed_request(body: bytes) -> None:
+    """json.loads raises a plain ValueError (not JSONDecodeError) for an integer of more than
+    4,300 digits; it is an undecodable body like any other, not a 50000."""
+    with pytest.raises(MalformedRequest) as caught:
+        admin_codec.parse_request("SearchTimers", body)
+    assert "the body is not UTF-8 JSON (ValueError: Exceeds the limit (4300 digits)" in caught.value.message
 
 
 toml_scalar = st.one_of(st.booleans(), st.integers(-(2**63), 2**63 - 1), st.text(max_size=12),
@@ -176,7 +187,7 @@ ADMIN_METHODS = ["CreateTopic", "ListTopics", "DescribeTopic", "QueryMessage", "
 def test_every_admin_method_answers_garbage_with_a_json_code(tmp_path: Path, arun: Any, auth: AuthConfig) -> None:
     bodies = [b"", b"\xff", b"[]", b"null", b'{"name": 5}', b'{"messages": [{}]}', b'{"positions": [-1]}',
               b'{"recall_handle": "AAAA"}', b'{"topic": "t", "queue_id": "x", "max_messages": 1e99}',
-              b'{"max_messages": 9999999999999999999999}', b"[" * 5000]
+              b'{"max_messages": 9999999999999999999999}', b"[" * 5000, b'{"from_ms": ' + b"1" * 5000 + b"}"]
 
     async def body() -> None:
         async with running(tmp_path, auth) as srv, grpc.aio.insecure_channel(srv.address) as channel:
