@@ -4,7 +4,9 @@ Theory of operation: RocketMQ v2 has no admin RPCs, so chronoq serves `chronoq.a
 beside it on the same port, with UTF-8 JSON objects as request and reply bodies (no .proto to
 compile; any gRPC client can call it with identity serializers). This module is its codec, pure
 like `requests`/`responses`: `parse_request` turns bytes into a dict or raises
-`MalformedRequest`; the `arg_*` readers take one field with its type checked; the `*_json`
+`MalformedRequest`; the `arg_*` readers take one field with its type checked (text must be
+valid Unicode, `check_text`: JSON can spell lone UTF-16 surrogates, which nothing downstream can
+encode; integers the broker stores must fit 0..2^63-1, `arg_stored_int`); the `*_json`
 functions turn model values into JSON-ready dicts. Every reply is `{"code": 20000, "message":
 "OK", ...result}` or `error_json(err)`: `{"code", "message", "error": class name, "retriable"}`.
 """
@@ -82,6 +84,19 @@ def internal_json(err: BaseException) -> dict[str, Any]:
 # -- typed field readers -----------------------------------------------------------------------
 
 
+def check_text(name: str, value: str) -> str:
+    """`value` is valid Unicode text. JSON's `\\ud800` escapes decode to lone UTF-16 surrogates,
+    which json.loads accepts and nothing can encode as UTF-8 (the record, the index, a log line):
+    refused here, where the JSON is read, naming the field and where the surrogate is."""
+    if not value.isascii():  # ASCII, the usual case, needs no encoding to be sure
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidField(name, f"character {exc.start} is a lone UTF-16 surrogate "
+                                     f"(U+{ord(value[exc.start]):04X}); text must be valid Unicode") from None
+    return value
+
+
 def arg_str(doc: Mapping[str, Any], name: str, *, required: bool = True) -> str | None:
     value = doc.get(name, _MISSING)
     if value is _MISSING or value is None:
@@ -90,7 +105,7 @@ def arg_str(doc: Mapping[str, Any], name: str, *, required: bool = True) -> str 
         return None
     if not isinstance(value, str):
         raise InvalidField(name, f"must be a string, not {type(value).__name__}")
-    return value
+    return check_text(name, value)
 
 
 def arg_int(doc: Mapping[str, Any], name: str, *, required: bool = True) -> int | None:
@@ -147,10 +162,10 @@ def _str_list(doc: Mapping[str, Any], name: str) -> tuple[str, ...]:
     if value is None:
         return ()
     if isinstance(value, str):
-        return (value,)
+        return (check_text(name, value),)
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise InvalidField(name, "must be a string or a list of strings")
-    return tuple(value)
+    return tuple(check_text(f"{name}[{i}]", v) for i, v in enumerate(value))
 
 
 def _str_map(doc: Mapping[str, Any], name: str) -> dict[str, str]:
@@ -159,6 +174,9 @@ def _str_map(doc: Mapping[str, Any], name: str) -> dict[str, str]:
         return {}
     if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
         raise InvalidField(name, "must be an object of string values")
+    for k, v in value.items():
+        check_text(f"{name} key", k)
+        check_text(f"{name}[{k!r}]", v)
     return dict(value)
 
 

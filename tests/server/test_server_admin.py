@@ -212,3 +212,42 @@ def test_search_and_fire_refuse_times_and_positions_beyond_what_is_stored(tmp_pa
             assert (await h.admin("FireTimers", {"positions": [2**63 - 1]}))["code"] == 20000
             assert (await h.admin("Stats", {}))["code"] == 20000
     run(body())
+
+
+def test_lone_surrogates_are_refused_per_field_and_per_message(tmp_path: Path) -> None:
+    """JSON's "\\ud800" decodes to a lone surrogate, which json.loads accepts and UTF-8 cannot
+    encode: it reached the record encoder (SendBatch, failing the whole batch with 50000 and, with
+    timer_congest_num_each_slot on, leaving the slots of the entries before it reserved) or the
+    index (QueryMessage, CancelMessage). It is now a 40000 naming the field, in SendBatch in the
+    bad entry's own slot while the others are stored."""
+    async def body() -> None:
+        async with running(tmp_path, timer_congest_num_each_slot=3) as h:
+            await h.admin("CreateTopic", {"name": "t1"})
+            due = (h.broker.clock.now_ms() // 1000 + 3600) * 1000
+            timer = json.dumps({"topic": "t1", "body_b64": b64(b"x"), "deliver_at_ms": due}).encode()
+            bad = [b'{"topic":"t1","body_b64":"eA==","tag":"\\ud800"}',
+                   b'{"topic":"t1","body_b64":"eA==","keys":["ok","a\\udc00"]}',
+                   b'{"topic":"t1","body_b64":"eA==","keys":"\\udc00"}',
+                   b'{"topic":"t1","body_b64":"eA==","properties":{"a":"x\\ud800"}}',
+                   b'{"topic":"t1","body_b64":"eA==","properties":{"\\ud800":"x"}}']
+            reply = await h.admin("SendBatch", b'{"messages":[' + b",".join([timer, timer, *bad]) + b"]}")
+            assert reply["code"] == 20000, reply
+            results = reply["results"]
+            assert all("message_id" in r for r in results[:2]), results
+            fields = ["tag", "keys[1]", "keys", "properties['a']", "properties key"]
+            for r, field in zip(results[2:], fields, strict=True):
+                err = r["error"]
+                assert (err["code"], err["error"], err["details"]["field"]) == (40000, "InvalidField", field), r
+                assert "lone UTF-16 surrogate" in err["message"], r
+            assert "character 1 is a lone UTF-16 surrogate (U+D800)" in results[5]["error"]["message"]
+            assert h.broker.timer.engine.pending_total == 2
+            # The slot keeps room for exactly one more timer (limit 3): nothing was left reserved.
+            third = await h.admin("SendBatch", {"messages": [json.loads(timer)]})
+            assert "message_id" in third["results"][0], third
+
+            for method, raw, field in [("QueryMessage", b'{"key":"\\ud800"}', "key"),
+                                       ("QueryMessage", b'{"message_id":"\\ud800","topic":"t1"}', "message_id"),
+                                       ("CancelMessage", b'{"message_id":"\\ud800","topic":"t1"}', "message_id")]:
+                reply = await h.admin(method, raw)
+                assert (reply["code"], reply["error"], reply["details"]["field"]) == (40000, "InvalidField", field)
+    run(body())
