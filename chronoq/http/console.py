@@ -33,7 +33,7 @@ import re
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from chronoq.config import DAY_MS, HOUR_MS, MINUTE_MS, SECOND_MS
@@ -51,6 +51,7 @@ MAX_TIME_INPUT_CHARS = 64
 """Longest time text the console reads (an ISO date with zone is ~30)."""
 MAX_EPOCH_MS = 253_402_300_799_999
 """9999-12-31T23:59:59.999Z: the last time `datetime` can show."""
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 class Access:
@@ -102,7 +103,20 @@ _UNIT_MS = {"ms": 1, "s": SECOND_MS, "m": MINUTE_MS, "h": HOUR_MS, "d": DAY_MS}
 
 def parse_time_ms(text: str, now_ms: int, field: str) -> int:
     """A time typed by a person, as epoch ms: "now", "+10m" / "now-1h" (ms, s, m, h, d), an ISO
-    8601 date and time (no zone = UTC), or epoch milliseconds."""
+    8601 date and time (no zone = UTC), or epoch milliseconds; within 1970-01-01T00:00:00Z ..
+    `MAX_EPOCH_MS` (what `format_utc` can show: a time past it, "+999999998d" or
+    "9999-12-31T23:00-14:00", is refused here rather than fail when the reply is written)."""
+    value = _parse_time_ms(text, now_ms, field)
+    if value > MAX_EPOCH_MS:
+        raise ConsoleInputError(f"{field}: {text.strip()!r} is after {format_utc(MAX_EPOCH_MS)} "
+                                f"(epoch ms {MAX_EPOCH_MS}), the last time the console can show")
+    if value < 0:
+        raise ConsoleInputError(f"{field}: {text.strip()!r} is before 1970-01-01T00:00:00Z (epoch ms 0); "
+                                "timers are due after it")
+    return value
+
+
+def _parse_time_ms(text: str, now_ms: int, field: str) -> int:
     raw = (text or "").strip()
     if not raw:
         raise ConsoleInputError(f"{field}: give a time (now, +10m, 2026-11-24T07:00Z or epoch ms)")
@@ -115,10 +129,7 @@ def parse_time_ms(text: str, now_ms: int, field: str) -> int:
         sign = 1 if m.group(1) == "+" else -1
         return now_ms + sign * int(m.group(2)) * _UNIT_MS[m.group(3)]
     if raw.isdigit():
-        value = int(raw)
-        if value > MAX_EPOCH_MS:
-            raise ConsoleInputError(f"{field}: {raw} ms is after the year 9999")
-        return value
+        return int(raw)  # at most 64 digits (MAX_TIME_INPUT_CHARS); the range is checked by the caller
     try:
         parsed = datetime.fromisoformat(raw.replace("z", "Z"))
     except ValueError:
@@ -132,7 +143,8 @@ def parse_time_ms(text: str, now_ms: int, field: str) -> int:
 def format_utc(ms: int | None) -> str:
     if ms is None:
         return "-"
-    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
+    # Integer arithmetic: `fromtimestamp(ms / 1000)` rounds through a float (year 9999 showed .998).
+    return (_EPOCH + timedelta(milliseconds=ms)).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
 
 
 # -- the pending-by-due chart -------------------------------------------------------------------

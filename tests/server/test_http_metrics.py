@@ -26,7 +26,8 @@ import chronoq
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
 from chronoq.config import Config, ConfigError
-from chronoq.http.console import Access, ErrorHistory, Forbidden, Role, parse_time_ms
+from chronoq.errors import ConsoleInputError
+from chronoq.http.console import MAX_EPOCH_MS, Access, ErrorHistory, Forbidden, Role, format_utc, parse_time_ms
 from chronoq.http.metrics import histogram_buckets
 from chronoq.http.server import HttpServer
 from chronoq.model import OutgoingMessage
@@ -200,7 +201,14 @@ def test_console_api_search_lookup_cancel(tmp_path: Path) -> None:
     ("/api/search?topic=orders&from=yesterday&to=now", 400, "cannot read 'yesterday' as a time"),
     ("/api/search?topic=orders&from=%2B1h&to=now", 400, "the range must end after it starts"),
     ("/api/search?topic=orders&from=now&to=%2B400d", 400, "more than timer_search_max_range_ms (31 days)"),
-    ("/api/search?topic=orders&from=now&to=99999999999999999999", 400, "after the year 9999"),
+    ("/api/search?topic=orders&from=now&to=99999999999999999999", 400,
+     "'99999999999999999999' is after 9999-12-31 23:59:59.999Z (epoch ms 253402300799999)"),
+    # Far-future times that a day's range keeps narrow: the reply could not show them (was a 500).
+    ("/api/search?topic=orders&from=%2B999999998d&to=%2B999999999d", 400,
+     "from: '+999999998d' is after 9999-12-31 23:59:59.999Z"),
+    ("/api/search?topic=orders&from=9999-12-31T23:00:00-14:00&to=9999-12-31T23:59:00-14:00", 400,
+     "the last time the console can show"),
+    ("/api/search?topic=orders&from=-999999d&to=now", 400, "from: '-999999d' is before 1970-01-01T00:00:00Z"),
     ("/api/search?topic=nosuch&from=now&to=%2B1h", 404, "topic 'nosuch' does not exist"),
     ("/api/search?topic=orders&from=now&to=" + "9" * 80, 400, "too long for a time"),
     ("/chart/pending.svg?horizon=1y", 400, "is not one of 10m, 1h, 1d, 7d, 30d"),
@@ -259,6 +267,11 @@ def test_parse_time_ms() -> None:
     assert parse_time_ms("1970-01-01T00:00:01", now, "f") == 1000  # no zone: UTC
     assert parse_time_ms("1970-01-01T01:00:01+01:00", now, "f") == 1000
     assert parse_time_ms("12345", now, "f") == 12345
+    last = "9999-12-31T23:59:59.999Z"
+    assert parse_time_ms(last, now, "f") == MAX_EPOCH_MS and format_utc(MAX_EPOCH_MS) == "9999-12-31 23:59:59.999Z"
+    for far in ("+999999998d", "9999-12-31T23:00:00-14:00", str(MAX_EPOCH_MS + 1), "-999999d", "0001-01-01T00:00Z"):
+        with pytest.raises(ConsoleInputError):
+            parse_time_ms(far, now, "f")
 
 
 def test_error_history_reports_each_interval_alone() -> None:
