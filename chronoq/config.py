@@ -68,6 +68,9 @@ class Config:
     max_tag_length: int = limit(255)
     max_keys_count: int = limit(32)
     max_message_id_length: int = limit(128)
+    max_client_id_length: int = limit(512, maximum=65_536)
+    """Longest `x-mq-client-id` header, in characters, on any MessagingService call; longer is
+    refused (40000). The official clients send `host@pid#...`: a host name is at most 253."""
     retention_ms: int = limit(72 * HOUR_MS)
     retention_check_interval_ms: int = limit(60 * SECOND_MS)
 
@@ -94,6 +97,10 @@ class Config:
     default_invisible_duration_ms: int = limit(30 * SECOND_MS)
     min_invisible_duration_ms: int = limit(1 * SECOND_MS)
     max_invisible_duration_ms: int = limit(12 * HOUR_MS)
+    max_renewing_clients: int = limit(10_000)
+    """Most client ids (`x-mq-client-id`) holding auto-renewed messages (PushConsumers) at once;
+    an auto-renew receive from one more is refused with Throttled (42900, retried by the clients)
+    until one lets go. The server tracks only these ids (about 1 KiB each at the longest)."""
     max_receive_batch: int = limit(64)
     max_long_poll_ms: int = limit(30 * SECOND_MS)
     dedupe_window_ms: int = limit(10 * MINUTE_MS)

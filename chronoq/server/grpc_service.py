@@ -21,7 +21,11 @@ authenticated when they open (their metadata comes once). With auth off every ca
 
 Long polls: ReceiveMessage waits at most `min(long_polling_timeout, time_remaining - margin)`,
 so the answer arrives before the client's deadline (Python: request_timeout + await_duration).
-Auto-renewed receives (PushConsumer) are tracked in `Renewals`.
+Auto-renewed receives (PushConsumer) are tracked in `Renewals`. The caller's `x-mq-client-id`
+is read by `client_id_of`, which refuses one over `max_client_id_length`; an auto-renew receive
+asks `Renewals.admit` before it receives (at most `max_renewing_clients` ids hold at once; the
+check is made when the receive starts, so receives from new ids in flight together may pass it
+together, each holding only what it received).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from chronoq.errors import ChronoqError
 from chronoq.model import TopicConfig
 from chronoq.protocol import requests as rq
 from chronoq.protocol import responses as rs
-from chronoq.protocol.errors import MalformedRequest, Unsupported
+from chronoq.protocol.errors import InvalidField, MalformedRequest, Unsupported
 from chronoq.protocol.v2 import SERVICE_NAME, service
 from chronoq.server.auth import AUTH_OFF, Authenticator, Principal
 from chronoq.server.renewals import Renewals
@@ -88,10 +92,15 @@ def authenticate(authenticator: Authenticator, context: grpc.aio.ServicerContext
     return authenticator.authenticate(context.invocation_metadata(), wall_ms())
 
 
-def _client_id(context: grpc.aio.ServicerContext) -> str:
+def client_id_of(context: grpc.aio.ServicerContext, config: Config) -> str:
+    """The caller's `x-mq-client-id` ("" without one); longer than `max_client_id_length` is refused."""
     for key, value in context.invocation_metadata() or ():
         if key == CLIENT_ID_HEADER:
-            return str(value)
+            client_id = str(value)
+            if len(client_id) > config.max_client_id_length:
+                raise InvalidField(CLIENT_ID_HEADER, f"{len(client_id)} characters; the limit "
+                                                     f"(max_client_id_length) is {config.max_client_id_length}")
+            return client_id
     return ""
 
 
@@ -107,7 +116,7 @@ class MessagingService:
         self.advertised = advertised
         self.port = port
         self.renewals = Renewals(broker, broker.clock, duration_ms=config.default_invisible_duration_ms,
-                                 max_hold_ms=config.max_invisible_duration_ms)
+                                 max_hold_ms=config.max_invisible_duration_ms, max_clients=config.max_renewing_clients)
 
     # -- plumbing --------------------------------------------------------------------------------
 
@@ -115,7 +124,7 @@ class MessagingService:
                      body: Callable[[Any, Any, Principal], Awaitable[Any]]) -> Any:
         try:
             caller = authenticate(self.auth, context)
-            self.renewals.touch(_client_id(context))
+            self.renewals.touch(client_id_of(context, self.config))
             if isinstance(request, Undecodable):
                 raise MalformedRequest(rpc, request.reason)
             return await body(request, context, caller)
@@ -262,7 +271,7 @@ class MessagingService:
         return service.ForwardMessageToDeadLetterQueueResponse(status=rs.ok_status())
 
     async def _client_termination(self, request: Any, context: grpc.aio.ServicerContext, caller: Principal) -> Any:
-        client_id = _client_id(context)
+        client_id = client_id_of(context, self.config)
         if client_id:
             self.renewals.drop_client(client_id)  # after `touch` in the handler: gone for good
         return service.NotifyClientTerminationResponse(status=rs.ok_status())
@@ -277,18 +286,20 @@ class MessagingService:
 
     async def _receive(self, request: Any, context: grpc.aio.ServicerContext) -> list[Any]:
         caller = authenticate(self.auth, context)
-        self.renewals.touch(_client_id(context))
+        client_id = client_id_of(context, self.config)
+        self.renewals.touch(client_id)
         if isinstance(request, Undecodable):
             raise MalformedRequest("ReceiveMessage", request.reason)
         command = rq.decode_receive(request, self.config)
         caller.require_subscribe(command.topic, command.group)
+        if command.auto_renew:
+            self.renewals.admit(client_id)  # before anything is taken invisible
         invisible_ms = command.invisible_duration_ms or self.renewals.duration_ms
         received = await self.broker.receive(
             command.group, command.topic, filter_expression=command.filter_expression,
             batch_size=command.batch_size, invisible_duration_ms=invisible_ms,
             wait_ms=self._wait_ms(command.long_polling_ms, context))
         if command.auto_renew:
-            client_id = _client_id(context)
             for r in received:
                 self.renewals.hold(r.receipt_handle, group=command.group, topic=command.topic, client_id=client_id,
                                    invisible_until_ms=r.invisible_until_ms)
@@ -313,9 +324,9 @@ class MessagingService:
     async def telemetry(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         """Answer each Settings with the server's Settings; other commands need no reply. An
         unauthenticated stream gets one status and ends (its client reopens it, and is refused again)."""
-        client_id = _client_id(context)
         try:
             authenticate(self.auth, context)
+            client_id = client_id_of(context, self.config)
         except ChronoqError as err:
             yield service.TelemetryCommand(status=rs.error_status(err))
             return

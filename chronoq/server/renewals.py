@@ -17,6 +17,16 @@ makes (its heartbeat comes every 10 s) marks it alive, and a client unheard of f
 `CLIENT_SILENT_MS` is taken for crashed. Its messages then become visible again when the current
 duration runs out, which is the redelivery a crashed consumer needs.
 
+Client ids come from the caller (`x-mq-client-id`), so what they cost is bounded: only a client
+holding auto-renewed messages is tracked (`_last_seen_ms`, `_by_client`); a call from any other
+id is one dict lookup and keeps nothing. A new id may start holding only while fewer than
+`max_clients` (`max_renewing_clients`) do (`admit`, before the receive: `Throttled`, retriable,
+beyond it), and the service refuses ids over `max_client_id_length`. An id is forgotten with its
+last held entry. `_last_seen_ms` is kept in order of the last call (a call moves its id to the
+end), so the silent-client sweep reads from the front and stops at the first live id, and each
+held entry is indexed by its client id, so dropping a client costs what it held: the sweep is
+proportional to what it drops, not to ids x entries.
+
 The table is in memory: after a server restart the handles are stale anyway (the broker's
 invisibility survives, and the message is redelivered when it runs out).
 """
@@ -31,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chronoq.clock import Clock
-from chronoq.errors import ChronoqError
+from chronoq.errors import ChronoqError, Throttled
 
 log = logging.getLogger(__name__)
 
@@ -57,21 +67,41 @@ class Held:
 
 
 class Renewals:
-    def __init__(self, broker: Any, clock: Clock, *, duration_ms: int, max_hold_ms: int) -> None:
+    def __init__(self, broker: Any, clock: Clock, *, duration_ms: int, max_hold_ms: int, max_clients: int) -> None:
         self._broker = broker
         self._clock = clock
         self.duration_ms = duration_ms
         self._max_hold_ms = max_hold_ms
+        self.max_clients = max_clients
         self._held: dict[str, Held] = {}
+        self._by_client: dict[str, set[str]] = {}
+        """Client id -> the handles it holds (no entry for the empty id: never taken for silent)."""
         self._last_seen_ms: dict[str, int] = {}
+        """Client id (of `_by_client`) -> its last call; oldest first (a call moves it to the end)."""
 
     def __len__(self) -> int:
         return len(self._held)
 
+    @property
+    def client_count(self) -> int:
+        """Client ids tracked (those holding auto-renewed messages)."""
+        return len(self._by_client)
+
+    def admit(self, client_id: str) -> None:
+        """Before an auto-renew receive: a client id not yet holding may start only while fewer
+        than `max_clients` do; `Throttled` (nothing received) otherwise."""
+        if client_id and client_id not in self._by_client and len(self._by_client) >= self.max_clients:
+            raise Throttled(f"{len(self._by_client)} clients already hold auto-renewed messages; the limit "
+                            f"(max_renewing_clients) is {self.max_clients}; retry later",
+                            clients=len(self._by_client), limit=self.max_clients)
+
     def hold(self, handle: str, *, group: str, topic: str, client_id: str, invisible_until_ms: int) -> None:
         now_ms = self._clock.now_ms()
-        self.touch(client_id)
+        self._forget(handle)
         self._held[handle] = Held(group, topic, client_id, handle, invisible_until_ms, now_ms)
+        if client_id:
+            self._by_client.setdefault(client_id, set()).add(handle)
+            self._seen(client_id, now_ms)
 
     @contextlib.asynccontextmanager
     async def settle(self, handle: str) -> AsyncIterator[str]:
@@ -84,7 +114,7 @@ class Renewals:
             try:
                 yield held.current_handle
             finally:
-                self._held.pop(handle, None)
+                self._forget(handle)
 
     def holds_any(self, handles: list[str]) -> bool:
         """Whether any of these handles is being renewed (an ack must then settle it first)."""
@@ -92,27 +122,46 @@ class Renewals:
         return bool(held) and any(h in held for h in handles)
 
     def touch(self, client_id: str) -> None:
-        """The client made a call: it is alive."""
-        if client_id:
-            self._last_seen_ms[client_id] = self._clock.now_ms()
+        """The client made a call: it is alive. An id holding nothing is not tracked (O(1), keeps nothing)."""
+        if client_id in self._last_seen_ms:
+            self._seen(client_id, self._clock.now_ms())
+
+    def _seen(self, client_id: str, now_ms: int) -> None:
+        self._last_seen_ms.pop(client_id, None)  # re-inserted at the end: the dict stays oldest first
+        self._last_seen_ms[client_id] = now_ms
+
+    def _forget(self, handle: str) -> None:
+        held = self._held.pop(handle, None)
+        if held is None or not held.client_id:
+            return
+        handles = self._by_client.get(held.client_id)
+        if handles is not None:
+            handles.discard(handle)
+            if not handles:
+                del self._by_client[held.client_id]
+                self._last_seen_ms.pop(held.client_id, None)
 
     def drop_client(self, client_id: str) -> int:
+        """Stop renewing everything `client_id` holds; returns how many entries that was."""
         self._last_seen_ms.pop(client_id, None)
-        gone = [h for h, held in self._held.items() if held.client_id == client_id]
-        for handle in gone:
-            del self._held[handle]
-        return len(gone)
+        handles = self._by_client.pop(client_id, set())
+        for handle in handles:
+            self._held.pop(handle, None)
+        return len(handles)
 
     async def renew_due(self) -> None:
         """Renew every entry with less than a third of its duration left."""
         now_ms = self._clock.now_ms()
         threshold_ms = self.duration_ms // 3
-        for client_id, seen_ms in list(self._last_seen_ms.items()):
-            if now_ms - seen_ms > CLIENT_SILENT_MS:
-                self.drop_client(client_id)
+        last_seen = self._last_seen_ms
+        while last_seen:
+            client_id, seen_ms = next(iter(last_seen.items()))  # the longest silent
+            if now_ms - seen_ms <= CLIENT_SILENT_MS:
+                break
+            self.drop_client(client_id)
         for handle, held in list(self._held.items()):
             if now_ms - held.received_ms >= self._max_hold_ms:
-                self._held.pop(handle, None)
+                self._forget(handle)
                 continue
             if held.invisible_until_ms - now_ms > threshold_ms:
                 continue
@@ -125,7 +174,7 @@ class Renewals:
                     held.invisible_until_ms = self._clock.now_ms() + self.duration_ms
                 except ChronoqError as err:
                     log.info("auto-renew of %s/%s stopped: %s", held.topic, held.group, err)
-                    self._held.pop(handle, None)
+                    self._forget(handle)
 
     async def run(self) -> None:
         """Renew until cancelled (the server's task group owns this loop)."""

@@ -333,3 +333,57 @@ def test_a_wildcard_bound_server_routes_to_the_clients_access_point(tmp_path: Pa
             assert endpoints.scheme == definition.DOMAIN_NAME
             assert [(a.host, a.port) for a in endpoints.addresses] == [("broker.example", 18081)]
     run(body())
+
+
+def test_client_ids_are_tracked_only_while_they_hold_and_are_bounded(tmp_path: Path) -> None:
+    """`x-mq-client-id` comes from the caller: before, every id of every call was kept for 45 s
+    (4,000 heartbeats with 6 KB ids: 25 MB) and the silent sweep was ids x held entries. Now an id
+    longer than max_client_id_length is refused, only ids holding auto-renewed messages are
+    tracked, at most max_renewing_clients of them (one more is Throttled, and nothing is taken
+    invisible for it), and an id is forgotten with its last entry."""
+    async def body() -> None:
+        clock = FakeClock(START_MS)
+        async with running(tmp_path, clock=clock, background=False, default_invisible_duration_ms=9000,
+                           max_client_id_length=64, max_renewing_clients=2) as h:
+            def cid(name: str) -> tuple[tuple[str, str], ...]:
+                return (("x-mq-client-id", name),)
+
+            beat = await h.stub.Heartbeat(service.HeartbeatRequest(), timeout=10, metadata=cid("x" * 65))
+            assert beat.status.code == Code.BAD_REQUEST
+            assert "x-mq-client-id: 65 characters; the limit (max_client_id_length) is 64" in beat.status.message
+            for i in range(100):  # calls from ids holding nothing keep nothing
+                beat = await h.stub.Heartbeat(service.HeartbeatRequest(), timeout=10, metadata=cid(f"idle-{i}"))
+                assert beat.status.code == Code.OK
+            assert h.messaging.renewals.client_count == 0
+
+            for i in range(4):
+                await send(h, message("push", f"m{i}".encode()))
+            req = receive_request("push", invisible_s=None, auto_renew=True, batch=1)
+            for name in ("client-a", "client-b"):
+                got = [r async for r in h.stub.ReceiveMessage(req, timeout=10, metadata=cid(name))]
+                assert len(messages_of(got)) == 1
+            assert h.messaging.renewals.client_count == 2
+            # A third client would be one too many: refused before anything is received.
+            refused = [r async for r in h.stub.ReceiveMessage(req, timeout=10, metadata=cid("client-c"))]
+            assert status_of(refused) == Code.TOO_MANY_REQUESTS and not messages_of(refused)
+            assert "the limit (max_renewing_clients) is 2" in refused[-1].status.message
+            assert len(messages_of(await h.receive(receive_request("push", batch=4)))) == 2  # still visible
+
+            # client-a falls silent, client-b heartbeats: client-a is dropped and forgotten, and
+            # client-c is admitted in its place.
+            for _ in range(10):
+                clock.advance(5000)
+                await h.stub.Heartbeat(service.HeartbeatRequest(), timeout=10, metadata=cid("client-b"))
+                await h.messaging.renewals.renew_due()
+            assert h.messaging.renewals.client_count == 1 and len(h.messaging.renewals) == 1
+            await h.broker.run_due()
+            got = [r async for r in h.stub.ReceiveMessage(req, timeout=10, metadata=cid("client-c"))]
+            assert len(messages_of(got)) == 1 and h.messaging.renewals.client_count == 2
+            # An id is forgotten with its last held entry (its ack here).
+            m = messages_of(got)[0]
+            ack = service.AckMessageRequest(group=resource("g"), topic=resource("push"), entries=[
+                service.AckMessageEntry(message_id=m.system_properties.message_id,
+                                        receipt_handle=m.system_properties.receipt_handle)])
+            assert (await h.stub.AckMessage(ack, timeout=10)).status.code == Code.OK
+            assert h.messaging.renewals.client_count == 1
+    run(body())
