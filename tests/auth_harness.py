@@ -31,8 +31,8 @@ AUTH = AuthConfig(enabled=True, users=USERS)
 
 
 class Server:
-    def __init__(self, broker: Broker, address: str) -> None:
-        self.broker, self.address = broker, address
+    def __init__(self, broker: Broker, address: str, messaging: MessagingService) -> None:
+        self.broker, self.address, self.messaging = broker, address, messaging
 
     def producer(self, ak: str | None = "orders-app", sk: str | None = SECRET) -> AsyncProducer:
         return AsyncProducer(self.address, access_key=ak or "", secret_key=sk or "", timeout_ms=5000, send_attempts=1)
@@ -58,7 +58,7 @@ async def running(tmp_path: Path, auth: AuthConfig = AUTH) -> AsyncIterator[Serv
         server.add_generic_rpc_handlers((messaging.generic_handler(),
                                          AdminService(broker, config, authenticator).generic_handler()))
         await server.start()
-        yield Server(broker, f"127.0.0.1:{port}")
+        yield Server(broker, f"127.0.0.1:{port}", messaging)
     finally:
         await server.stop(0)
         await broker.close()

@@ -25,7 +25,9 @@ Auto-renewed receives (PushConsumer) are tracked in `Renewals`. The caller's `x-
 is read by `client_id_of`, which refuses one over `max_client_id_length`; an auto-renew receive
 asks `Renewals.admit` before it receives (at most `max_renewing_clients` ids hold at once; the
 check is made when the receive starts, so receives from new ids in flight together may pass it
-together, each holding only what it received).
+together, each holding only what it received). With auth on a client id is bound to the
+principal whose receive made it hold: another principal's calls naming it neither keep it alive
+nor end it (NotifyClientTermination: 40300), nor receive under it (`Renewals`).
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ class MessagingService:
                      body: Callable[[Any, Any, Principal], Awaitable[Any]]) -> Any:
         try:
             caller = authenticate(self.auth, context)
-            self.renewals.touch(client_id_of(context, self.config))
+            self.renewals.touch(client_id_of(context, self.config), caller.name)
             if isinstance(request, Undecodable):
                 raise MalformedRequest(rpc, request.reason)
             return await body(request, context, caller)
@@ -273,7 +275,7 @@ class MessagingService:
     async def _client_termination(self, request: Any, context: grpc.aio.ServicerContext, caller: Principal) -> Any:
         client_id = client_id_of(context, self.config)
         if client_id:
-            self.renewals.drop_client(client_id)  # after `touch` in the handler: gone for good
+            self.renewals.drop_client(client_id, caller.name)  # after `touch` in the handler: gone for good
         return service.NotifyClientTerminationResponse(status=rs.ok_status())
 
     # -- streaming RPCs ---------------------------------------------------------------------------
@@ -287,13 +289,13 @@ class MessagingService:
     async def _receive(self, request: Any, context: grpc.aio.ServicerContext) -> list[Any]:
         caller = authenticate(self.auth, context)
         client_id = client_id_of(context, self.config)
-        self.renewals.touch(client_id)
+        self.renewals.touch(client_id, caller.name)
         if isinstance(request, Undecodable):
             raise MalformedRequest("ReceiveMessage", request.reason)
         command = rq.decode_receive(request, self.config)
         caller.require_subscribe(command.topic, command.group)
         if command.auto_renew:
-            self.renewals.admit(client_id)  # before anything is taken invisible
+            self.renewals.admit(client_id, caller.name)  # before anything is taken invisible
         invisible_ms = command.invisible_duration_ms or self.renewals.duration_ms
         received = await self.broker.receive(
             command.group, command.topic, filter_expression=command.filter_expression,
@@ -302,7 +304,7 @@ class MessagingService:
         if command.auto_renew:
             for r in received:
                 self.renewals.hold(r.receipt_handle, group=command.group, topic=command.topic, client_id=client_id,
-                                   invisible_until_ms=r.invisible_until_ms)
+                                   invisible_until_ms=r.invisible_until_ms, owner=caller.name)
         return rs.receive_responses(received, invisible_ms, self.broker.clock.now_ms())
 
     async def receive_message(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
@@ -325,13 +327,13 @@ class MessagingService:
         """Answer each Settings with the server's Settings; other commands need no reply. An
         unauthenticated stream gets one status and ends (its client reopens it, and is refused again)."""
         try:
-            authenticate(self.auth, context)
+            caller = authenticate(self.auth, context)
             client_id = client_id_of(context, self.config)
         except ChronoqError as err:
             yield service.TelemetryCommand(status=rs.error_status(err))
             return
         async for command in requests:
-            self.renewals.touch(client_id)
+            self.renewals.touch(client_id, caller.name)
             if isinstance(command, Undecodable):
                 yield service.TelemetryCommand(status=rs.error_status(MalformedRequest("Telemetry", command.reason)))
                 continue

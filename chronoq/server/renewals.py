@@ -27,6 +27,13 @@ end), so the silent-client sweep reads from the front and stops at the first liv
 held entry is indexed by its client id, so dropping a client costs what it held: the sweep is
 proportional to what it drops, not to ids x entries.
 
+A client id is the caller's word, so it is bound to the caller: the first receive that makes an
+id hold records its principal (`owner`, the access key; "" with auth off, where all callers are
+one), and while the id holds, only that principal's calls keep it alive (`touch`), add to it
+(`admit` refuses another's receive) or end it (`drop_client` refuses another's
+NotifyClientTermination with `PermissionDenied`). Without this any signed-in user could end
+another client's renewals by naming its id. The binding goes with the id's last held entry.
+
 The table is in memory: after a server restart the handles are stale anyway (the broker's
 invisibility survives, and the message is redelivered when it runs out).
 """
@@ -41,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chronoq.clock import Clock
-from chronoq.errors import ChronoqError, Throttled
+from chronoq.errors import ChronoqError, PermissionDenied, Throttled
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +85,8 @@ class Renewals:
         """Client id -> the handles it holds (no entry for the empty id: never taken for silent)."""
         self._last_seen_ms: dict[str, int] = {}
         """Client id (of `_by_client`) -> its last call; oldest first (a call moves it to the end)."""
+        self._owners: dict[str, str] = {}
+        """Client id (of `_by_client`) -> the principal it is bound to (see the module docstring)."""
 
     def __len__(self) -> int:
         return len(self._held)
@@ -87,20 +96,29 @@ class Renewals:
         """Client ids tracked (those holding auto-renewed messages)."""
         return len(self._by_client)
 
-    def admit(self, client_id: str) -> None:
-        """Before an auto-renew receive: a client id not yet holding may start only while fewer
-        than `max_clients` do; `Throttled` (nothing received) otherwise."""
+    def _check_owner(self, client_id: str, owner: str, action: str) -> None:
+        bound = self._owners.get(client_id)
+        if bound is not None and bound != owner:
+            raise PermissionDenied(owner, action, f"client id {client_id[:64]!r}, in use by another user")
+
+    def admit(self, client_id: str, owner: str = "") -> None:
+        """Before an auto-renew receive: a client id held by another principal is refused
+        (`PermissionDenied`); one not yet holding may start only while fewer than `max_clients`
+        do; `Throttled` (nothing received) otherwise."""
+        self._check_owner(client_id, owner, "receive as")
         if client_id and client_id not in self._by_client and len(self._by_client) >= self.max_clients:
             raise Throttled(f"{len(self._by_client)} clients already hold auto-renewed messages; the limit "
                             f"(max_renewing_clients) is {self.max_clients}; retry later",
                             clients=len(self._by_client), limit=self.max_clients)
 
-    def hold(self, handle: str, *, group: str, topic: str, client_id: str, invisible_until_ms: int) -> None:
+    def hold(self, handle: str, *, group: str, topic: str, client_id: str, invisible_until_ms: int,
+             owner: str = "") -> None:
         now_ms = self._clock.now_ms()
         self._forget(handle)
         self._held[handle] = Held(group, topic, client_id, handle, invisible_until_ms, now_ms)
         if client_id:
             self._by_client.setdefault(client_id, set()).add(handle)
+            self._owners.setdefault(client_id, owner)
             self._seen(client_id, now_ms)
 
     @contextlib.asynccontextmanager
@@ -121,9 +139,10 @@ class Renewals:
         held = self._held
         return bool(held) and any(h in held for h in handles)
 
-    def touch(self, client_id: str) -> None:
-        """The client made a call: it is alive. An id holding nothing is not tracked (O(1), keeps nothing)."""
-        if client_id in self._last_seen_ms:
+    def touch(self, client_id: str, owner: str = "") -> None:
+        """The client made a call: it is alive. An id holding nothing is not tracked (O(1), keeps
+        nothing); a call naming an id bound to another principal does not keep it alive."""
+        if client_id in self._last_seen_ms and self._owners.get(client_id) == owner:
             self._seen(client_id, self._clock.now_ms())
 
     def _seen(self, client_id: str, now_ms: int) -> None:
@@ -140,10 +159,17 @@ class Renewals:
             if not handles:
                 del self._by_client[held.client_id]
                 self._last_seen_ms.pop(held.client_id, None)
+                self._owners.pop(held.client_id, None)
 
-    def drop_client(self, client_id: str) -> int:
-        """Stop renewing everything `client_id` holds; returns how many entries that was."""
+    def drop_client(self, client_id: str, owner: str = "") -> int:
+        """The client said goodbye: stop renewing everything `client_id` holds; returns how many
+        entries that was. Only the principal the id is bound to may (`PermissionDenied`)."""
+        self._check_owner(client_id, owner, "end the renewals of")
+        return self._drop(client_id)
+
+    def _drop(self, client_id: str) -> int:
         self._last_seen_ms.pop(client_id, None)
+        self._owners.pop(client_id, None)
         handles = self._by_client.pop(client_id, set())
         for handle in handles:
             self._held.pop(handle, None)
@@ -158,7 +184,7 @@ class Renewals:
             client_id, seen_ms = next(iter(last_seen.items()))  # the longest silent
             if now_ms - seen_ms <= CLIENT_SILENT_MS:
                 break
-            self.drop_client(client_id)
+            self._drop(client_id)
         for handle, held in list(self._held.items()):
             if now_ms - held.received_ms >= self._max_hold_ms:
                 self._forget(handle)

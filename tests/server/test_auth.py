@@ -350,3 +350,42 @@ def test_recall_and_cancel_need_publish_on_the_handles_topic(tmp_path: Path, aru
                 assert await p.cancel_handle(mine.recall_handle) == mine.message_id
             assert _state(srv.broker, secret) == "pending" and _state(srv.broker, mine) == "cancelled"
     arun(body())
+
+
+def test_a_client_id_is_bound_to_the_user_whose_receive_made_it_hold(tmp_path: Path, arun: Any) -> None:
+    """Before, any signed-in user (even one with no permission) ended another client's
+    auto-renewals by naming its `x-mq-client-id` in NotifyClientTermination."""
+    nobody = User("nobody", "n-secret")
+    auth = AuthConfig(enabled=True, users=(*USERS, nobody))
+
+    def as_user(ak: str, sk: str, client_id: str = "victim@host#1") -> list[tuple[str, str]]:
+        return [*signature.sign_headers(ak, sk, wall_ms()), ("x-mq-client-id", client_id)]
+
+    async def body() -> None:
+        async with running(tmp_path, auth) as srv, grpc.aio.insecure_channel(srv.address) as channel:
+            stub = service_grpc.MessagingServiceStub(channel)
+            await srv.broker.send(outgoing("orders", b"x"))
+            await srv.broker.send(outgoing("orders", b"y"))
+            req = service.ReceiveMessageRequest(group=definition.Resource(name="billing"), batch_size=1,
+                                                auto_renew=True)
+            req.message_queue.topic.name = "orders"
+            got = [r async for r in stub.ReceiveMessage(req, metadata=as_user("orders-app", SECRET), timeout=10)]
+            assert sum(r.HasField("message") for r in got) == 1 and len(srv.messaging.renewals) == 1
+
+            bye = service.NotifyClientTerminationRequest()
+            for ak, sk in (("nobody", "n-secret"), ("ops", "0ps-secret")):  # not even an admin
+                reply = await stub.NotifyClientTermination(bye, metadata=as_user(ak, sk), timeout=10)
+                assert reply.status.code == 40300, reply
+                assert reply.status.message == (f"access key {ak!r} may not end the renewals of client id "
+                                                "'victim@host#1', in use by another user")
+                assert len(srv.messaging.renewals) == 1
+            # Nor may another user receive under that id (its holds would join the victim's).
+            got = [r async for r in stub.ReceiveMessage(req, metadata=as_user("ops", "0ps-secret"), timeout=10)]
+            assert [r.status.code for r in got] == [40300] and len(srv.messaging.renewals) == 1
+            # Another id is the other user's own; the owner ends its own renewals.
+            got = [r async for r in stub.ReceiveMessage(req, metadata=as_user("ops", "0ps-secret", "ops@host#1"),
+                                                        timeout=10)]
+            assert sum(r.HasField("message") for r in got) == 1 and len(srv.messaging.renewals) == 2
+            reply = await stub.NotifyClientTermination(bye, metadata=as_user("orders-app", SECRET), timeout=10)
+            assert reply.status.code == 20000 and len(srv.messaging.renewals) == 1
+    arun(body())
