@@ -73,6 +73,11 @@ class Config:
     refused (40000). The official clients send `host@pid#...`: a host name is at most 253."""
     retention_ms: int = limit(72 * HOUR_MS)
     retention_check_interval_ms: int = limit(60 * SECOND_MS)
+    retention_inflight_hold_ms: int = limit(24 * HOUR_MS, minimum=0)
+    """How long past `retention_ms` a message a consumer group holds in flight (received, not
+    acked) keeps its segment. Without a bound, a group that received once and went away would
+    keep every later segment, and the disk would fill. Past it, the segment goes, and the
+    group's in-flight entry with it."""
 
     # -- a full disk (docs/design.md, "A full disk") -------------------------------------------
     disk_min_free_bytes: int = limit(64 * MiB, minimum=0)

@@ -2,7 +2,9 @@
 
 Theory of operation: a retention step asks the store how far the log is expired (by the store
 times inside the segments, never file times), and lowers that limit to what must stay: the lowest
-record any consumer group holds in flight, and the lowest delay-level queue head not yet fired.
+record any consumer group holds in flight (for `retention_inflight_hold_ms` at most: a group that
+went away must not keep the log for good; pinned again after the roll, since a receive may run
+while it waits), and the lowest delay-level queue head not yet fired.
 Pending timers below the limit are rolled forward first (`TimerService.roll_before`: re-appended,
 so a timer due in 30 days outlives 72-hour segments); if any timer is still pending below the
 limit afterwards (skipped because it was being fired or cancelled), nothing is deleted this
@@ -37,12 +39,20 @@ class Retention:
             log.info("retention: the timer index is being rebuilt; deleting nothing this time")
             return
         limit = await self.store.expired_before(now_ms)
-        for pin in (self.groups.min_inflight_position(), self.timer.min_level_position()):
-            if pin is not None:
-                limit = min(limit, pin)
+        # In-flight messages keep their segments for `retention_inflight_hold_ms` more, not
+        # for good (a group that went away would keep every later segment).
+        hold_limit = await self.store.expired_before(now_ms - self.config.retention_inflight_hold_ms)
+        level_pin = self.timer.min_level_position()
+        if level_pin is not None:
+            limit = min(limit, level_pin)
+        limit = self._held_in_flight(limit, hold_limit)
         if limit <= self.store.log.start_position:
             return
         await self.timer.roll_before(limit, now_ms)
+        # A receive while the roll waited may have put older records in flight: pin them too.
+        limit = self._held_in_flight(limit, hold_limit)
+        if limit <= self.store.log.start_position:
+            return
         if self.timer.pending_below(limit):
             # A timer the roll skipped (it was being fired or cancelled) is still pending there,
             # or one failed to roll: keep the segments; the next step tries again.
@@ -51,3 +61,9 @@ class Retention:
         self.store.checkpoint()
         self.store.delete_before(limit)
         self.timer.engine.prune_history(now_ms - self.config.retention_ms)
+
+    def _held_in_flight(self, limit: int, hold_limit: int) -> int:
+        """`limit` lowered to the lowest record a group holds in flight, but not below
+        `hold_limit` (what has been expired for `retention_inflight_hold_ms` goes regardless)."""
+        pin = self.groups.min_inflight_position()
+        return limit if pin is None else min(limit, max(pin, hold_limit))

@@ -243,3 +243,62 @@ def test_a_retention_step_while_the_timer_index_waits_to_be_rebuilt_deletes_noth
             await b.close()
 
     asyncio.run(body())
+
+
+def test_a_receive_while_retention_rolls_timers_keeps_what_it_put_in_flight(
+        make_config: Callable[..., Config]) -> None:
+    """Retention works out what groups hold in flight, then waits for its timer roll to be
+    durable. A receive in that wait put older records in flight, and retention then deleted
+    them: the unacked messages never came back."""
+    async def body() -> None:
+        clock = FakeClock(START_MS)
+        b = await Broker.open(make_config(), clock=clock, background=False)
+        try:
+            await b.send(OutgoingMessage("orders", BODY, message_id="far", delay_ms=20 * DAY_MS))
+            sent = await send(b, 40, "m")
+            clock.advance(RETENTION_MS + HOUR_MS)
+            await send(b, 3, "young")
+            step = asyncio.ensure_future(b.enforce_retention())
+            await asyncio.sleep(0)  # the step has its limit and waits for the roll's fsync
+            got = await b.receive("late", "orders", batch_size=4, invisible_duration_ms=10_000)
+            taken = {m.message.message_id for m in got}
+            assert len(taken) == 4 and taken <= {r.message_id for r in sent}
+            await step
+            clock.advance(10_000)
+            again = await b.receive("late", "orders", batch_size=4, invisible_duration_ms=10_000)
+            assert {m.message.message_id for m in again} == taken  # back, not deleted
+            assert {m.delivery_attempt for m in again} == {2}
+        finally:
+            await b.close()
+
+    asyncio.run(body())
+
+
+def test_a_group_that_went_away_holds_segments_for_the_in_flight_hold_only(
+        make_config: Callable[..., Config]) -> None:
+    """A group that received one message and never came back kept every later segment for good:
+    the disk filled. It keeps them `retention_inflight_hold_ms` past retention, then they go."""
+    async def body() -> None:
+        clock = FakeClock(START_MS)
+        config = make_config(retention_inflight_hold_ms=DAY_MS)
+        b = await Broker.open(config, clock=clock, background=False)
+        try:
+            sent = await send(b, 40, "m")
+            (held,) = await b.receive("gone", "orders", batch_size=1, invisible_duration_ms=10_000)
+            assert held.message.message_id == sent[0].message_id
+            segments = len(b.store.log.segments())
+            clock.advance(RETENTION_MS + DAY_MS - HOUR_MS)
+            await send(b, 1, "today")
+            await b.enforce_retention()
+            assert b.store.log.start_position == 0 and len(b.store.log.segments()) >= segments  # held
+            clock.advance(2 * HOUR_MS)
+            await b.enforce_retention()
+            assert b.store.log.start_position > held.message.position  # the hold is over: deleted
+            # The group's entry for the deleted record goes at its next receive.
+            got = await b.receive("gone", "orders", batch_size=64, invisible_duration_ms=10_000)
+            assert held.message.message_id not in {m.message.message_id for m in got}
+            assert b.groups.min_inflight_position() >= b.store.log.start_position
+        finally:
+            await b.close()
+
+    asyncio.run(body())
