@@ -61,39 +61,41 @@ class Accept:
         waits: list[tuple[int, tuple[asyncio.Future[list[SendResult]], int]]] = []
         repeats: list[tuple[int, int]] = []  # (slot in msgs, index in to_write) for ids repeated in this batch
         batch_keys: dict[tuple[str, str], int] = {}
-        for i, msg in enumerate(msgs):
-            try:
-                prepared, timer = prepare(msg, self.config, now, self.timer.levels)
-                topic = self.topics.for_send(prepared.topic)
-                _check_queue_id(prepared, topic)
-                if prepared.message_type not in topic.message_types:
-                    raise MessageTypeNotAccepted(topic.name, prepared.message_type.name,
-                                                 sorted(t.name for t in topic.message_types))
-                key = (prepared.topic, prepared.message_id)
-                if (dup := self.recent.get(key)) is not None:
-                    outcomes[i] = dup
-                    continue
-                if key in self._sending:
-                    waits.append((i, self._sending[key]))
-                    continue
-                if key in batch_keys:
-                    repeats.append((i, batch_keys[key]))
-                    continue
-                if timer is not None:
-                    prepared = self.timer.route(prepared, timer.deliver_at_ms, timer.delay_level, now)
-            except ChronoqError as e:
-                if not partial:
-                    self.timer.release_reservations(to_write)
-                    raise
-                outcomes[i] = e
-                continue
-            batch_keys[key] = len(to_write)
-            to_write.append(prepared)
-            slots.append((i, key, timer.deliver_at_ms if timer is not None else None))
         try:
+            for i, msg in enumerate(msgs):
+                try:
+                    prepared, timer = prepare(msg, self.config, now, self.timer.levels)
+                    topic = self.topics.for_send(prepared.topic)
+                    _check_queue_id(prepared, topic)
+                    if prepared.message_type not in topic.message_types:
+                        raise MessageTypeNotAccepted(topic.name, prepared.message_type.name,
+                                                     sorted(t.name for t in topic.message_types))
+                    key = (prepared.topic, prepared.message_id)
+                    if (dup := self.recent.get(key)) is not None:
+                        outcomes[i] = dup
+                        continue
+                    if key in self._sending:
+                        waits.append((i, self._sending[key]))
+                        continue
+                    if key in batch_keys:
+                        repeats.append((i, batch_keys[key]))
+                        continue
+                    if timer is not None:
+                        prepared = self.timer.route(prepared, timer.deliver_at_ms, timer.delay_level, now)
+                except ChronoqError as e:
+                    if not partial:
+                        raise
+                    outcomes[i] = e
+                    continue
+                batch_keys[key] = len(to_write)
+                to_write.append(prepared)
+                slots.append((i, key, timer.deliver_at_ms if timer is not None else None))
             for topic_name in {key[0] for _, key, _ in slots}:
                 self.topics.ensure(topic_name)
-        except BaseException:  # auto-create found no space, say: the batch's slots are free again
+        except BaseException:
+            # A refusal of the batch, an auto-create that found no space, or anything unexpected
+            # (text that cannot be encoded, say): give back the timer slots this batch reserved,
+            # or their seconds stay full for good.
             self.timer.release_reservations(to_write)
             raise
         batch_done: asyncio.Future[list[SendResult]] = asyncio.get_running_loop().create_future()

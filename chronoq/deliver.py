@@ -17,6 +17,7 @@ room adds what takes time and I/O around them:
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 from chronoq.clock import Clock
@@ -38,6 +39,8 @@ from chronoq.timer.levels import DelayLevels
 from chronoq.topics import Topics
 from chronoq.trace import TraceJournal
 from chronoq.validate import check_group_name, check_topic_name
+
+log = logging.getLogger("chronoq.deliver")
 
 Append = Callable[[list[PreparedMessage]], Awaitable[list[StoredMessage]]]
 _PRUNE_WAITERS_AT = 64
@@ -91,7 +94,17 @@ class Deliver:
             now = self.clock.now_ms()
             outcome = self.consumers.receive(group, tcfg, tag_filter, batch_size, invisible, now, queue_id)
             if outcome.exhausted:
-                await self._dead_letter(group, outcome.exhausted)
+                try:
+                    await self._dead_letter(group, outcome.exhausted)
+                except ChronoqError as e:
+                    # The messages of this receive are in flight already (the group's state is
+                    # written): keep them from the consumer and they would stay hidden, each
+                    # receive would hide a new batch and spend another attempt. They go out;
+                    # the exhausted ones stay in flight and are tried again by the next receive.
+                    if not outcome.delivered:
+                        raise
+                    log.warning("receive for group %r on %r: %d dead letters not written yet (%s); "
+                                "retried at the next receive", group, topic, len(outcome.exhausted), e)
             remaining_s = deadline_s - loop.time()
             if outcome.delivered or remaining_s <= 0:
                 waiter.cancel()  # done, so the next registration's pruning drops it

@@ -237,10 +237,14 @@ class TopicExists(BadRequest):
 
 class SystemTopicForbidden(InvalidTopicName):
     """Producers may not write to chronoq's system topics (timer, schedule, DLQ are written by
-    the broker itself). An illegal topic for a producer (ILLEGAL_TOPIC), hence the base class."""
+    the broker itself), nor consumers receive from the timer and schedule topics (their messages
+    are not due yet: the broker delivers each to its real topic when it is). An illegal topic
+    for that client (ILLEGAL_TOPIC), hence the base class."""
 
-    def __init__(self, topic: str) -> None:
-        BadRequest.__init__(self, f"topic {topic!r} is a system topic; producers may not write to it", topic=topic)
+    def __init__(self, topic: str, *, receive: bool = False) -> None:
+        who = "consumers may not receive from it: its messages are delivered to their own topics when due" \
+            if receive else "producers may not write to it"
+        BadRequest.__init__(self, f"topic {topic!r} is a system topic; {who}", topic=topic)
 
 
 class MessageBodyEmpty(BadRequest):

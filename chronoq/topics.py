@@ -59,7 +59,10 @@ class Topics:
 
     def for_receive(self, name: str) -> TopicConfig:
         """The topic a consumer reads: it must exist. A consumer never creates one, so a
-        mistyped name does not appear as a topic."""
+        mistyped name does not appear as a topic. The timer and schedule topics hold messages
+        not due yet: a consumer of them would get a timer early (and again when it fires)."""
+        if is_system_topic(name):
+            raise SystemTopicForbidden(name, receive=True)
         topic = self.store.topics.get(name)
         if topic is None:
             raise TopicNotFound(name, auto_create=self.config.auto_create_topics)

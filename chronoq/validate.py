@@ -42,10 +42,12 @@ from chronoq.model import (
     SYS_MESSAGE_GROUP,
     MessageType,
     OutgoingMessage,
+    dlq_topic,
     is_system_topic,
     new_message_id,
     topic_name_problem,
 )
+from chronoq.store.groups import LEGACY_SCHEDULE_GROUP
 from chronoq.store.messagestore import PreparedMessage
 from chronoq.store.record import HEADER_SIZE, MAX_U16, encode_keys, encode_properties
 from chronoq.timer.levels import DelayLevels
@@ -70,8 +72,17 @@ def check_topic_name(topic: str, config: Config) -> None:
 
 
 def check_group_name(group: str, config: Config) -> None:
-    """Consumer groups follow the topic rule (same characters, `max_topic_name_length`)."""
+    """Consumer groups follow the topic rule (same characters), short enough that the group's
+    dead-letter topic (`%DLQ%<group>`) is a valid topic name too; `%SCHEDULE%` is the broker's
+    own (the delay-level progress of old data directories, cleared at every open)."""
+    prefix = len(dlq_topic(""))
+    limit = config.max_topic_name_length - prefix
     problem = topic_name_problem(group, config.max_topic_name_length) if isinstance(group, str) else "not a string"
+    if not problem and len(group) > limit:
+        problem = (f"{len(group)} characters; the limit is {limit}: max_topic_name_length "
+                   f"({config.max_topic_name_length}) less the {prefix} of its dead-letter topic's prefix")
+    if not problem and group == LEGACY_SCHEDULE_GROUP:
+        problem = "reserved for the broker"
     if problem:
         raise InvalidGroupName(str(group)[: config.max_topic_name_length + 16], problem)
 
@@ -123,7 +134,19 @@ def check_property_count(count: int, config: Config) -> None:
 
 
 def _text_ok(value: str) -> bool:
-    return "\x00" not in value and all(c >= " " for c in value)
+    """No control characters, and encodable as UTF-8 (a lone surrogate, which JSON allows as
+    `"\\ud800"`, is not: it used to fail the record's encoding, after admission)."""
+    return "\x00" not in value and all(c >= " " for c in value) and _utf8_ok(value)
+
+
+def _utf8_ok(value: str) -> bool:
+    if value.isascii():
+        return True
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _parse_int_property(key: str, raw: str) -> int:
@@ -223,8 +246,10 @@ def _check_properties(given: Mapping[str, str], config: Config) -> tuple[dict[st
     """A copy of the user's properties and their encoded size, or the error naming the first rule broken."""
     props: dict[str, str] = {}
     for k, v in given.items():
-        if not isinstance(k, str) or not isinstance(v, str) or not k or not _text_ok(k) or "\x00" in v:
-            raise InvalidProperty(str(k), "keys must be non-empty text and values text without NUL")
+        if not isinstance(k, str) or not isinstance(v, str) or not k or not _text_ok(k) or "\x00" in v \
+                or not _utf8_ok(v):
+            raise InvalidProperty(ascii(k), "keys must be non-empty text and values text without NUL, "
+                                            "both valid UTF-8")
         if k in RESERVED_PROPERTIES or k.startswith(RESERVED_PREFIX):
             raise ReservedProperty(k)
         props[k] = v
@@ -283,6 +308,8 @@ def prepare(msg: OutgoingMessage, config: Config, now_ms: int, levels: DelayLeve
     group = msg.message_group
     if group is not None and not isinstance(group, str):
         raise InvalidProperty("message_group", f"must be text, not {type(group).__name__}")
+    if group and not _text_ok(group):
+        raise InvalidProperty("message_group", "may not contain control characters, and must be valid UTF-8")
     born_ms = msg.born_ms
     if born_ms is None:
         born_ms = now_ms

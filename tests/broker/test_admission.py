@@ -74,6 +74,14 @@ BAD: list[tuple[str, OutgoingMessage, type[errors.ChronoqError]]] = [
     ("property value not text", msg(properties={"a": 1}), errors.InvalidProperty),
     ("reserved property", msg(properties={SYS_REAL_TOPIC: "x"}), errors.ReservedProperty),
     ("reserved property prefix", msg(properties={"__CHRONOQ_X": "x"}), errors.ReservedProperty),
+    # A lone surrogate (JSON's "\\ud800") is text to Python but not UTF-8: the record's
+    # encoding failed after admission (an internal error; a timer's slot stayed reserved).
+    ("tag with a lone surrogate", msg(tag="a\ud800"), errors.InvalidTag),
+    ("key with a lone surrogate", msg(keys=("k\udfff",)), errors.InvalidKeys),
+    ("property key with a lone surrogate", msg(properties={"\ud800": "v"}), errors.InvalidProperty),
+    ("property value with a lone surrogate", msg(properties={"a": "\ud800"}), errors.InvalidProperty),
+    ("message group with a lone surrogate", msg(message_group="g\ud800"), errors.InvalidProperty),
+    ("message group with a control character", msg(message_group="g\n"), errors.InvalidProperty),
     ("negative born time", msg(born_ms=-1), errors.InvalidProperty),
     ("born time past u63", msg(born_ms=2**63), errors.InvalidProperty),
     ("two delivery times", msg(delay_ms=5, deliver_at_ms=10), errors.ConflictingDelivery),
@@ -227,3 +235,35 @@ def test_accepted_messages_fit_the_size_limit(body_len: int, tag: str, message_i
         return
     blob = MessageStore._encode(prepared, 255, 2**40, 2**50, 1_700_000_000_000)
     assert len(blob) <= config.max_message_size_bytes
+
+
+def test_a_batch_that_fails_unexpectedly_gives_back_its_timer_slots(make_config: Callable[..., Config],
+                                                                    arun: Callable, monkeypatch: Any) -> None:
+    """With `timer_congest_num_each_slot` on, each timer of a batch reserves its place in its
+    second while the batch is admitted. An error that is not a refusal (an unexpected exception
+    in admission, raised here) used to leave the places taken: that second refused every later
+    timer as congested."""
+    import chronoq.accept
+
+    async def body() -> None:
+        broker = await open_broker(make_config, timer_congest_num_each_slot=1)
+        try:
+            due = broker.clock.now_ms() + 60_000
+            real_prepare = chronoq.accept.prepare
+
+            def prepare_fails_on_the_second(m: OutgoingMessage, *args: Any) -> Any:
+                if m.message_id == "second":
+                    raise RuntimeError("injected: an admission bug")
+                return real_prepare(m, *args)
+
+            monkeypatch.setattr(chronoq.accept, "prepare", prepare_fails_on_the_second)
+            with pytest.raises(RuntimeError, match="injected"):
+                await broker.send_batch([msg(message_id="first", deliver_at_ms=due),
+                                         msg(message_id="second", deliver_at_ms=due)])
+            monkeypatch.setattr(chronoq.accept, "prepare", real_prepare)
+            sent = await broker.send(msg(message_id="later", deliver_at_ms=due))
+            assert sent.deliver_at_ms == due
+        finally:
+            await broker.close()
+
+    arun(body())

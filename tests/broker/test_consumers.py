@@ -22,9 +22,11 @@ from chronoq.broker import Broker
 from chronoq.clock import FakeClock
 from chronoq.config import HOUR_MS, Config
 from chronoq.model import (
+    SCHEDULE_TOPIC,
     SYS_DLQ_ORIGIN_OFFSET,
     SYS_DLQ_ORIGIN_QUEUE_ID,
     SYS_DLQ_ORIGIN_TOPIC,
+    TIMER_TOPIC,
     OutgoingMessage,
     ReceivedMessage,
 )
@@ -197,6 +199,63 @@ def test_receives_at_once_write_one_dead_letter_copy(env: Callable) -> None:
         assert e.broker.groups.inflight_count("g", "orders") == 0
 
     env(body, max_delivery_attempts=1)
+
+
+def test_a_dead_letter_that_cannot_be_written_does_not_hide_the_rest_of_the_receive(env: Callable) -> None:
+    """The receive that finds an exhausted entry has already put its other messages in flight.
+    When the DLQ copy could not be written (a full disk, raised here at the broker's appender),
+    the receive used to fail: its messages stayed hidden for their invisible duration, and each
+    retry hid a new batch and spent another attempt, until they reached the DLQ undelivered."""
+    async def body(e: Env) -> None:
+        (poison,) = await e.send("orders", 1)
+        assert [m.message.message_id for m in await e.receive(batch_size=1)] == [poison]
+        e.clock.advance(INVISIBLE_MS)  # exhausted: max_delivery_attempts = 1
+        fresh = await e.send("orders", 3)
+        real_append = e.broker.deliver._append
+        failures = []
+
+        async def dlq_out_of_space(msgs: list[Any]) -> Any:
+            if msgs and msgs[0].topic == "%DLQ%g":
+                failures.append(len(msgs))
+                raise errors.DiskFull(str(e.config.data_dir), 0, 0, during="a commit-log write")
+            return await real_append(msgs)
+
+        e.broker.deliver._append = dlq_out_of_space
+        got = await e.receive()
+        assert ids(got) == sorted(fresh) and failures == [1]
+        e.broker.deliver._append = real_append
+        assert await e.receive() == []  # the others are in flight; the poison is written now
+        assert ids(await e.receive(topic="%DLQ%g", group="r")) == [poison]
+
+    env(body, max_delivery_attempts=1)
+
+
+def test_the_timer_and_schedule_topics_cannot_be_received_from(env: Callable) -> None:
+    """Their messages are not due yet: a consumer of them got a timer an hour early (and again
+    when it fired), and its in-flight entry held retention back."""
+    async def body(e: Env) -> None:
+        await e.broker.send(OutgoingMessage("orders", b"later", delay_ms=3_600_000))
+        await e.broker.send(OutgoingMessage("orders", b"level", delay_level=18))
+        for topic in (TIMER_TOPIC, SCHEDULE_TOPIC):
+            with pytest.raises(errors.SystemTopicForbidden, match="consumers may not receive"):
+                await e.receive(topic=topic)
+        assert e.broker.groups.min_inflight_position() is None
+
+    env(body)
+
+
+@pytest.mark.parametrize("group", ["%SCHEDULE%", "g" * 123])
+def test_group_names_the_broker_cannot_serve_are_refused(env: Callable, group: str) -> None:
+    """`%SCHEDULE%` is the broker's own (its offsets are cleared at every open, so such a group
+    got everything again after a restart); a name whose dead-letter topic `%DLQ%<group>` would be
+    longer than a topic may be left its dead letters unreadable."""
+    async def body(e: Env) -> None:
+        await e.send("orders", 1)
+        with pytest.raises(errors.InvalidGroupName):
+            await e.receive(group=group)
+        assert len(await e.receive(group="g" * 122)) == 1  # the longest name that fits
+
+    env(body)
 
 
 def test_forward_to_dlq_and_nack(env: Callable) -> None:
