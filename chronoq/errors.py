@@ -51,7 +51,8 @@ the classes, and every code against the enum:
     42900 TOO_MANY_REQUESTS                    Throttled (TimerSlotCongested, DiskFull, TimerIndexRebuilding)
     43101 MESSAGE_PROPERTIES_TOO_LARGE         PropertiesTooLarge
     50001 INTERNAL_SERVER_ERROR                ServerError (BrokerClosed, FlushFailed, FsyncFailed, DataDirLocked,
-                                               UnsupportedVersion, LogDamaged, IndexPositionWentBack,
+                                               StoreUnavailable, UnsupportedVersion, LogDamaged,
+                                               IndexPositionWentBack,
                                                TimerIndexCorrupt, TimerIndexClosed)
     50500 UNSUPPORTED                          Unsupported
 """
@@ -567,6 +568,16 @@ class CorruptRecord(ServerError):
 class DataDirLocked(ServerError):
     def __init__(self, path: str) -> None:
         super().__init__(f"data directory {path} is in use by another broker", path=path)
+
+
+class StoreUnavailable(ServerError):
+    """A store could not be opened for lack of a resource other than space (too many open
+    files, no permission, no memory). Not damage: nothing was moved aside or rebuilt."""
+
+    def __init__(self, what: str, path: str, reason: str) -> None:
+        super().__init__(f"cannot open the {what} at {path}: {reason}; this is not damage and nothing was "
+                         "changed: fix the cause (the open-file limit is `ulimit -n`) and start again",
+                         what=what, path=path, reason=reason)
 
 
 class UnsupportedVersion(ServerError):

@@ -58,6 +58,22 @@ def is_disk_full(exc: BaseException) -> bool:
     return any(t in text for t in ROCKSDB_DISK_FULL_TEXTS)
 
 
+RESOURCE_LIMIT_TEXTS = ("Too many open files", "Permission denied", "Cannot allocate memory")
+"""What RocksDB (and the OS) say when an open lacked a resource other than space."""
+
+
+def resource_problem(exc: BaseException) -> str | None:
+    """Why opening a store failed for lack of a resource other than space (file descriptors,
+    permission, memory), or None. Not damage: a store must not be moved aside or rebuilt for it,
+    nor the failure reported as another broker holding it (RocksDB's "While lock file: .../LOCK:
+    Too many open files" names the lock)."""
+    if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE, errno.EACCES, errno.EPERM,
+                                                  errno.ENOMEM):
+        return str(exc)
+    text = str(exc)
+    return text if any(t in text for t in RESOURCE_LIMIT_TEXTS) else None
+
+
 def free_bytes(path: str | Path) -> int:
     """Bytes an unprivileged writer may still allocate on `path`'s file system."""
     st = os.statvfs(path)

@@ -53,9 +53,16 @@ from pathlib import Path
 import crc32c
 from rocksdict import BlockBasedOptions, Cache, Options, Rdict, WriteBatch, WriteOptions
 
-from chronoq.errors import CorruptRecord, DataDirLocked, DiskFull, InvalidReceiptHandle, UnsupportedVersion
+from chronoq.errors import (
+    CorruptRecord,
+    DataDirLocked,
+    DiskFull,
+    InvalidReceiptHandle,
+    StoreUnavailable,
+    UnsupportedVersion,
+)
 from chronoq.store import files, fsync
-from chronoq.store.diskspace import DiskSpace, is_disk_full
+from chronoq.store.diskspace import DiskSpace, is_disk_full, resource_problem
 
 GROUPS_FORMAT_VERSION = 1
 LEGACY_SCHEDULE_GROUP = "%SCHEDULE%"
@@ -183,6 +190,8 @@ class GroupStore:
         try:
             return Rdict(str(self.directory), self._opts)
         except Exception as exc:
+            if (problem := resource_problem(exc)) is not None:
+                raise StoreUnavailable("consumer-group store", str(self.directory), problem) from exc
             if "LOCK:" in str(exc) or "lock hold" in str(exc):
                 raise DataDirLocked(str(self.directory)) from exc
             if is_disk_full(exc):
@@ -257,9 +266,13 @@ class GroupStore:
         try:
             return cls(directory, block_cache_bytes=block_cache_bytes, write_buffer_bytes=write_buffer_bytes,
                        disk=disk), None
-        except (DataDirLocked, UnsupportedVersion, DiskFull):
+        except (DataDirLocked, UnsupportedVersion, DiskFull, StoreUnavailable):
             raise  # not damage: another broker holds it, a newer chronoq wrote it, or the disk is full
         except Exception as exc:  # RocksDB reports damage as a plain exception; so does a bad value
+            if (problem := resource_problem(exc)) is not None:
+                # Too many open files, say, while reading it: resetting would redeliver every
+                # group's whole retained log for a problem that is not in the files.
+                raise StoreUnavailable("consumer-group store", str(directory), problem) from exc
             aside = files.damaged_name(directory)
             os.rename(directory, aside)
             fsync.fsync_dir(directory.parent)

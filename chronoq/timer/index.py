@@ -80,12 +80,13 @@ from chronoq.errors import (
     ChronoqError,
     DataDirLocked,
     IndexPositionWentBack,
+    StoreUnavailable,
     TimerIndexClosed,
     TimerIndexCorrupt,
 )
 from chronoq.model import TimerStatus
 from chronoq.store import fsync
-from chronoq.store.diskspace import DiskSpace, is_disk_full
+from chronoq.store.diskspace import DiskSpace, is_disk_full, resource_problem
 from chronoq.timer.engine import IndexBatch, TimerEntry
 from chronoq.timer.index_codec import (
     CF_COUNTERS,
@@ -261,6 +262,8 @@ def _open_rdict(path: Path, create: bool, block_cache_bytes: int, write_buffer_b
         return Rdict(str(path), _db_options(create, write_buffer_bytes),
                      column_families={name: _cf_options(name, cache) for name in COLUMN_FAMILIES})
     except Exception as exc:
+        if (problem := resource_problem(exc)) is not None:  # not damage: a rebuild would meet it too
+            raise StoreUnavailable("timer index", str(path), problem) from exc
         # RocksDB says "lock hold by current process" or "While lock file: .../LOCK: ...";
         # match those exactly ("block checksum mismatch" must stay a corruption).
         if "LOCK:" in str(exc) or "lock hold" in str(exc):

@@ -1,0 +1,91 @@
+"""Opening with too few file descriptors: a resource problem, not damage.
+
+The fault is real: a child process lowers its own open-file limit (RLIMIT_NOFILE) to a few more
+descriptors than it holds and opens a broker on a data directory, once per limit, from one more
+descriptor up to the limit at which the open succeeds. Each store meets EMFILE at every step of
+its open in turn. Before, RocksDB's errors there read as damage: the consumer-group store was
+moved aside (every group would receive the whole retained log again), five times over; the timer
+index was called corrupt (destroyed and rebuilt); and an EMFILE on a RocksDB LOCK file was
+reported as another broker holding the directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from chronoq.broker import Broker
+from chronoq.clock import FakeClock
+from chronoq.config import Config
+from chronoq.model import OutgoingMessage
+
+_CHILD = """
+import asyncio, json, os, resource, sys
+from pathlib import Path
+from chronoq.broker import Broker
+from chronoq.clock import FakeClock
+from chronoq.config import Config
+
+data = Path(sys.argv[1])
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+tries = []
+
+async def open_and_close():
+    broker = await Broker.open(Config(data_dir=data), clock=FakeClock(), background=False)
+    await broker.close()
+
+for extra in range(1, 200):
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + extra, hard))
+    try:
+        asyncio.run(open_and_close())
+        outcome = "opened"
+    except BaseException as e:
+        outcome = f"{type(e).__name__}: {e}"
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    tries.append([extra, outcome, sorted(p.name for p in data.iterdir() if "damaged" in p.name)])
+    if outcome == "opened":
+        break
+print(json.dumps(tries))
+"""
+
+
+def test_an_open_short_of_file_descriptors_fails_clearly_and_changes_nothing(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+
+    async def setup() -> None:
+        broker = await Broker.open(Config(data_dir=data), clock=FakeClock(), background=False)
+        for i in range(5):
+            await broker.send(OutgoingMessage("t", b"x", message_id=f"m{i}"))
+        got = await broker.receive("g", "t", batch_size=2)
+        for m in got:
+            await broker.ack("g", "t", m.receipt_handle)
+        await broker.send(OutgoingMessage("t", b"later", message_id="timer", delay_ms=60_000))
+        await broker.close()
+
+    asyncio.run(setup())
+    done = subprocess.run([sys.executable, "-c", _CHILD, str(data)], capture_output=True, text=True, timeout=300)
+    tries = json.loads(done.stdout)
+    assert tries[-1][1] == "opened", tries[-1]
+    failures = [outcome for _, outcome, _ in tries[:-1]]
+    assert any(o.startswith("StoreUnavailable: cannot open the consumer-group store") for o in failures)
+    assert any(o.startswith("StoreUnavailable: cannot open the timer index") for o in failures)
+    for extra, outcome, damaged in tries:
+        assert not damaged, f"limit +{extra}: {outcome}; moved aside: {damaged}"
+        assert outcome == "opened" or outcome.startswith(("OSError: [Errno 24]", "StoreUnavailable: ")), \
+            f"limit +{extra}: {outcome}"
+
+    async def reopen() -> None:
+        broker = await Broker.open(Config(data_dir=data), clock=FakeClock(), background=False)
+        try:
+            assert not broker.open_report.groups_reset
+            got = await broker.receive("g", "t", batch_size=16)
+            assert len(got) == 3  # the two acked stay acked: the group's progress was kept
+            assert broker.query("timer", "t")[0].message_id == "timer"
+        finally:
+            await broker.close()
+
+    asyncio.run(reopen())
