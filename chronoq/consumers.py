@@ -95,11 +95,9 @@ class ConsumerGroups:
         exhausted: list[tuple[InFlight, StoredMessage]] = []
         puts: list[InFlight] = []
         removes: list[InFlight] = []
-        for old in self.groups.due(group, topic.name, now_ms, batch_size * 4):
+        for old in self.groups.due(group, topic.name, now_ms, batch_size * 4, queue_id):
             if len(delivered) >= batch_size:
                 break
-            if queue_id is not None and old.queue_id != queue_id:
-                continue
             msg = self.store.readable(old.position, old.size)
             if msg is None:  # removed by retention while in flight, or lost to damage since
                 removes.append(old)

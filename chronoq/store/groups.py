@@ -332,8 +332,10 @@ class GroupStore:
         entries = self._inflight.get((group, topic))
         return None if entries is None else entries.get((queue_id, offset))
 
-    def due(self, group: str, topic: str, now_ms: int, limit: int) -> list[InFlight]:
-        """In-flight entries whose invisible duration has ended, earliest first."""
+    def due(self, group: str, topic: str, now_ms: int, limit: int, queue_id: int | None = None) -> list[InFlight]:
+        """In-flight entries whose invisible duration has ended, earliest first (of one queue
+        only, if `queue_id` is given: filtered here, so other queues' overdue entries cannot
+        take up the `limit` and keep this queue's from ever coming back)."""
         gt = (group, topic)
         heap = self._heaps.get(gt)
         entries = self._inflight.get(gt, {})
@@ -344,8 +346,9 @@ class GroupStore:
             e = entries.get((item[1], item[2]))
             if e is None or e.nonce != item[3] or e.visible_ms != item[0]:
                 continue  # acked or renewed since: a stale heap item
-            out.append(e)
             keep.append(item)
+            if queue_id is None or e.queue_id == queue_id:
+                out.append(e)
         for item in keep:
             heapq.heappush(heap, item)  # type: ignore[arg-type]
         return out

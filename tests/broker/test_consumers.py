@@ -258,6 +258,24 @@ def test_group_names_the_broker_cannot_serve_are_refused(env: Callable, group: s
     env(body)
 
 
+def test_a_receive_for_one_queue_gets_its_redeliveries_whatever_other_queues_hold(env: Callable) -> None:
+    """The overdue entries were taken earliest first, `batch_size * 4` of them, and then filtered
+    by queue: a queue whose consumer went away, with that many overdue entries earlier, kept
+    another queue's redelivery from ever coming back to a receive for that queue."""
+    async def body(e: Env) -> None:
+        for i in range(8):
+            await e.broker.send(OutgoingMessage("orders", b"q0", message_id=f"q0-{i}", queue_id=0))
+        assert len(await e.receive(batch_size=8, queue_id=0)) == 8  # and that consumer goes away
+        e.clock.advance(10)
+        await e.broker.send(OutgoingMessage("orders", b"q1", message_id="q1", queue_id=1))
+        assert ids(await e.receive(batch_size=1, queue_id=1)) == ["q1"]
+        e.clock.advance(INVISIBLE_MS)  # everything is visible again
+        again = await e.receive(batch_size=1, queue_id=1)
+        assert [(m.message.message_id, m.delivery_attempt) for m in again] == [("q1", 2)]
+
+    env(body)
+
+
 def test_forward_to_dlq_and_nack(env: Callable) -> None:
     async def body(e: Env) -> None:
         await e.send("orders", 2)
