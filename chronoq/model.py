@@ -83,6 +83,19 @@ def is_system_topic(topic: str) -> bool:
     return topic in SYSTEM_TOPICS
 
 
+def unencodable_at(text: str) -> int | None:
+    """Where `text` stops being encodable as UTF-8, or None when it is. Only a lone UTF-16
+    surrogate does that (JSON's `"\\ud800"` decodes to one): nothing can store or send it (the
+    record, the index, a log line), so every door refuses it (`validate.py`, the admin JSON)."""
+    if text.isascii():  # the usual case needs no encoding to be sure
+        return None
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
 def topic_name_problem(topic: str, max_length: int) -> str | None:
     """Why `topic` is not a valid name, or None."""
     if not topic:

@@ -46,6 +46,7 @@ from chronoq.model import (
     is_system_topic,
     new_message_id,
     topic_name_problem,
+    unencodable_at,
 )
 from chronoq.store.groups import LEGACY_SCHEDULE_GROUP
 from chronoq.store.messagestore import PreparedMessage
@@ -120,11 +121,11 @@ def check_key(key: object) -> str:
     over-long key is quoted only in part (the error goes back to whoever sent it, and into logs)."""
     if not isinstance(key, str):
         raise InvalidKeys(f"a key must be text, not {type(key).__name__}")
+    if not key or not _text_ok(key[:MAX_U16 + 1]):
+        raise InvalidKeys(f"key {key[:64]!r} is empty, has control characters or is not valid UTF-8")
     size = len(encode_keys((key,)))
     if size > MAX_U16:
         raise InvalidKeys(f"key {key[:64]!r}... takes {size} bytes; the record format allows {MAX_U16}")
-    if not key or not _text_ok(key):
-        raise InvalidKeys(f"key {key!r} is empty or has control characters")
     return key
 
 
@@ -134,19 +135,9 @@ def check_property_count(count: int, config: Config) -> None:
 
 
 def _text_ok(value: str) -> bool:
-    """No control characters, and encodable as UTF-8 (a lone surrogate, which JSON allows as
-    `"\\ud800"`, is not: it used to fail the record's encoding, after admission)."""
-    return "\x00" not in value and all(c >= " " for c in value) and _utf8_ok(value)
-
-
-def _utf8_ok(value: str) -> bool:
-    if value.isascii():
-        return True
-    try:
-        value.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
+    """No control characters, and encodable as UTF-8 (`unencodable_at`: a lone surrogate used
+    to fail the record's encoding, after admission)."""
+    return "\x00" not in value and all(c >= " " for c in value) and unencodable_at(value) is None
 
 
 def _parse_int_property(key: str, raw: str) -> int:
@@ -247,7 +238,7 @@ def _check_properties(given: Mapping[str, str], config: Config) -> tuple[dict[st
     props: dict[str, str] = {}
     for k, v in given.items():
         if not isinstance(k, str) or not isinstance(v, str) or not k or not _text_ok(k) or "\x00" in v \
-                or not _utf8_ok(v):
+                or unencodable_at(v) is not None:
             raise InvalidProperty(ascii(k), "keys must be non-empty text and values text without NUL, "
                                             "both valid UTF-8")
         if k in RESERVED_PROPERTIES or k.startswith(RESERVED_PREFIX):

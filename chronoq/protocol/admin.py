@@ -21,7 +21,15 @@ from typing import Any
 
 from chronoq.config import Config
 from chronoq.errors import ChronoqError
-from chronoq.model import MessageType, OutgoingMessage, SendResult, StoredMessage, TimerStatus, TopicConfig
+from chronoq.model import (
+    MessageType,
+    OutgoingMessage,
+    SendResult,
+    StoredMessage,
+    TimerStatus,
+    TopicConfig,
+    unencodable_at,
+)
 from chronoq.protocol.errors import InvalidField, MalformedRequest, MissingField
 from chronoq.protocol.requests import decode_topic_name
 
@@ -88,12 +96,9 @@ def check_text(name: str, value: str) -> str:
     """`value` is valid Unicode text. JSON's `\\ud800` escapes decode to lone UTF-16 surrogates,
     which json.loads accepts and nothing can encode as UTF-8 (the record, the index, a log line):
     refused here, where the JSON is read, naming the field and where the surrogate is."""
-    if not value.isascii():  # ASCII, the usual case, needs no encoding to be sure
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise InvalidField(name, f"character {exc.start} is a lone UTF-16 surrogate "
-                                     f"(U+{ord(value[exc.start]):04X}); text must be valid Unicode") from None
+    if (at := unencodable_at(value)) is not None:
+        raise InvalidField(name, f"character {at} is a lone UTF-16 surrogate (U+{ord(value[at]):04X}); "
+                                 "text must be valid Unicode")
     return value
 
 
