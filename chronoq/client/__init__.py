@@ -19,6 +19,7 @@ from chronoq.client.errors import (
     ProtocolViolation,
     RemoteError,
     RequestTimedOut,
+    RequestTooLarge,
     ServerUnavailable,
 )
 from chronoq.client.sync import Admin, Consumer, Producer
@@ -56,6 +57,7 @@ __all__ = [
     "ReceivedMessage",
     "RemoteError",
     "RequestTimedOut",
+    "RequestTooLarge",
     "SendReceipt",
     "ServerUnavailable",
     "StoredRecord",

@@ -23,7 +23,9 @@ Credentials: with an access key and secret key (arguments, or `CHRONOQ_ACCESS_KE
 (`chronoq.protocol.signature`), made afresh per call since they carry the time.
 
 Sends are retried (same message id, so the server's dedupe window makes a retry idempotent)
-when the failure is retriable: the connection, a deadline, or a retriable server code.
+when the failure is retriable: the connection, a deadline, or a retriable server code. A request
+gRPC refuses as too large (`RequestTooLarge`) is not retried; `send_batch` avoids making one by
+cutting batches by encoded size (`max_batch_bytes`) as well as by count (`max_batch`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import itertools
 import json
 import os
 import socket
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -49,6 +51,7 @@ from chronoq.client.errors import (
     ProtocolViolation,
     RemoteError,
     RequestTimedOut,
+    RequestTooLarge,
     ServerUnavailable,
 )
 from chronoq.client.types import (
@@ -77,6 +80,13 @@ DEFAULT_TIMEOUT_MS = 10_000
 DEFAULT_SEND_ATTEMPTS = 3
 DEFAULT_MAX_BATCH = 1024
 """Messages per request in `send_batch`; the server's own limit is `Config.max_send_batch`."""
+DEFAULT_MAX_BATCH_BYTES = 4 * 1024 * 1024
+"""Bytes per request in `send_batch` (`wire.encoded_size`, an upper bound, summed): a request
+holds messages up to `max_batch` and up to this size; a single message larger than this goes
+alone. The server refuses requests over about 2 x `max_message_size_bytes` + 1 MiB (gRPC's
+limit, `chronoq.server.serve.max_request_bytes`: 9 MiB by default), so 4 MiB stays well below
+the default limit while keeping requests large enough to amortize a round trip; lower it for a
+server configured with a smaller `max_message_size_bytes`."""
 MAX_GRPC_MESSAGE_BYTES = 256 * 1024 * 1024
 RETRY_BACKOFF_MS = 100
 
@@ -207,6 +217,10 @@ class AsyncAdmin:
             return ServerUnavailable(self.server, detail, unavailable_hint(detail, self._tls))
         if code == grpc.StatusCode.UNIMPLEMENTED:
             return RemoteError(50100, f"the server does not implement {method}")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (e.details() or ""):
+            # gRPC's size limit (either side's): retrying the same bytes cannot succeed. Other
+            # RESOURCE_EXHAUSTED (a server out of some resource for now) stays retriable.
+            return RequestTooLarge(method, e.details() or "")
         return RemoteError(50000, f"{method} failed with gRPC {code.name}: {e.details()}",
                            retriable=code in _GRPC_RETRIABLE)
 
@@ -307,19 +321,22 @@ class AsyncProducer(AsyncAdmin):
 
     def __init__(self, server: str | None = None, *, timeout_ms: int = DEFAULT_TIMEOUT_MS,
                  send_attempts: int = DEFAULT_SEND_ATTEMPTS, max_batch: int = DEFAULT_MAX_BATCH,
-                 batch_via: str = "admin", tls: bool = False, root_certificates: bytes | None = None,
-                 tls_server_name: str | None = None, access_key: str | None = None,
-                 secret_key: str | None = None) -> None:
+                 max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES, batch_via: str = "admin", tls: bool = False,
+                 root_certificates: bytes | None = None, tls_server_name: str | None = None,
+                 access_key: str | None = None, secret_key: str | None = None) -> None:
         super().__init__(server, timeout_ms=timeout_ms, tls=tls, root_certificates=root_certificates,
                          tls_server_name=tls_server_name, access_key=access_key, secret_key=secret_key)
         if send_attempts < 1:
             raise InvalidArgument("send_attempts", send_attempts, "at least 1")
         if max_batch < 1:
             raise InvalidArgument("max_batch", max_batch, "at least 1")
+        if max_batch_bytes < 1:
+            raise InvalidArgument("max_batch_bytes", max_batch_bytes, "at least 1")
         if batch_via not in ("grpc", "admin"):
             raise InvalidArgument("batch_via", batch_via, "'grpc' (SendMessage) or 'admin' (SendBatch)")
         self.send_attempts = send_attempts
         self.max_batch = max_batch
+        self.max_batch_bytes = max_batch_bytes
         self.batch_via = batch_via
 
     async def __aenter__(self) -> AsyncProducer:
@@ -351,8 +368,9 @@ class AsyncProducer(AsyncAdmin):
         return result
 
     async def send_batch(self, messages: Sequence[OutgoingMessage]) -> list[SendReceipt]:
-        """Store many messages (build each with `chronoq.client.outgoing(...)`), `max_batch` per
-        request, in order.
+        """Store many messages (build each with `chronoq.client.outgoing(...)`), in order, in
+        requests of at most `max_batch` messages and `max_batch_bytes` bytes (as encoded for
+        `batch_via`; a message larger than that goes in a request of its own).
 
         `batch_via="admin"` (the default) uses the admin service's SendBatch: the server judges
         each message alone, and if any is refused `BatchSendError` carries a receipt or an error
@@ -367,12 +385,28 @@ class AsyncProducer(AsyncAdmin):
         bodies base64's third more bytes may tip it the other way."""
         send = self._send_grpc if self.batch_via == "grpc" else self._send_admin
         results: list[SendReceipt | Exception] = []
-        for start in range(0, len(messages), self.max_batch):
-            results.extend(await self._with_retries(send, list(messages[start:start + self.max_batch])))
+        for chunk in self._chunks(messages):
+            results.extend(await self._with_retries(send, chunk))
         outcome = BatchOutcome(tuple(results))
         if outcome.errors:
             raise BatchSendError(outcome)
         return outcome.receipts
+
+    def _chunks(self, messages: Sequence[OutgoingMessage]) -> Iterator[list[OutgoingMessage]]:
+        """`messages` in order, cut before the request would pass `max_batch` messages or
+        `max_batch_bytes` bytes (`wire.encoded_size` in the encoding `batch_via` uses)."""
+        json_body = self.batch_via != "grpc"
+        chunk: list[OutgoingMessage] = []
+        size = 0
+        for msg in messages:
+            msg_size = wire.encoded_size(msg, json_body=json_body)
+            if chunk and (len(chunk) >= self.max_batch or size + msg_size > self.max_batch_bytes):
+                yield chunk
+                chunk, size = [], 0
+            chunk.append(msg)
+            size += msg_size
+        if chunk:
+            yield chunk
 
     async def _with_retries(self, send: Any, msgs: list[OutgoingMessage]) -> list[SendReceipt | Exception]:
         """Send, then resend only the messages whose failure was retriable (same ids)."""

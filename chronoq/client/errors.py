@@ -62,6 +62,18 @@ class RequestTimedOut(ClientError):
         super().__init__(f"{method} got no answer within {duration(timeout_ms)}", method=method, timeout_ms=timeout_ms)
 
 
+class RequestTooLarge(ClientError):
+    """gRPC refused the request as larger than the server's message limit (RESOURCE_EXHAUSTED
+    "larger than max"; the server's limit is about 2 x its `max_message_size_bytes` + 1 MiB). Not
+    retriable: the same request is as large next time. `send_batch` keeps each request within
+    the producer's `max_batch_bytes`; lower that for a server with a smaller limit."""
+
+    def __init__(self, method: str, detail: str) -> None:
+        super().__init__(f"{method} refused: the request is larger than the server accepts ({detail}); "
+                         "send fewer or smaller messages per request (AsyncProducer(max_batch_bytes=...))",
+                         method=method, detail=detail)
+
+
 class ProtocolViolation(ClientError):
     """The server's reply broke the protocol (missing status, undecodable JSON, wrong shape)."""
 

@@ -27,6 +27,7 @@ import hashlib
 import zlib
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from chronoq import errors as core
@@ -138,6 +139,29 @@ def outgoing(topic: str, body: bytes | str, *, deliver_at: datetime | int | None
         delay_level=delay_level,
     )
 
+
+
+ENCODED_FIELD_OVERHEAD_BYTES = 32
+"""Bound on what one text field costs beyond its own bytes: a protobuf tag and length (a map
+entry's too), or a JSON name, quotes and separators."""
+ENCODED_MESSAGE_OVERHEAD_BYTES = 512
+"""Bound on what one message costs beyond its texts and body: its fixed fields (born time, type,
+encoding, due time or delay) and their framing, in either encoding."""
+
+
+def encoded_size(msg: OutgoingMessage, *, json_body: bool) -> int:
+    """An upper bound on the bytes `msg` adds to a request: as `encode_message` makes it
+    (`json_body=False`) or as `outgoing_to_json` does (`json_body=True`: the body in base64, text
+    as JSON escapes it). Cheap (no encoding of the body), so `send_batch` can split by size."""
+    texts = [msg.topic, msg.message_id or "", msg.tag or "", msg.message_group or "", *msg.keys,
+             *msg.properties.keys(), *msg.properties.values()]
+    if json_body:
+        body = 4 * -(-len(msg.body) // 3)
+        text = sum(len(encode_basestring_ascii(t)) for t in texts)
+    else:
+        body = len(msg.body)
+        text = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+    return body + text + ENCODED_FIELD_OVERHEAD_BYTES * len(texts) + ENCODED_MESSAGE_OVERHEAD_BYTES
 
 
 def _ts(ms: int) -> dict[str, int]:

@@ -26,6 +26,7 @@ from chronoq.client import (
     BatchSendError,
     Consumer,
     Producer,
+    RequestTooLarge,
     ServerUnavailable,
     outgoing,
 )
@@ -310,3 +311,36 @@ def test_tls(tmp_path: Path) -> None:
             assert p.query(r.message_id)[0].state == "pending"
         with Producer(proc.address, timeout_ms=2000) as plain, pytest.raises(ServerUnavailable):
             plain.list_topics()
+
+
+@pytest.mark.parametrize("via", ["grpc", "admin"])
+def test_send_batch_splits_by_encoded_size_under_the_servers_request_limit(server: str, via: str) -> None:
+    """640 messages of 16 KiB are ~10.5 MB as protobuf, ~14 MB as JSON: over the server's default
+    gRPC limit (2 x 4 MiB + 1 MiB). They used to go in one request (split by count only), which
+    gRPC refused with RESOURCE_EXHAUSTED, retried three times."""
+    topic = fresh(f"big-{via}")
+
+    async def body() -> None:
+        async with AsyncProducer(server, batch_via=via) as p:
+            await p.create_topic(topic, queue_count=2)
+            msgs = [outgoing(topic, bytes([i % 251]) * 16384) for i in range(640)]
+            receipts = await p.send_batch(msgs)
+            assert [r.message_id for r in receipts] == [m.message_id for m in msgs]
+            d = await p.describe_topic(topic)
+            assert sum(q.max_offset - q.min_offset for q in d.queues) == 640
+
+    asyncio.run(body())
+
+
+def test_a_request_over_the_servers_size_limit_is_not_retried(server: str) -> None:
+    topic = fresh("huge")
+
+    async def body() -> None:
+        async with AsyncProducer(server, send_attempts=3) as p:
+            await p.create_topic(topic)
+            with pytest.raises(RequestTooLarge) as e:
+                await p.send(topic, b"z" * (10 * 1024 * 1024))
+            assert not e.value.retriable and e.value.details["method"] == "SendMessage"
+            assert "larger than max" in e.value.details["detail"]
+
+    asyncio.run(body())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import base64
 import hashlib
+import json
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
@@ -259,3 +260,20 @@ def test_near_valid_replies_only_raise_chronoq_errors(entries: list, next_offset
     for entry in entries:
         result = wire.send_result_from_json(entry, msg)
         assert isinstance(result, SendReceipt | core.ChronoqError)
+
+
+_text = st.text(st.characters(codec="utf-8"), max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(body=st.binary(max_size=3000), tag=_text, keys=st.lists(_text, max_size=3),
+       props=st.dictionaries(_text.filter(bool), _text, max_size=4), group=_text,
+       deliver_at=st.none() | st.integers(0, 2**62))
+def test_encoded_size_bounds_both_encodings(body: bytes, tag: str, keys: list[str], props: dict[str, str],
+                                            group: str, deliver_at: int | None) -> None:
+    """`send_batch` cuts requests by `encoded_size`: it must never be below what goes on the wire."""
+    msg = outgoing("t\u00e9", body, tag=tag or None, keys=keys, properties=props, message_group=group or None,
+                   deliver_at=deliver_at)
+    assert wire.encoded_size(msg, json_body=False) >= len(wire.encode_message(msg, NOW_MS).SerializeToString())
+    doc = json.dumps(wire.outgoing_to_json(msg), separators=(",", ":")).encode()
+    assert wire.encoded_size(msg, json_body=True) >= len(doc) + 1  # + the list's separator
