@@ -28,7 +28,12 @@ class SendReceipt:
     recall_handle: str | None = None
     """Set for timer messages: pass to `recall(topic, handle)` to cancel before it fires."""
     deliver_at_ms: int | None = None
-    """When a timer message is due (ms since the epoch), if the server said so."""
+    """When a timer message is due (ms since the epoch), as the server fixed it: a `delay` added
+    to the server's clock, a time rounded up to its `timer_precision_ms`. Read from the recall
+    handle (SendMessage) or the reply (SendBatch). A delay-level message has no handle: sent with
+    `send(delay_level=)` (SendBatch) it holds the due time the server computed from its level
+    table; in a `send_batch(batch_via="grpc")` it is None. None for a normal message, and the
+    requested `deliver_at` for a timer sent to a server whose handles are not chronoq's."""
     queue_id: int | None = None
     duplicate: bool = False
     """True when the server had already stored this message id (an idempotent retry)."""

@@ -17,7 +17,10 @@ How the three kinds of timer travel (the RocketMQ protocol has a field for only 
   whose clock is off by a minute still gets the delay it asked for);
 * `delay_level` -> the user property `DELAY` (RocketMQ 4's name).
 
-All three mark the message `DELAY`, the type a topic must accept for timer messages.
+All three mark the message `DELAY`, the type a topic must accept for timer messages. The due
+time the server fixed (a `delay` added to its clock, any time rounded up to its
+`timer_precision_ms`) comes back in a SendBatch reply as `deliver_at_ms`; SendMessage's reply has
+no field for it, but chronoq's recall handle encodes it, so a receipt reads it from there.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from chronoq.client.types import (
     TopicDescription,
     TopicInfo,
 )
+from chronoq.errors import InvalidRecallHandle
 from chronoq.model import (
     PROP_DELAY_LEVEL,
     PROP_TIMER_DELAY_MS,
@@ -53,6 +57,7 @@ from chronoq.model import (
 from chronoq.protocol.requests import EPOCH_SECONDS_MIN
 from chronoq.protocol.v2 import Duration, Timestamp, set_duration_ms, set_timestamp_ms
 from chronoq.protocol.v2 import definition as pb
+from chronoq.timer.recall import decode_recall_handle
 
 ADMIN_OK = 20000
 EARLIEST_DELIVERY_TIMESTAMP_MS = EPOCH_SECONDS_MIN * 1000
@@ -210,9 +215,20 @@ def decode_send_entry(entry: Any, msg: OutgoingMessage) -> SendReceipt | core.Ch
         if entry.status.code == pb.CODE_UNSPECIFIED:
             return ProtocolViolation("SendMessage", "result entry has no status code")
         return from_status(int(entry.status.code), entry.status.message or pb.Code.Name(entry.status.code))
+    handle = entry.recall_handle or None
     return SendReceipt(message_id=entry.message_id or (msg.message_id or ""), topic=msg.topic,
-                       offset=int(entry.offset), recall_handle=entry.recall_handle or None,
-                       deliver_at_ms=msg.deliver_at_ms)
+                       offset=int(entry.offset), recall_handle=handle,
+                       deliver_at_ms=due_in_handle(handle) if handle else msg.deliver_at_ms)
+
+
+def due_in_handle(handle: str) -> int | None:
+    """The due time the server fixed, read from its recall handle (which encodes it; the codec
+    is `chronoq.timer.recall`, pure). None for a handle that is not chronoq's (another
+    RocketMQ 5 server's): SendMessage carries the due time nowhere else."""
+    try:
+        return decode_recall_handle(handle)[1]
+    except InvalidRecallHandle:
+        return None
 
 
 # -- received -------------------------------------------------------------------------------

@@ -344,3 +344,23 @@ def test_a_request_over_the_servers_size_limit_is_not_retried(server: str) -> No
             assert "larger than max" in e.value.details["detail"]
 
     asyncio.run(body())
+
+
+def test_the_receipts_due_time_is_the_one_the_server_fixed(tmp_path: Path) -> None:
+    """The receipt's `deliver_at_ms` used to be the client's own request: None for `delay=`, and
+    the unrounded time under the server's `timer_precision_ms`. It now comes from the server
+    (the recall handle encodes it), so it equals what QueryMessage reports."""
+    with ServerProcess(tmp_path / "data", settings={"timer_precision_ms": 1000}) as proc:
+        async def body() -> None:
+            async with AsyncProducer(proc.address) as p:
+                relative = await p.send("due", b"in", delay=60_000)
+                asked_ms = now_ms() + 60_123
+                absolute = await p.send("due", b"at", deliver_at=asked_ms)
+                for r in (relative, absolute):
+                    [status] = await p.query(r.message_id)
+                    assert r.deliver_at_ms == status.deliver_at_ms and r.deliver_at_ms % 1000 == 0, (r, status)
+                assert absolute.deliver_at_ms is not None and asked_ms < absolute.deliver_at_ms < asked_ms + 1000
+                level = await p.send("due", b"level", delay_level=1)  # no handle; SendBatch names the time
+                assert level.recall_handle is None and level.deliver_at_ms is not None
+
+        asyncio.run(body())
