@@ -35,9 +35,9 @@ import itertools
 import json
 import os
 import socket
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 
@@ -94,6 +94,44 @@ _client_seq = itertools.count(1)
 _GRPC_RETRIABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED}
 
 
+class _Setting:
+    """A client setting a program may change between calls (`producer.timeout_ms = 2000`): each
+    call reads it afresh, and every write, the constructor's included, is checked by `check`
+    (which raises `InvalidArgument` naming the value). Listed in the class's `SETTINGS`, which the
+    blocking twins pass writes through for."""
+
+    def __init__(self, check: Callable[[str, Any], None]) -> None:
+        self._check = check
+        self._name = self._slot = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name, self._slot = name, f"_setting_{name}"
+
+    def __get__(self, obj: object, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return getattr(obj, self._slot)
+
+    def __set__(self, obj: object, value: Any) -> None:
+        self._check(self._name, value)
+        setattr(obj, self._slot, value)
+
+
+def _at_least_one(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InvalidArgument(name, value, "a whole number, at least 1")
+
+
+def _batch_via(name: str, value: Any) -> None:
+    if value not in ("grpc", "admin"):
+        raise InvalidArgument(name, value, "'grpc' (SendMessage) or 'admin' (SendBatch)")
+
+
+def _text(name: str, value: Any) -> None:
+    if not isinstance(value, str):
+        raise InvalidArgument(name, value, "a str is required")
+
+
 def default_server() -> str:
     return os.environ.get(SERVER_ENV) or DEFAULT_SERVER
 
@@ -132,6 +170,11 @@ def _json_reply(raw: bytes) -> Any:
 
 class AsyncAdmin:
     """Topics, timer queries, cancel by id, stats and read by offset; the base of both clients."""
+
+    SETTINGS: ClassVar[frozenset[str]] = frozenset({"timeout_ms"})
+    """What may be changed after construction (each call reads it afresh). The rest (`server`,
+    TLS, credentials, a consumer's `topic`) is fixed when the client is made."""
+    timeout_ms = _Setting(_at_least_one)
 
     def __init__(self, server: str | None = None, *, timeout_ms: int = DEFAULT_TIMEOUT_MS,
                  tls: bool = False, root_certificates: bytes | None = None,
@@ -319,6 +362,13 @@ class AsyncAdmin:
 class AsyncProducer(AsyncAdmin):
     """Sends normal and timer messages; recalls and cancels timer messages."""
 
+    SETTINGS: ClassVar[frozenset[str]] = AsyncAdmin.SETTINGS | {"send_attempts", "max_batch", "max_batch_bytes",
+                                                                 "batch_via"}
+    send_attempts = _Setting(_at_least_one)
+    max_batch = _Setting(_at_least_one)
+    max_batch_bytes = _Setting(_at_least_one)
+    batch_via = _Setting(_batch_via)
+
     def __init__(self, server: str | None = None, *, timeout_ms: int = DEFAULT_TIMEOUT_MS,
                  send_attempts: int = DEFAULT_SEND_ATTEMPTS, max_batch: int = DEFAULT_MAX_BATCH,
                  max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES, batch_via: str = "admin", tls: bool = False,
@@ -326,14 +376,6 @@ class AsyncProducer(AsyncAdmin):
                  access_key: str | None = None, secret_key: str | None = None) -> None:
         super().__init__(server, timeout_ms=timeout_ms, tls=tls, root_certificates=root_certificates,
                          tls_server_name=tls_server_name, access_key=access_key, secret_key=secret_key)
-        if send_attempts < 1:
-            raise InvalidArgument("send_attempts", send_attempts, "at least 1")
-        if max_batch < 1:
-            raise InvalidArgument("max_batch", max_batch, "at least 1")
-        if max_batch_bytes < 1:
-            raise InvalidArgument("max_batch_bytes", max_batch_bytes, "at least 1")
-        if batch_via not in ("grpc", "admin"):
-            raise InvalidArgument("batch_via", batch_via, "'grpc' (SendMessage) or 'admin' (SendBatch)")
         self.send_attempts = send_attempts
         self.max_batch = max_batch
         self.max_batch_bytes = max_batch_bytes
@@ -450,6 +492,10 @@ class AsyncProducer(AsyncAdmin):
 
 class AsyncConsumer(AsyncAdmin):
     """A RocketMQ 5 simple consumer of one topic in one group: receive, ack, change_invisible."""
+
+    SETTINGS: ClassVar[frozenset[str]] = AsyncAdmin.SETTINGS | {"group", "filter_expression"}
+    group = _Setting(_text)
+    filter_expression = _Setting(_text)
 
     def __init__(self, group: str, topic: str, *, filter_expression: str = "*", server: str | None = None,
                  timeout_ms: int = DEFAULT_TIMEOUT_MS, tls: bool = False,

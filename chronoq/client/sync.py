@@ -22,7 +22,10 @@ public async generator (a plain generator pulling one item at a time through the
 the same name, signature and docstring. A new async method therefore has its twin the moment it
 exists, and nothing can drift. Attribute reads pass through to the async client only for plain
 values (`server`, `group`, ...): a public callable the derivation did not make a twin of is
-refused by name, rather than handing blocking code a coroutine it can never run.
+refused by name, rather than handing blocking code a coroutine it can never run. Attribute writes
+pass through for the async class's `SETTINGS` (`timeout_ms`, `send_attempts`, `group`...), which
+it checks and every call reads; any other public name is refused with AttributeError, since a
+value stored on the wrapper would silently change nothing.
 `tests/client/test_sync_twins.py` checks every public async method.
 """
 
@@ -109,6 +112,21 @@ class _SyncClient:
                                  f"twin (only its coroutine and async-generator methods get one); use "
                                  f"{type(self._impl).__name__} from asyncio code")
         return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A setting (timeout_ms, send_attempts, group...) is written to the twin, which every call
+        # reads; anything else is refused, since a value kept on this wrapper would change nothing.
+        if name.startswith("_"):
+            object.__setattr__(self, name, value)
+            return
+        settings = self._impl.SETTINGS
+        if name in settings:
+            setattr(self._impl, name, value)  # checked there (InvalidArgument); read by the next call
+            return
+        why = ("it is fixed when the client is made: make a new client" if hasattr(self._impl, name)
+               else f"{type(self._impl).__name__} has no such setting")
+        raise AttributeError(f"cannot set {type(self).__name__}.{name} = {value!r}: {why} "
+                             f"(settings: {', '.join(sorted(settings))})")
 
 
 def _twin(async_cls: type, name: str) -> Callable[..., Any]:

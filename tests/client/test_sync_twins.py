@@ -18,7 +18,17 @@ from pathlib import Path
 
 import pytest
 
-from chronoq.client import Admin, AsyncAdmin, AsyncConsumer, AsyncProducer, Consumer, FireOutcome, Producer
+from chronoq.client import (
+    Admin,
+    AsyncAdmin,
+    AsyncConsumer,
+    AsyncProducer,
+    Consumer,
+    FireOutcome,
+    InvalidArgument,
+    Producer,
+    RequestTimedOut,
+)
 from chronoq.client.sync import _derive_twins, _SyncClient
 from chronoq.client.testing import ServerProcess
 from chronoq.model import TIMER_TOPIC
@@ -94,3 +104,24 @@ def test_fire_timers_and_record_positions_through_the_blocking_sdk(spark_server:
         assert admin.fire_timers([records[0].position]) == FireOutcome(fired=1, skipped=0)
         assert admin.fire_timers([records[0].position]) == FireOutcome(fired=0, skipped=1)
         assert admin.query(receipt.message_id)[0].state == "delivered"
+
+
+def test_setting_a_blocking_clients_attribute_reaches_the_client_it_runs(spark_server: str) -> None:
+    """`p.timeout_ms = 1` used to be stored on the wrapper and ignored by every call."""
+    with Producer(spark_server) as producer, Consumer("g", "settings", server=spark_server) as consumer:
+        producer.send("settings", "warm")
+        producer.send_attempts = 1
+        producer.timeout_ms = 1
+        assert producer.timeout_ms == 1 and producer._impl.timeout_ms == 1
+        with pytest.raises(RequestTimedOut):
+            producer.send("settings", "x" * 2_000_000)  # 1 ms is too short to store 2 MB durably
+        producer.timeout_ms = 10_000
+        producer.send("settings", "y")
+        consumer.group = "other"
+        assert consumer._impl.group == "other"
+        with pytest.raises(InvalidArgument, match="max_batch"):
+            producer.max_batch = 0
+        with pytest.raises(AttributeError, match=r"cannot set Producer.server = .*fixed when the client is made"):
+            producer.server = "127.0.0.1:1"
+        with pytest.raises(AttributeError, match=r"Producer.timeout = 5: AsyncProducer has no such setting"):
+            producer.timeout = 5
