@@ -13,8 +13,10 @@ one implementation for every code path. The cost is one thread per client and a 
 (tens of microseconds; a call is a network round trip anyway).
 
 The loop thread belongs to the client: `close()` (or leaving `with`) closes the twin's channel,
-stops the loop and joins the thread. It is a daemon thread so that a client a program forgets
-to close cannot keep the interpreter alive.
+stops the loop and joins the thread. A client a program drops without closing is closed the same
+way when it is garbage collected (a `weakref.finalize`, which also runs at interpreter exit), so
+forgotten clients do not pile up threads, loops and channels. It is a daemon thread so that a
+client a program forgets to close cannot keep the interpreter alive.
 
 The blocking methods are derived, not listed: `_derive_twins` walks each async class and gives
 the sync class a twin of every public coroutine method (it runs on the portal) and of every
@@ -35,6 +37,7 @@ import asyncio
 import functools
 import inspect
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
@@ -71,6 +74,21 @@ class _LoopThread:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
 
+    def shut(self, impl: AsyncAdmin) -> None:
+        """Close `impl`'s channel on the loop, then stop the loop and end the thread. For
+        `close()` and for the garbage collector's finalizer, which may run on any thread,
+        this loop's own included: there it cannot wait for its own loop, so it schedules both."""
+        if not self._thread.is_alive():
+            return
+        if threading.current_thread() is self._thread:
+            task = self._loop.create_task(impl.close())
+            task.add_done_callback(lambda _: self._loop.stop())
+            return
+        try:
+            self.call(impl.close())
+        finally:
+            self.stop()
+
 
 class _SyncClient:
     _async_cls: type[AsyncAdmin] = AsyncAdmin
@@ -86,15 +104,16 @@ class _SyncClient:
         except BaseException:
             self._portal.stop()
             raise
-        self._closed = False
+        # A client dropped without close() is closed when collected (or at interpreter exit):
+        # the finalizer holds the portal and the twin, never this wrapper.
+        self._finalizer = weakref.finalize(self, self._portal.shut, self._impl)
+
+    @property
+    def _closed(self) -> bool:
+        return not self._finalizer.alive
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            try:
-                self._portal.call(self._impl.close())
-            finally:
-                self._portal.stop()
+        self._finalizer()  # runs once: a second close(), or the collector after it, does nothing
 
     def __enter__(self) -> Any:
         return self

@@ -11,7 +11,9 @@ what the Spark job's own JSON client existed for).
 
 from __future__ import annotations
 
+import gc
 import inspect
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -125,3 +127,26 @@ def test_setting_a_blocking_clients_attribute_reaches_the_client_it_runs(spark_s
             producer.server = "127.0.0.1:1"
         with pytest.raises(AttributeError, match=r"Producer.timeout = 5: AsyncProducer has no such setting"):
             producer.timeout = 5
+
+
+def _loop_threads() -> int:
+    return sum(1 for t in threading.enumerate() if t.name.startswith("chronoq-"))
+
+
+def test_a_blocking_client_dropped_without_close_ends_its_thread(spark_server: str) -> None:
+    """Each dropped, unclosed client used to leave its loop thread, loop and channel behind."""
+    before = _loop_threads()
+
+    def use_and_forget(i: int) -> None:
+        Producer(spark_server).send("forgotten", f"m{i}")
+
+    for i in range(5):
+        use_and_forget(i)
+    gc.collect()
+    assert _loop_threads() == before
+    closed = Producer(spark_server)
+    closed.close()
+    closed.close()  # a second close, and the collector after it, do nothing
+    del closed
+    gc.collect()
+    assert _loop_threads() == before
