@@ -14,6 +14,7 @@ code on a private loop thread. Values in `chronoq.client.types`, pure wire conve
 from chronoq.client.aio import DEFAULT_SERVER, SERVER_ENV, AsyncAdmin, AsyncConsumer, AsyncProducer, default_server
 from chronoq.client.errors import (
     BatchSendError,
+    ClientClosed,
     ClientError,
     InvalidArgument,
     ProtocolViolation,
@@ -46,6 +47,7 @@ __all__ = [
     "AsyncProducer",
     "BatchOutcome",
     "BatchSendError",
+    "ClientClosed",
     "ClientError",
     "Consumer",
     "FireOutcome",

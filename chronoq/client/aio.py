@@ -10,7 +10,10 @@ statuses into exceptions lives in `chronoq.client.wire` and `chronoq.client.erro
 module only makes calls, so every gRPC failure is translated at one point (`_translate`).
 
 The channel is opened lazily on first use, inside the running loop (grpc.aio binds a channel to
-the loop that created it), and closed by `close()` / `async with`. TLS: `tls=True` trusts the
+the loop that created it), and closed by `close()` / `async with`. A call still waiting when
+another task closes the client (a long-polling receive, say) raises `ClientClosed` (grpc.aio
+itself raises a bare CancelledError there); a cancellation of the caller's own task stays a
+CancelledError. TLS: `tls=True` trusts the
 system's CAs, `root_certificates=` (PEM bytes) a CA of your own, such as a self-signed server
 certificate; `tls_server_name=` checks the certificate against another name than the host in
 `server` (an address reached by IP whose certificate names a host). A client holds no background
@@ -47,6 +50,7 @@ from chronoq.client import wire
 from chronoq.client.errors import (
     MESSAGE_NOT_FOUND,
     BatchSendError,
+    ClientClosed,
     InvalidArgument,
     ProtocolViolation,
     RemoteError,
@@ -267,12 +271,25 @@ class AsyncAdmin:
         return RemoteError(50000, f"{method} failed with gRPC {code.name}: {e.details()}",
                            retriable=code in _GRPC_RETRIABLE)
 
+    def _closed_under(self, channel: grpc.aio.Channel | None) -> bool:
+        """After a CancelledError in a call made on `channel`: was it `close()` closing that
+        channel (grpc.aio then cancels the call, and the caller sees CancelledError although
+        nobody cancelled its task), rather than a cancellation of the caller's task?"""
+        task = asyncio.current_task()
+        return self._channel is not channel and not (task is not None and task.cancelling())
+
     async def _rpc(self, method: str, request: Any, *, timeout_ms: int | None = None) -> Any:
         deadline_ms = timeout_ms or self.timeout_ms
+        call = self._method(method)
+        channel = self._channel
         try:
-            return await self._method(method)(request, timeout=deadline_ms / 1000, metadata=self._call_metadata())
+            return await call(request, timeout=deadline_ms / 1000, metadata=self._call_metadata())
         except grpc.aio.AioRpcError as e:
             raise self._translate(method, e, deadline_ms) from None
+        except asyncio.CancelledError:
+            if self._closed_under(channel):
+                raise ClientClosed(method, during=True) from None
+            raise
 
     async def _admin(self, method: str, body: Mapping[str, Any], *, timeout_ms: int | None = None) -> dict[str, Any]:
         key = f"admin:{method}"
@@ -282,10 +299,15 @@ class AsyncAdmin:
                                             response_deserializer=_json_reply)
             self._calls[key] = call
         deadline_ms = timeout_ms or self.timeout_ms
+        channel = self._channel
         try:
             reply = await call(body, timeout=deadline_ms / 1000, metadata=self._call_metadata())
         except grpc.aio.AioRpcError as e:
             raise self._translate(method, e, deadline_ms) from None
+        except asyncio.CancelledError:
+            if self._closed_under(channel):
+                raise ClientClosed(method, during=True) from None
+            raise
         return wire.admin_result(method, reply)
 
     async def ping(self) -> None:
@@ -551,6 +573,7 @@ class AsyncConsumer(AsyncAdmin):
             req.invisible_duration.CopyFrom(wire.ms_to_duration(wire.duration_to_ms("invisible", invisible)))
         deadline_ms = self.timeout_ms + wait_ms
         call = self._method("ReceiveMessage")(req, timeout=deadline_ms / 1000, metadata=self._call_metadata())
+        channel = self._channel
         try:
             async for resp in call:
                 which = resp.WhichOneof("content")
@@ -562,6 +585,10 @@ class AsyncConsumer(AsyncAdmin):
                     yield wire.decode_received(resp.message, self._clock.now_ms())
         except grpc.aio.AioRpcError as e:
             raise self._translate("ReceiveMessage", e, deadline_ms) from None
+        except asyncio.CancelledError:
+            if self._closed_under(channel):
+                raise ClientClosed("ReceiveMessage", during=True) from None
+            raise
         finally:
             call.cancel()  # a caller that stops early must not leave the stream open (no-op when done)
 

@@ -74,6 +74,18 @@ class RequestTooLarge(ClientError):
                          method=method, detail=detail)
 
 
+class ClientClosed(ClientError, RuntimeError):
+    """The client was closed before `call` (a method name) started (`during` False), or while it
+    was waiting (another thread or task called `close()`). Whether a send in flight took
+    effect is unknown, as after a timeout. Also a RuntimeError, which a call on a closed blocking
+    client raised before this class existed."""
+
+    def __init__(self, call: str, during: bool) -> None:
+        text = (f"{call} was interrupted: the chronoq client was closed while it waited" if during
+                else f"{call}: this chronoq client is closed")
+        super().__init__(text, call=call, during=during)
+
+
 class ProtocolViolation(ClientError):
     """The server's reply broke the protocol (missing status, undecodable JSON, wrong shape)."""
 

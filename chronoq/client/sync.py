@@ -13,10 +13,11 @@ one implementation for every code path. The cost is one thread per client and a 
 (tens of microseconds; a call is a network round trip anyway).
 
 The loop thread belongs to the client: `close()` (or leaving `with`) closes the twin's channel,
-stops the loop and joins the thread. A client a program drops without closing is closed the same
-way when it is garbage collected (a `weakref.finalize`, which also runs at interpreter exit), so
-forgotten clients do not pile up threads, loops and channels. It is a daemon thread so that a
-client a program forgets to close cannot keep the interpreter alive.
+stops the loop and joins the thread; a call another thread is still waiting in (a long-polling
+`receive`) raises `ClientClosed`, and so does any call after. A client a program drops without
+closing is closed the same way when it is garbage collected (a `weakref.finalize`, which also
+runs at interpreter exit), so forgotten clients do not pile up threads, loops and channels. It is
+a daemon thread so that a client a program forgets to close cannot keep the interpreter alive.
 
 The blocking methods are derived, not listed: `_derive_twins` walks each async class and gives
 the sync class a twin of every public coroutine method (it runs on the portal) and of every
@@ -34,6 +35,7 @@ value stored on the wrapper would silently change nothing.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import inspect
 import threading
@@ -42,6 +44,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 from chronoq.client.aio import AsyncAdmin, AsyncConsumer, AsyncProducer
+from chronoq.client.errors import ClientClosed
 
 T = TypeVar("T")
 
@@ -51,25 +54,41 @@ class _LoopThread:
 
     def __init__(self, name: str) -> None:
         self._loop = asyncio.new_event_loop()
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         self._loop.run_forever()
+        # Calls still running (other threads wait on them) are cancelled and run to their end,
+        # so no waiter is left with a future that never completes.
+        left = asyncio.all_tasks(self._loop)
+        for task in left:
+            task.cancel()
+        self._loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
         self._loop.run_until_complete(self._loop.shutdown_asyncgens())
         self._loop.close()
 
-    def call(self, coro: Coroutine[Any, Any, T]) -> T:
+    def call(self, coro: Coroutine[Any, Any, T], what: str | None = None) -> T:
+        """Run `coro` on the loop and wait; `what` names the call in a `ClientClosed`."""
+        what = what or getattr(coro, "__qualname__", type(coro).__name__)
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("a sync chronoq client cannot be called from its own loop thread")
-        if not self._thread.is_alive():
+        if self._stopping or not self._thread.is_alive():
             coro.close()
-            raise RuntimeError("this sync chronoq client is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+            raise ClientClosed(what, during=False)
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        except concurrent.futures.CancelledError:
+            # Only the shutdown cancels a call of ours: the client was closed while it waited.
+            if self._stopping:
+                raise ClientClosed(what, during=True) from None
+            raise
 
     def stop(self) -> None:
+        self._stopping = True
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
@@ -78,14 +97,15 @@ class _LoopThread:
         """Close `impl`'s channel on the loop, then stop the loop and end the thread. For
         `close()` and for the garbage collector's finalizer, which may run on any thread,
         this loop's own included: there it cannot wait for its own loop, so it schedules both."""
-        if not self._thread.is_alive():
+        if self._stopping or not self._thread.is_alive():
             return
         if threading.current_thread() is self._thread:
+            self._stopping = True
             task = self._loop.create_task(impl.close())
             task.add_done_callback(lambda _: self._loop.stop())
             return
         try:
-            self.call(impl.close())
+            self.call(impl.close())  # a call waiting on the channel then raises ClientClosed
         finally:
             self.stop()
 
@@ -173,13 +193,13 @@ def _stream_twin(async_cls: type, name: str) -> Callable[..., Iterator[Any]]:
         try:
             while True:
                 try:
-                    item = self._portal.call(stream.__anext__())
+                    item = self._portal.call(stream.__anext__(), name)
                 except StopAsyncIteration:
                     return
                 yield item
         finally:
             if not self._closed:  # a closed client already shut its loop, and the stream with it
-                self._portal.call(stream.aclose())
+                self._portal.call(stream.aclose(), name)
 
     method.__annotations__ = {**target.__annotations__, "return": "Iterator[Any]"}
     return method

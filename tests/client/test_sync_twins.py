@@ -11,6 +11,7 @@ what the Spark job's own JSON client existed for).
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import inspect
 import threading
@@ -25,6 +26,7 @@ from chronoq.client import (
     AsyncAdmin,
     AsyncConsumer,
     AsyncProducer,
+    ClientClosed,
     Consumer,
     FireOutcome,
     InvalidArgument,
@@ -150,3 +152,43 @@ def test_a_blocking_client_dropped_without_close_ends_its_thread(spark_server: s
     del closed
     gc.collect()
     assert _loop_threads() == before
+
+
+def test_close_from_another_thread_interrupts_a_long_poll_with_client_closed(spark_server: str) -> None:
+    """It used to surface as a bare concurrent.futures.CancelledError (the async client's as an
+    asyncio.CancelledError, though nobody had cancelled the caller's task)."""
+    consumer = Consumer("g", "closed-under", server=spark_server)
+    consumer.create_topic("closed-under", queue_count=1)
+    outcome: list[BaseException | list[object]] = []
+
+    def wait() -> None:
+        try:
+            outcome.append(consumer.receive(4, wait=15_000))
+        except BaseException as e:  # the test inspects whatever arrives
+            outcome.append(e)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(1.0)
+    consumer.close()
+    waiter.join(10)
+    assert not waiter.is_alive()
+    [err] = outcome
+    assert isinstance(err, ClientClosed) and err.details == {"call": "ReceiveMessage", "during": True}, err
+    with pytest.raises(ClientClosed, match="is closed"):
+        consumer.receive(1)
+
+    async def async_side() -> None:
+        async with AsyncConsumer("g", "closed-under", server=spark_server) as c:
+            task = asyncio.create_task(c.receive(4, wait=15_000))
+            await asyncio.sleep(1.0)
+            await c.close()
+            with pytest.raises(ClientClosed):
+                await task
+            cancelled = asyncio.create_task(c.receive(4, wait=15_000))  # reopens the channel
+            await asyncio.sleep(0.5)
+            cancelled.cancel()  # the caller's own cancellation stays a CancelledError
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled
+
+    asyncio.run(async_side())
