@@ -37,7 +37,8 @@ from typing import Any
 
 from rich.console import Console
 
-from chronoq.client import default_server
+from chronoq.client import InvalidArgument, default_server
+from chronoq.client.aio import parse_server
 from chronoq.errors import ChronoqError
 
 EXIT_OK = 0
@@ -179,10 +180,12 @@ def read_ca_cert(path: str) -> bytes:
 def connection_of(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Connection:
     env = os.environ if env is None else env
     server = getattr(args, "server", None) or env.get(SERVER_ENV) or default_server()
-    host, sep, port = server.rpartition(":")
-    if not sep or not host or not port.isdigit():
+    try:
+        parse_server(server)
+    except InvalidArgument as e:
         source = "--server" if getattr(args, "server", None) else f"${SERVER_ENV}"
-        raise UsageError(f"{source} {server!r} must be HOST:PORT, e.g. 127.0.0.1:8081")
+        raise UsageError(f"{source} {server!r} must be HOST:PORT with a port in 1-65535, e.g. 127.0.0.1:8081 "
+                         f"({e.details['reason']})") from None
     ca_cert = getattr(args, "ca_cert", None) or env.get(CA_CERT_ENV) or None
     server_name = getattr(args, "tls_server_name", None) or env.get(TLS_SERVER_NAME_ENV) or None
     tls = bool(getattr(args, "tls", None)) or _env_flag(TLS_ENV, env) or ca_cert is not None or server_name is not None

@@ -140,6 +140,18 @@ def default_server() -> str:
     return os.environ.get(SERVER_ENV) or DEFAULT_SERVER
 
 
+def parse_server(server: str) -> tuple[str, int]:
+    """(host, port) of a `host:port` address, or `InvalidArgument` naming it: a port must be
+    decimal digits in 1-65535 (gRPC would otherwise take 84267 modulo 65536, another port)."""
+    host, sep, port = server.rpartition(":")
+    if not sep or not host or not (port.isascii() and port.isdigit()):
+        raise InvalidArgument("server", server, "use host:port")
+    number = int(port)
+    if not 1 <= number <= 65535:
+        raise InvalidArgument("server", server, f"port {number} is outside 1-65535")
+    return host, number
+
+
 def unavailable_hint(detail: str, tls: bool) -> str | None:
     """What a person can do about a connection failure, read from gRPC's detail text (which
     names the TLS or socket error but not the likely cause)."""
@@ -189,10 +201,7 @@ class AsyncAdmin:
         self._secret_key = secret_key if secret_key is not None else os.environ.get(SECRET_KEY_ENV) or ""
         if self._access_key and not self._secret_key:
             raise InvalidArgument("secret_key", "", f"an access key needs its secret key (or ${SECRET_KEY_ENV})")
-        host, sep, port = self.server.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise InvalidArgument("server", self.server, "use host:port")
-        self._host, self._port = host, int(port)
+        self._host, self._port = parse_server(self.server)
         self.timeout_ms = timeout_ms
         self._tls = tls or root_certificates is not None or tls_server_name is not None
         self._root_certificates = root_certificates

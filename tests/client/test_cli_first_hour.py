@@ -142,6 +142,18 @@ def test_connection_mistakes_are_usage_errors_and_a_missing_server_is_named(tmp_
     assert proc.returncode == 1 and "nothing listens there" in _one_line_error(proc)
 
 
+@pytest.mark.slow
+def test_a_port_outside_1_to_65535_is_refused_not_wrapped_around(server: str) -> None:
+    """gRPC takes a port modulo 65536: `--server 127.0.0.1:<port + 65536>` used to reach the
+    server on <port>."""
+    wrapped = f"127.0.0.1:{int(server.rpartition(':')[2]) + 65536}"
+    proc = chronoq_cmd("topics", "list", "--server", wrapped)
+    assert proc.returncode == 2, proc.stdout
+    assert f"port {int(wrapped.rpartition(':')[2])} is outside 1-65535" in _one_line_error(proc)
+    proc = chronoq_cmd("topics", "list", env={"CHRONOQ_SERVER": "127.0.0.1:0"})
+    assert proc.returncode == 2 and "$CHRONOQ_SERVER '127.0.0.1:0'" in _one_line_error(proc)
+
+
 # -- start-up --------------------------------------------------------------------------------------
 
 

@@ -25,6 +25,7 @@ from chronoq.client import (
     AsyncProducer,
     BatchSendError,
     Consumer,
+    InvalidArgument,
     Producer,
     RequestTooLarge,
     ServerUnavailable,
@@ -364,3 +365,18 @@ def test_the_receipts_due_time_is_the_one_the_server_fixed(tmp_path: Path) -> No
                 assert level.recall_handle is None and level.deliver_at_ms is not None
 
         asyncio.run(body())
+
+
+@pytest.mark.parametrize("port", ["+65536", "0", "70000", "\u0661"])
+def test_a_server_port_outside_1_to_65535_is_refused_by_name(server: str, port: str) -> None:
+    """gRPC takes a port modulo 65536: a client given `<port + 65536>` used to reach the server."""
+    real = int(server.rpartition(":")[2])
+    address = f"127.0.0.1:{real + 65536 if port == '+65536' else port}"
+
+    async def body() -> None:
+        with pytest.raises(InvalidArgument) as e:
+            async with AsyncAdmin(address, timeout_ms=2000) as a:
+                await a.list_topics()
+        assert e.value.details["value"] == address and e.value.details["name"] == "server"
+
+    asyncio.run(body())
