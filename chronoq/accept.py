@@ -43,6 +43,8 @@ class Accept:
         self._sending: dict[tuple[str, str], tuple[asyncio.Future[list[SendResult]], int]] = {}
         """(topic, id) being written -> (its batch's future, its index in the batch's results): a
         concurrent send of the same id waits for the first. One future per batch, not per message."""
+        self._finishing: set[asyncio.Future[None]] = set()
+        """Batches whose senders went away after the write, waiting for durability to finish."""
 
     async def send_batch(self, msgs: Sequence[OutgoingMessage], *, partial: bool = False) -> list[Any]:
         """Store `msgs` durably. All-or-nothing validation by default (the first bad message is
@@ -103,28 +105,70 @@ class Accept:
             self._sending[key] = (batch_done, j)
         # Whatever happens from here, every key leaves `_sending` and `batch_done` is settled:
         # a later send of the same id waits on it, and would wait forever.
+        stored: list[StoredMessage] = []
         try:
             stored = self._write(to_write, now)
             if stored:
                 await self.store.wait_durable(stored[-1].position + stored[-1].size)
-            results = [_result_for(rec, key, deliver_at_ms)
-                       for (_, key, deliver_at_ms), rec in zip(slots, stored, strict=True)]
-        except BaseException as e:
-            batch_done.set_exception(e if isinstance(e, Exception) else BrokerClosed())
-            batch_done.exception()  # mark retrieved: waiters may not exist
+        except asyncio.CancelledError:
+            if stored and self.store.log.failure is None:
+                # The sender went away after its records were written (a client's deadline
+                # cancels the handler): they become durable all the same. The batch is finished
+                # when they do, so a retry of an id gets this result rather than storing the
+                # message again, and a retry already waiting gets it too.
+                self._finish_when_durable(stored, slots, batch_done, now)
+            else:
+                self._fail(slots, batch_done, BrokerClosed())
             raise
-        finally:
-            for _, key, _ in slots:
-                self._sending.pop(key, None)
-        batch_done.set_result(results)
-        for (i, key, _), result in zip(slots, results, strict=True):
+        except BaseException as e:
+            self._fail(slots, batch_done, e if isinstance(e, Exception) else BrokerClosed())
+            raise
+        for (i, _, _), result in zip(slots, self._finish(stored, slots, batch_done, now), strict=True):
             outcomes[i] = result
-            self.recent.add(key, now, result)
         for i, j in repeats:
             outcomes[i] = _as_duplicate(outcomes[slots[j][0]])
         for i, (fut, j) in waits:
             outcomes[i] = _as_duplicate((await fut)[j])
         return outcomes
+
+    def _finish(self, stored: list[StoredMessage], slots: list[tuple[int, tuple[str, str], int | None]],
+                batch_done: asyncio.Future[list[SendResult]], now: int) -> list[SendResult]:
+        """The batch is durable: its results, answered to whoever waits for an id of it, and
+        remembered for retries (`dedupe_window_ms`)."""
+        try:
+            results = [_result_for(rec, key, deliver_at_ms)
+                       for (_, key, deliver_at_ms), rec in zip(slots, stored, strict=True)]
+        except BaseException as e:
+            self._fail(slots, batch_done, e if isinstance(e, Exception) else BrokerClosed())
+            raise
+        for _, key, _ in slots:
+            self._sending.pop(key, None)
+        batch_done.set_result(results)
+        for (_, key, _), result in zip(slots, results, strict=True):
+            self.recent.add(key, now, result)
+        return results
+
+    def _fail(self, slots: list[tuple[int, tuple[str, str], int | None]],
+              batch_done: asyncio.Future[list[SendResult]], error: Exception) -> None:
+        for _, key, _ in slots:
+            self._sending.pop(key, None)
+        if not batch_done.done():
+            batch_done.set_exception(error)
+            batch_done.exception()  # mark retrieved: waiters may not exist
+
+    def _finish_when_durable(self, stored: list[StoredMessage], slots: list[tuple[int, tuple[str, str], int | None]],
+                             batch_done: asyncio.Future[list[SendResult]], now: int) -> None:
+        async def finish() -> None:
+            try:
+                await self.store.wait_durable(stored[-1].position + stored[-1].size)
+            except BaseException as e:  # the log failed, or the broker closed: nobody to tell but waiters
+                self._fail(slots, batch_done, e if isinstance(e, Exception) else BrokerClosed())
+                return
+            self._finish(stored, slots, batch_done, now)
+
+        task = asyncio.ensure_future(finish())
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
 
     def forget(self, topic: str, message_id: str) -> None:
         """The id's timer was cancelled: a new send of it is a new timer to store, not a retry to

@@ -52,3 +52,32 @@ def test_an_fsync_error_fails_the_senders_it_covered_and_later_writes(tmp_path: 
         await broker.close()
 
     asyncio.run(body())
+
+
+def test_a_send_whose_sender_went_away_after_the_write_is_answered_to_its_retry(tmp_path: Path) -> None:
+    """A client's deadline cancels the send's handler while it waits for durability, after its
+    record was written. The record becomes durable all the same; the handler used to forget the
+    id, so the client's retry stored the message a second time, and a retry already waiting was
+    told the broker had closed."""
+    async def body() -> None:
+        broker = await Broker.open(Config(data_dir=tmp_path), clock=FakeClock(), background=False)
+        try:
+            msg = OutgoingMessage("t", b"x", message_id="ID-1")
+            first = asyncio.ensure_future(broker.send(msg))
+            await asyncio.sleep(0)  # written; waiting for its group commit
+            overlapping = asyncio.ensure_future(broker.send(msg))  # a retry while the first waits
+            await asyncio.sleep(0)
+            first.cancel()  # what grpc.aio does to the handler when the client's deadline passes
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            waited = await asyncio.wait_for(overlapping, 5)
+            later = await broker.send(msg)  # a retry after the first was cancelled
+            assert waited.duplicate and later.duplicate
+            assert waited.position == later.position
+            stored = [m for q in range(broker.topics.get("t").queue_count)
+                      for m in await broker.read("t", q, 0, 10) if m.message_id == "ID-1"]
+            assert len(stored) == 1
+        finally:
+            await broker.close()
+
+    asyncio.run(body())
