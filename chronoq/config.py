@@ -60,8 +60,9 @@ class Config:
     last interval: faster, and a named choice, never the default."""
     flush_interval_ms: int = limit(200)
     segment_size_bytes: int = limit(256 * MiB)
-    max_message_size_bytes: int = limit(4 * MiB)
-    """Largest encoded record (body + properties + header)."""
+    max_message_size_bytes: int = limit(4 * MiB, maximum=512 * MiB)
+    """Largest encoded record (body + properties + header). At most 512 MiB: gRPC's request
+    limit (twice this, plus 1 MiB) must fit a 32-bit int."""
     max_properties_size_bytes: int = limit(32 * KiB)
     max_property_count: int = limit(128)
     max_topic_name_length: int = limit(127)
@@ -127,7 +128,9 @@ class Config:
     """With timer_engine = "spark": the broker itself fires a timer overdue by this much (the
     Spark job is down, or dropped it), so none waits forever."""
     timer_precision_ms: int = limit(1)
-    timer_max_delay_ms: int = limit(30 * DAY_MS)
+    timer_max_delay_ms: int = limit(30 * DAY_MS, maximum=100 * 365 * DAY_MS)
+    """Latest due time a send may ask for, from now. At most 100 years: a due time must fit the
+    index's 63 bits (2^63 - 1, "no limit", let a delay overflow them and stop the broker)."""
     timer_congest_num_each_slot: int = limit(0, minimum=0)
     """Most messages due within one second; 0 means unlimited."""
     timer_fire_gap_ms: int = limit(5, minimum=0, maximum=1000)
@@ -227,7 +230,16 @@ class Config:
         values: dict[str, Any] = {}
         if toml_path is not None:
             with open(toml_path, "rb") as f:
-                doc = tomllib.load(f)
+                try:
+                    doc = tomllib.load(f)
+                except tomllib.TOMLDecodeError as e:
+                    raise ConfigError(f"{toml_path}: not valid TOML: {e}") from None
+            if "chronoq" in doc:
+                # With a [chronoq] table, anything beside it but [auth] would be silently ignored.
+                outside = sorted(k for k in doc if k not in ("chronoq", "auth"))
+                if outside:
+                    raise ConfigError(f"{toml_path}: {', '.join(outside)} outside the [chronoq] table; settings "
+                                      "go inside it (or, without the table, at the top level)")
             for key, value in doc.get("chronoq", doc).items():
                 if key == "auth":
                     continue  # read by chronoq.server.auth.load_auth: users are not limits

@@ -127,3 +127,33 @@ def test_chronoq_serve_exits_2_with_one_line_and_no_traceback(tmp_path: Path, li
     assert proc.stderr.strip() == f"chronoq serve: {path}: {key} = '{value.strip(chr(34))}': expected " + (
         "true or false" if key == "trace_enable" else "an integer in 1..65535")
     assert "Traceback" not in proc.stderr
+
+
+def test_settings_beside_a_chronoq_table_are_refused_not_ignored(tmp_path: Path) -> None:
+    """With a [chronoq] table, top-level keys and other tables were silently ignored: a limit
+    the operator set did not apply."""
+    path = tmp_path / "chronoq.toml"
+    path.write_text("timer_max_delay_ms = 1000\n[chronoq]\nport_hint = 1\n[auth]\n")
+    with pytest.raises(ConfigError, match="timer_max_delay_ms outside the \\[chronoq\\] table"):
+        Config.load(path)
+    path.write_text("[chronoq]\ntimer_max_delay_ms = 1000\n[timer]\nmax_delay_ms = 5\n")
+    with pytest.raises(ConfigError, match="timer outside the \\[chronoq\\] table"):
+        Config.load(path)
+    path.write_text("[chronoq]\ntimer_max_delay_ms = 1000\n[auth]\nenabled = false\n")
+    assert Config.load(path).timer_max_delay_ms == 1000
+
+
+def test_a_file_that_is_not_toml_is_named_in_the_error(tmp_path: Path) -> None:
+    path = tmp_path / "broken.toml"
+    path.write_text("port = \n")
+    with pytest.raises(ConfigError, match=f"{path}: not valid TOML"):
+        Config.load(path)
+
+
+@pytest.mark.parametrize(("name", "value"), [("timer_max_delay_ms", 2**63 - 1), ("max_message_size_bytes", 2**30)])
+def test_limits_that_would_overflow_are_out_of_range(name: str, value: int) -> None:
+    """timer_max_delay_ms = 2^63 - 1 ("no limit") let one send overflow the index's due time and
+    stop the broker for good; a max_message_size_bytes of 1 GiB overflowed gRPC's 32-bit request
+    limit at start-up."""
+    with pytest.raises(ConfigError, match=name):
+        Config.load(None, **{name: value})
