@@ -153,7 +153,7 @@ def test_a_file_that_is_not_toml_is_named_in_the_error(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("name", "value"), [("timer_max_delay_ms", 2**63 - 1), ("max_message_size_bytes", 2**30)])
 def test_limits_that_would_overflow_are_out_of_range(name: str, value: int) -> None:
     """timer_max_delay_ms = 2^63 - 1 ("no limit") let one send overflow the index's due time and
-    stop the broker for good; a max_message_size_bytes of 1 GiB overflowed gRPC's 32-bit request
-    limit at start-up."""
-    with pytest.raises(ConfigError, match=name):
-        Config.load(None, **{name: value})
+    stop the broker for good; a max_message_size_bytes of 1 GiB (in 2 GiB segments) overflowed
+    gRPC's 32-bit request limit at start-up."""
+    with pytest.raises(ConfigError, match=f"{name} = {value}: expected an integer in 1.."):
+        Config.load(None, segment_size_bytes=2**31, **{name: value})
