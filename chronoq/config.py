@@ -108,6 +108,10 @@ class Config:
     an auto-renew receive from one more is refused with Throttled (42900, retried by the clients)
     until one lets go. The server tracks only these ids (about 1 KiB each at the longest)."""
     max_receive_batch: int = limit(64)
+    max_receive_scan_entries: int = limit(10_000)
+    """Queue entries one receive step looks at, over all queues, before it gives the event loop
+    back (and goes on in the next step). A tag filter that matches little made one receive walk
+    the whole backlog in one step: 16 s of a stalled broker for 10 M entries."""
     max_long_poll_ms: int = limit(30 * SECOND_MS)
     dedupe_window_ms: int = limit(10 * MINUTE_MS)
     """A send repeating a message id seen on the same topic within this window returns the first

@@ -59,6 +59,9 @@ class ReceiveOutcome:
     delivered: list[ReceivedMessage]
     exhausted: list[tuple[InFlight, StoredMessage]]
     """Past max_delivery_attempts: the caller writes each to the DLQ, then calls `drop`."""
+    more: bool = False
+    """The step stopped at `max_receive_scan_entries` with entries left to look at: receive
+    again (after giving the loop back), the offsets have moved past what was looked at."""
 
 
 class ConsumerGroups:
@@ -114,19 +117,25 @@ class ConsumerGroups:
         offsets: list[tuple[str, str, int, int]] = []
         if len(delivered) < batch_size:
             first_visible_ms = now_ms + (invisible_ms if invisible_ms is not None else self.invisible_for(1))
-            self._take_new(group, topic, tag_filter, batch_size - len(delivered), first_visible_ms, now_ms,
-                           queue_id, delivered, puts, offsets)
+            more = self._take_new(group, topic, tag_filter, batch_size - len(delivered), first_visible_ms, now_ms,
+                                  queue_id, delivered, puts, offsets)
+        else:
+            more = False
         if puts or removes or offsets:
             self.groups.commit(offsets=offsets, put=puts, remove=removes)
-        return ReceiveOutcome(delivered, exhausted)
+        return ReceiveOutcome(delivered, exhausted, more)
 
     def _take_new(self, group: str, topic: TopicConfig, tag_filter: TagFilter, want: int, visible_ms: int,
                   now_ms: int, queue_id: int | None, delivered: list[ReceivedMessage], puts: list[InFlight],
-                  offsets: list[tuple[str, str, int, int]]) -> None:
+                  offsets: list[tuple[str, str, int, int]]) -> bool:
+        """New messages into `delivered`; True when it stopped at `max_receive_scan_entries`
+        with entries left to look at."""
         hashes = tag_filter.hashes()
         qids = [queue_id] if queue_id is not None else list(range(topic.queue_count))
         start = self._rotation.get((group, topic.name), 0) % len(qids)
         self._rotation[(group, topic.name)] = start + 1
+        budget = self.config.max_receive_scan_entries
+        more = False
         for qid in qids[start:] + qids[:start]:
             if want <= 0:
                 break
@@ -135,9 +144,13 @@ class ConsumerGroups:
             offset = max(stored if stored is not None else cq.min_offset, cq.min_offset)
             new_offset = offset
             while want > 0 and new_offset < cq.next_offset:
-                entries = cq.read_range(new_offset, max(want, 32))
+                if budget <= 0:
+                    more = True
+                    break
+                entries = cq.read_range(new_offset, min(max(want, 32), budget))
                 if not entries:
                     break
+                budget -= len(entries)
                 for off, position, size, th in entries:
                     if want <= 0:
                         break
@@ -155,6 +168,7 @@ class ConsumerGroups:
                     want -= 1
             if new_offset != offset or stored is None:
                 offsets.append((group, topic.name, qid, new_offset))
+        return more
 
     def ack(self, group: str, topic: str, handle: str) -> InFlight:
         entry = self.groups.lookup_handle(group, topic, handle)

@@ -105,6 +105,12 @@ class Deliver:
                         raise
                     log.warning("receive for group %r on %r: %d dead letters not written yet (%s); "
                                 "retried at the next receive", group, topic, len(outcome.exhausted), e)
+            if outcome.more and not outcome.delivered:
+                # The step looked at `max_receive_scan_entries` (a tag filter that matches
+                # little): give the loop back, then go on from where it stopped, whatever the wait.
+                waiter.cancel()
+                await asyncio.sleep(0)
+                continue
             remaining_s = deadline_s - loop.time()
             if outcome.delivered or remaining_s <= 0:
                 waiter.cancel()  # done, so the next registration's pruning drops it
