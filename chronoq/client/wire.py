@@ -310,6 +310,8 @@ def outgoing_to_json(msg: OutgoingMessage) -> dict[str, Any]:
         doc["delay_ms"] = msg.delay_ms
     if msg.delay_level is not None:
         doc["delay_level"] = msg.delay_level
+    if msg.message_group:
+        doc["message_group"] = msg.message_group
     return doc
 
 

@@ -226,6 +226,7 @@ def message_from_json(doc: Any, config: Config) -> OutgoingMessage:
         deliver_at_ms=arg_int(doc, "deliver_at_ms", required=False),
         delay_ms=arg_int(doc, "delay_ms", required=False),
         delay_level=arg_int(doc, "delay_level", required=False),
+        message_group=arg_str(doc, "message_group", required=False) or None,
     )
 
 

@@ -380,3 +380,27 @@ def test_a_server_port_outside_1_to_65535_is_refused_by_name(server: str, port: 
         assert e.value.details["value"] == address and e.value.details["name"] == "server"
 
     asyncio.run(body())
+
+
+@pytest.mark.parametrize("via", ["grpc", "admin"])
+def test_a_batch_of_one_message_group_keeps_the_group_in_one_queue(server: str, via: str) -> None:
+    """FIFO: messages of one group go to one queue, in order. Through the admin SendBatch (the
+    SDK's default for batches) the group was dropped on the way: the messages scattered over
+    the topic's queues as plain messages, so their order was lost."""
+    topic = fresh(f"fifo-{via}")
+
+    async def body() -> None:
+        async with AsyncProducer(server, batch_via=via) as p, AsyncConsumer("g", topic, server=server) as c:
+            await p.create_topic(topic, queue_count=4)
+            msgs = [outgoing(topic, f"{i}".encode(), message_group="order-42") for i in range(24)]
+            receipts = await p.send_batch(msgs)
+            assert len({r.queue_id for r in receipts}) == 1
+            got = []
+            while len(got) < len(msgs):
+                batch = await c.receive(32, wait=2_000)
+                assert batch, f"received {len(got)} of {len(msgs)}"
+                got += batch
+                await c.ack(*batch)
+            assert [m.body for m in got] == [m.body for m in msgs]  # in order, one queue
+
+    asyncio.run(body())
