@@ -136,7 +136,9 @@ class IndexTxn:
                 packed_topic = topic_str[entry.topic] = pack_str(entry.topic)
             self._insert(entry, id_key(entry.message_id, entry.topic, entry.position, packed_topic))
 
-    def _insert(self, entry: TimerEntry, ik: bytes) -> None:
+    def _insert(self, entry: TimerEntry, ik: bytes, *, enqueued: bool = True) -> None:
+        """A pending timer's rows. `enqueued=False` for a roll copy: the same timer moved, not a
+        new one, so it is not an enqueue-lag sample (accepted days ago, it read as days of lag)."""
         h, put = self.h, self.wb.put
         position = entry.position
         tk, entry_value, facts, pos_value = encode_pending(entry, ik)
@@ -153,7 +155,8 @@ class IndexTxn:
         self.slot_delta[entry.deliver_at_ms // 1000] += 1
         self.topic_delta[entry.topic] += 1
         self.added_time_keys.append(tk)
-        self.added_entries.append(entry)
+        if enqueued:
+            self.added_entries.append(entry)
 
     def _unschedule(self, tk: bytes, position: int, deliver_at_ms: int, topic: str) -> None:
         """Take a pending timer out of the time order and the pending counters."""
@@ -265,7 +268,7 @@ class IndexTxn:
             # copy in the log) finds the timer, and a rebuild cannot fire it twice. (A fired copy
             # or a cancel *before* the roll copy cannot exist: the roll skips timers being fired
             # or cancelled, and the index has them done before that.)
-            self._insert(entry, new_ik)
+            self._insert(entry, new_ik, enqueued=False)
             redirect = POS_ROLLED_VALUE.pack(POS_ROLLED, entry.position, entry.deliver_at_ms)
             self.wb.put(U64.pack(old_position), redirect, self.h[CF_POS])
             self.pos[old_position] = redirect
@@ -289,7 +292,7 @@ class IndexTxn:
         self.wb.put(U64.pack(old_position), redirect, h[CF_POS])
         self.pos[old_position] = redirect
         self.wb.put(HISTORY_KEY.pack(deliver_at_ms, old_position), bytes((HIST_REDIRECT,)), h[CF_HISTORY])
-        self._insert(entry, new_ik)
+        self._insert(entry, new_ik, enqueued=False)
 
     # -- counters and position ---------------------------------------------------------------
 

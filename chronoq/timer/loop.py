@@ -11,8 +11,8 @@ early (`poke`). It never dies of its own faults: a full disk holds firing back
 found damaged while running is rebuilt from the log in one step on the loop.
 
 The index is derived state. `open_timer_service` opens it and replays the log from its
-`indexed_position`; missing, damaged, of another format version, or ahead of the log (files
-restored from different times), it is destroyed and rebuilt. The dispatch listener
+`indexed_position`; missing, damaged, of another format version, or ahead of the log or behind
+its retained start (files restored from different times), it is destroyed and rebuilt. The dispatch listener
 (`on_dispatch`) applies every durable record to it; a damaged index there only marks it for the
 loop to rebuild, so senders are never held up by derived state.
 """
@@ -192,6 +192,13 @@ def open_timer_service(config: Config, store: MessageStore, append: Append) -> T
         if index.indexed_position > store.log.end_position:
             raise TimerIndexCorrupt(path, f"it covers the log up to {index.indexed_position}, past the log's "
                                           f"end {store.log.end_position}")
+        if index.indexed_position < store.log.start_position:
+            # Older than the retained log (restored from an old copy): the fired copies and
+            # tombstones that settled some of its timers are deleted, so a replay from the log's
+            # start would leave those timers pending for good, and, enough of them, starve
+            # every later one of a fire step.
+            raise TimerIndexCorrupt(path, f"it covers the log up to {index.indexed_position}, before the "
+                                          f"retained log's start {store.log.start_position}")
         timer = TimerService(config, store, index, append)
         timer.recover()
         return timer

@@ -103,8 +103,7 @@ class MemoryTimerEngine:
                 finished.append(old_position)
             new.rows[old_position] = _Row(entry, None)
             new.history.append((entry.deliver_at_ms, old_position))
-            new.rows[entry.position] = _Row(entry)
-            added.append(entry)
+            new.rows[entry.position] = _Row(entry)  # moved, not enqueued: no enqueue-lag sample
         for position, fired_ms in batch.fired:
             position = _follow(new, position)
             row = new.rows.get(position)

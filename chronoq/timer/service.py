@@ -188,11 +188,11 @@ class TimerService:
                 due = int(sp[SYS_TIMER_OUT_MS])
                 entry = TimerEntry(due, m.position, m.size, m.message_id, sp[SYS_REAL_TOPIC],
                                    int(sp.get(SYS_TIMER_ENQUEUE_MS, m.store_ms)), m.keys)
-                if now_ms is not None and self._reserved:
-                    indexed_seconds.append(due // 1000)
                 if SYS_TIMER_ROLLED_FROM in sp:
-                    rolled.append((int(sp[SYS_TIMER_ROLLED_FROM]), entry))
+                    rolled.append((int(sp[SYS_TIMER_ROLLED_FROM]), entry))  # reserved nothing: not a send
                 else:
+                    if now_ms is not None and self._reserved:
+                        indexed_seconds.append(due // 1000)
                     adds.append(entry)
             elif SYS_FIRED_FROM in sp:
                 if SYS_FIRED_OFFSET in sp and SYS_DELAY_LEVEL in sp:

@@ -15,7 +15,16 @@ import threading
 from pathlib import Path
 
 import pytest
-from timer_helpers import START_MS, drain, make_config, open_broker, run
+from timer_helpers import (
+    START_MS,
+    drain,
+    make_config,
+    open_broker,
+    pending_total,
+    restore_index,
+    run,
+    snapshot_index,
+)
 
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
@@ -270,6 +279,82 @@ def test_a_timer_indexed_at_its_roll_copy_while_its_fire_is_unwritten_is_not_fir
             assert again == (0, 1)
             assert [m.message_id for m in _fired_copies(broker, "orders")] == ["t1"]
             assert [m.message_id for m in await drain(broker, "orders")] == ["t1"]
+        finally:
+            await broker.close()
+
+    run(body())
+
+
+async def _past_retention(broker: Broker, clock: FakeClock, days: int) -> None:
+    """`days` days of other traffic, retention after each: the first segments go, timers in
+    them are rolled forward."""
+    for _ in range(days):
+        for _ in range(4):
+            await broker.send_batch([OutgoingMessage("noise", b"n" * 1000) for _ in range(20)])
+        clock.advance(DAY_MS)
+        await broker.enforce_retention()
+
+
+_SMALL = {"segment_size_bytes": 64 * 1024, "max_message_size_bytes": 32 * 1024}
+
+
+def test_a_roll_is_neither_an_enqueue_lag_sample_nor_a_slot_release(tmp_path: Path) -> None:
+    """A roll copy is the same timer moved, not a send: it was counted as an enqueue-lag sample
+    (accepted days ago: the lag's P99 read days after every roll), and it released a slot
+    reservation it never took (with `timer_congest_num_each_slot`, a second took a timer more)."""
+    async def body() -> None:
+        clock = FakeClock(START_MS)
+        broker = await _open(tmp_path / "data", clock, timer_congest_num_each_slot=2, **_SMALL)
+        try:
+            due = START_MS + 30 * DAY_MS
+            await broker.send(OutgoingMessage("orders", b"x", message_id="rolled", deliver_at_ms=due))
+            lag = broker.timer.engine.latencies.enqueue_lag_ms
+            assert lag.count == 1
+            await _past_retention(broker, clock, 3)
+            # A send for the same second is in flight (reserved, not yet indexed) when the roll lands.
+            from chronoq.model import MessageType
+            from chronoq.store.messagestore import PreparedMessage
+            broker.timer.route(PreparedMessage("orders", "in-flight", MessageType.DELAY, b"y", clock.now_ms()),
+                               due, None, clock.now_ms())
+            start = broker.store.log.start_position
+            await _past_retention(broker, clock, 4)
+            assert broker.store.log.start_position > start
+            assert broker.query("rolled", "orders")[0].position > start  # it was rolled
+            assert lag.count == 1 and lag.to_dict()["max"] == 0  # no sample of days
+            assert dict(broker.timer._reserved) == {due // 1000: 1}  # the in-flight send's, kept
+        finally:
+            await broker.close()
+
+    run(body())
+
+
+def test_an_index_older_than_the_retained_log_is_rebuilt_not_replayed(tmp_path: Path) -> None:
+    """An index restored from a copy older than the retained log: the fired copies and
+    tombstones that settled some of its timers are deleted, and a replay from the log's start
+    left those timers pending for good (stuck at the head, starving later timers of fire
+    steps). It is rebuilt from the retained log instead."""
+    async def body() -> None:
+        data, snap = tmp_path / "data", tmp_path / "snap"
+        clock = FakeClock(START_MS)
+        broker = await _open(data, clock, **_SMALL)
+        fired = await broker.send(OutgoingMessage("orders", b"one-hour", message_id="fired", delay_ms=HOUR_MS))
+        cancelled = await broker.send(OutgoingMessage("orders", b"c", message_id="cancelled", delay_ms=2 * DAY_MS))
+        await broker.close()
+        snapshot_index(data, snap)
+        broker = await _open(data, clock, **_SMALL)
+        await broker.cancel(recall_handle=cancelled.recall_handle)
+        clock.advance(HOUR_MS)
+        assert await broker.run_due() == 1
+        await _past_retention(broker, clock, 5)
+        assert broker.store.log.start_position > cancelled.position
+        await broker.close()
+        restore_index(data, snap)
+        broker = await _open(data, clock, **_SMALL)
+        try:
+            assert broker.timer.engine.indexed_position >= broker.store.log.start_position
+            assert pending_total(broker) == 0
+            for r in (fired, cancelled):
+                assert all(s.state is not TimerState.PENDING for s in broker.query(r.message_id, "orders"))
         finally:
             await broker.close()
 
