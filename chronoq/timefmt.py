@@ -23,6 +23,8 @@ SECOND_MS = 1000
 MINUTE_MS = 60 * SECOND_MS
 HOUR_MS = 60 * MINUTE_MS
 DAY_MS = 24 * HOUR_MS
+MAX_EPOCH_MS = 253_402_300_799_999
+"""9999-12-31T23:59:59.999Z: the last time `datetime` (and so every date shown) can hold."""
 DAYS_ALONE_FROM = 10
 """From this many days on, hours are dropped ("400 days", not "400d05h"): they no longer matter."""
 

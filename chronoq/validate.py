@@ -51,6 +51,7 @@ from chronoq.model import (
 from chronoq.store.groups import LEGACY_SCHEDULE_GROUP
 from chronoq.store.messagestore import PreparedMessage
 from chronoq.store.record import HEADER_SIZE, MAX_U16, encode_keys, encode_properties
+from chronoq.timefmt import MAX_EPOCH_MS
 from chronoq.timer.levels import DelayLevels
 
 
@@ -304,8 +305,11 @@ def prepare(msg: OutgoingMessage, config: Config, now_ms: int, levels: DelayLeve
     born_ms = msg.born_ms
     if born_ms is None:
         born_ms = now_ms
-    elif isinstance(born_ms, bool) or not isinstance(born_ms, int) or not 0 <= born_ms < 2**63:
-        raise InvalidProperty("born_ms", f"must be ms since the epoch in [0, 2^63), not {born_ms!r}")
+    elif isinstance(born_ms, bool) or not isinstance(born_ms, int) or not 0 <= born_ms <= MAX_EPOCH_MS:
+        # Up to the year 9999: a born time in microseconds (or ms in a seconds field) is past
+        # it, and no date can hold it (the Spark reader failed on it, for good).
+        raise InvalidProperty("born_ms", f"must be ms since the epoch up to {MAX_EPOCH_MS} (9999-12-31), "
+                                         f"not {born_ms!r}")
     # Encoded bytes, not characters: a multi-byte tag counts what it takes on disk (ids and topic
     # names are ASCII by their rules, so their lengths are their sizes). The message group is
     # stored as a system property, so it counts too.

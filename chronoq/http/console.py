@@ -42,15 +42,13 @@ from chronoq.errors import (
     Forbidden as Forbidden,  # re-exported: the access check raises it (errors.py defines every client-visible error)
 )
 from chronoq.server.auth import ANONYMOUS, Authenticator, Principal
-from chronoq.timefmt import duration
+from chronoq.timefmt import MAX_EPOCH_MS, duration
 from chronoq.timer.metrics import LatencyHistogram
 
 Role = Literal["read", "admin"]
 
 MAX_TIME_INPUT_CHARS = 64
 """Longest time text the console reads (an ISO date with zone is ~30)."""
-MAX_EPOCH_MS = 253_402_300_799_999
-"""9999-12-31T23:59:59.999Z: the last time `datetime` can show."""
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 

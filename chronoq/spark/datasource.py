@@ -43,6 +43,8 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
 
+from chronoq.timefmt import MAX_EPOCH_MS
+
 if TYPE_CHECKING:
     from chronoq.client.types import StoredRecord
 
@@ -164,7 +166,10 @@ def split_ranges(starts: Mapping[int, int], ends: Mapping[int, int], per_partiti
 
 
 def _ts(ms: int | None) -> dt.datetime | None:
-    return dt.datetime.fromtimestamp(ms / 1000, tz=UTC) if ms is not None else None
+    """A time column; None past the year 9999 (a born time the producer set in the wrong unit,
+    stored before the broker refused such times), which no timestamp holds: one such record
+    failed every read of its topic, for good."""
+    return dt.datetime.fromtimestamp(ms / 1000, tz=UTC) if ms is not None and 0 <= ms <= MAX_EPOCH_MS else None
 
 
 def _row(m: StoredRecord) -> tuple:

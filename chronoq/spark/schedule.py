@@ -12,9 +12,11 @@ ahead, an unparseable time or one before the epoch, a negative delay, a missing 
 a bad id. "Too far"
 is judged against one `now_ms` taken when the job starts (the broker judges again on arrival).
 
-Message ids make a retried Spark task (or a rerun of the whole command) idempotent: the id column
-when given, otherwise a hash of (input file, row number in the file) for Parquet and of (file,
-block start, row position in the split) for CSV/JSON; the broker stores a repeated id once.
+Message ids make a retried Spark task (or a rerun of the whole command) idempotent while the broker
+remembers them (`dedupe_window_ms` and the last `dedupe_window_max_entries` ids: docs/spark.md):
+the id column when given, otherwise a hash of (input file, row number in the file) for Parquet and
+of (file, block start, row position in the split) for CSV/JSON, which a different split layout
+changes (give CSV/JSON an id column).
 """
 
 from __future__ import annotations
@@ -125,7 +127,9 @@ def _deliver_at_ms(df: Any, column: str) -> tuple[Any, Any]:
     if isinstance(dtype, TimestampType | TimestampNTZType):
         return F.unix_millis(c.cast("timestamp")), c.cast("string")
     if isinstance(dtype, NumericType):
-        return c.cast("bigint"), c.cast("string")
+        # try_cast: out of BIGINT's range (1e30 in a double column) is that row's reject, not a
+        # CAST_OVERFLOW that fails the whole job under Spark 4's ANSI mode.
+        return F.expr(f"try_cast(`{column}` AS BIGINT)"), c.cast("string")
     if isinstance(dtype, StringType):
         text = F.trim(c)
         as_ms = F.when(text.rlike(r"^-?[0-9]+$"), F.expr(f"try_cast(trim(`{column}`) AS BIGINT)"))

@@ -69,18 +69,24 @@ def _entries(frame: pd.DataFrame) -> list[tuple]:
 def split_due(entries: list[tuple], now_ms: int, grace_ms: int) -> tuple[list[tuple], list[tuple]]:
     """Apply tombstones, then split into (due now, still pending). Pure; the processor's core.
 
-    A tombstone cancels every timer with its message id. Tombstones that matched are dropped;
-    unmatched ones are kept (their timer may arrive later) until `due + grace_ms` has passed.
+    A tombstone cancels the timers with its message id recorded before it in the log (a lower
+    position), as the broker's cancel does: a timer sent again under the id after the cancel
+    (the same due time puts it in the same key, often in the same micro-batch) is a new timer.
+    Tombstones that matched are dropped; unmatched ones are kept (their timer may arrive later)
+    until `due + grace_ms` has passed.
     """
-    cancelled = {e[0] for e in entries if e[3]}
+    cancelled_before: dict[str, int] = {}
+    for e in entries:
+        if e[3]:
+            cancelled_before[e[0]] = max(cancelled_before.get(e[0], -1), e[2])
     matched: set[str] = set()
     due: list[tuple] = []
     pending: list[tuple] = []
     for entry in entries:
-        message_id, due_ms, _, tombstone = entry
+        message_id, due_ms, position, tombstone = entry
         if tombstone:
             continue
-        if message_id in cancelled:
+        if position < cancelled_before.get(message_id, -1):
             matched.add(message_id)
         elif due_ms <= now_ms:
             due.append(entry)

@@ -181,3 +181,14 @@ def test_stream_write_is_idempotent_per_batch(spark, server, tmp_path):
     finally:
         q.stop()
     assert _read(spark, server, "sink").count() == 12
+
+
+def test_a_time_past_the_year_9999_reads_as_null():
+    """A born time stored in the wrong unit (microseconds: the year 58869) failed every read of
+    its topic with "year out of range", for good: the Spark timer engine stopped on it."""
+    from chronoq.spark.datasource import _ts
+    from chronoq.timefmt import MAX_EPOCH_MS
+
+    assert _ts(1_795_560_000_000_000) is None
+    assert _ts(MAX_EPOCH_MS) is not None and _ts(MAX_EPOCH_MS).year == 9999
+    assert _ts(None) is None

@@ -105,3 +105,23 @@ def test_schedule_csv_derived_ids_delay_and_text_times(spark, chronoq_server, tm
                                                  delay_column="ms", rejects_path=str(tmp_path / "rej2")))
     assert result.scheduled == 1
     assert result.rejects_by_reason == {"negative_delay": 1, "unparseable_delay": 1}
+
+
+def test_a_numeric_time_out_of_range_is_that_rows_reject(spark, chronoq_server, tmp_path, capsys):
+    """A double deliver-at column holding 1e30: the plain cast overflowed under Spark 4's ANSI
+    mode and failed the whole job (CAST_OVERFLOW, a traceback, nothing scheduled or rejected)."""
+    from chronoq.client import Admin
+
+    with Admin(chronoq_server) as admin:
+        admin.create_topic("overflow", queue_count=1)
+    soon = (dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)).timestamp() * 1000
+    table = pa.table({"rid": ["ok0", "ok1", "huge"], "text": ["a", "b", "c"],
+                      "at": pa.array([soon, soon + 1, 1e30], pa.float64())})
+    src = tmp_path / "in.parquet"
+    pq.write_table(table, src)
+    rejects = tmp_path / "rejects"
+    assert _cli("--input", str(src), "--topic", "overflow", "--deliver-at-column", "at", "--body-column", "text",
+                "--id-column", "rid", "--rejects", str(rejects), "--server", chronoq_server) == 0
+    assert "rows 3: scheduled 2, rejected 1" in capsys.readouterr().out
+    assert [r["rid"] for r in pq.read_table(rejects).to_pylist()] == ["huge"]
+    assert _pending(chronoq_server, "overflow") == 2

@@ -157,6 +157,15 @@ def test_split_due_is_pure():
     assert pending == []  # "a" cancelled, the orphan "z" past its grace
 
 
+def test_a_tombstone_cancels_only_the_timers_recorded_before_it():
+    """Cancel, then send again under the same id and due time: the three records share a key and
+    often a micro-batch. The tombstone used to cancel the new timer too; the broker's backstop
+    then fired it a minute late."""
+    entries = [("x", 5, 1, False), ("x", 5, 2, True), ("x", 5, 3, False)]
+    due, pending = split_due(entries, now_ms=10, grace_ms=5)
+    assert due == [("x", 5, 3, False)] and pending == []
+
+
 def test_heartbeat_rows_are_ignored():
     t = _tester()
     out = t.testInPandas((-1, -1), _frame(("__chronoq_heartbeat", -1, -1)))
