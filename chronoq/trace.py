@@ -16,6 +16,7 @@ and a broker must not stall on it; what it wrote stays readable (a cut last even
 from __future__ import annotations
 
 import logging
+import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,7 +43,16 @@ class TraceJournal:
     def __init__(self, data_dir: Path) -> None:
         self.dir = data_dir / files.TRACE_DIR
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.dir / TRACE_FILE, "ab", buffering=1 << 20)  # noqa: SIM115 (owned, closed in close())
+        path = self.dir / TRACE_FILE
+        if path.exists():
+            # A run that ended mid-event (a full disk, a power loss) left a cut event at the end:
+            # appended after, this run's events would be misread from it. Cut it off first.
+            whole = _whole_length(path.read_bytes())
+            if whole < path.stat().st_size:
+                log.warning("delivery trace: %d bytes of a cut last event dropped from %s",
+                            path.stat().st_size - whole, path)
+                os.truncate(path, whole)
+        self._f = open(path, "ab", buffering=1 << 20)  # noqa: SIM115 (owned, closed in close())
         self._received: set[tuple[str, str]] = set()
         self.stopped: str | None = None
         """Why the journal stopped recording (its disk was full), or None."""
@@ -107,15 +117,31 @@ def read_events(data_dir: Path) -> Iterator[tuple[int, int, int, str, str]]:
     if not path.exists():
         return
     data = path.read_bytes()
-    i = 0
-    while i + _EVENT.size <= len(data):
-        kind, ts, due, tlen, mlen = _EVENT.unpack_from(data, i)
-        end = i + _EVENT.size + tlen + mlen
-        if end > len(data):
-            break
+    for i, end in _events(data):
+        kind, ts, due, tlen, _ = _EVENT.unpack_from(data, i)
         j = i + _EVENT.size
         yield kind, ts, due, data[j:j + tlen].decode(), data[j + tlen:end].decode()
+
+
+def _events(data: bytes) -> Iterator[tuple[int, int]]:
+    """(start, end) of each whole event, in order, up to the first that is cut or not an event."""
+    i = 0
+    while i + _EVENT.size <= len(data):
+        kind, _, _, tlen, mlen = _EVENT.unpack_from(data, i)
+        end = i + _EVENT.size + tlen + mlen
+        if kind not in (ACCEPTED, FIRED, RECEIVED) or end > len(data):
+            return
+        try:
+            data[i + _EVENT.size:end].decode()
+        except UnicodeDecodeError:
+            return
+        yield i, end
         i = end
+
+
+def _whole_length(data: bytes) -> int:
+    """Bytes of `data` up to the end of its last whole event."""
+    return max((end for _, end in _events(data)), default=0)
 
 
 def export_rows(data_dir: Path) -> list[dict[str, Any]]:

@@ -121,6 +121,25 @@ def test_trace_events_as_the_document_states(tmp_path: Path) -> None:
     assert list(trace.read_events(tmp_path)) == [(2, 7, 5, "tp", "M1")]
 
 
+@pytest.mark.parametrize("cut", range(1, 24))
+def test_a_trace_cut_mid_event_is_trimmed_before_the_next_run_appends(tmp_path: Path, cut: int) -> None:
+    """A run that ended mid-event (a full disk, a power loss): the next run appended after the
+    cut event, and every later event was misread from it (a UnicodeDecodeError, or the next run's
+    events silently lost). The journal is cut back to its last whole event at open."""
+    journal = trace.TraceJournal(tmp_path)
+    journal.record(trace.ACCEPTED, "tp", "M1", 1, 5)
+    journal.record(trace.FIRED, "tp", "M1", 6, 5)
+    journal.close()
+    path = tmp_path / "trace" / "events.bin"
+    path.write_bytes(path.read_bytes()[:-cut])  # the second event cut short
+    journal = trace.TraceJournal(tmp_path)
+    for i in range(3):
+        journal.record(trace.RECEIVED, "tp", f"N{i}", 10 + i, 5)
+    journal.close()
+    assert list(trace.read_events(tmp_path)) == [(1, 1, 5, "tp", "M1")] + [
+        (3, 10 + i, 5, "tp", f"N{i}") for i in range(3)]
+
+
 def test_recall_handle() -> None:
     handle = recall.encode_recall_handle("tp", 1 << 40, "M1")
     raw = base64.urlsafe_b64decode(handle + "=" * (-len(handle) % 4))
