@@ -112,13 +112,27 @@ def fired_stream(entries: Any, options: EngineOptions) -> Any:
 
 
 def fire_positions(server: str, positions: Sequence[int]) -> int:
-    """FireTimers on the broker, in chunks; returns how many it fired (repeats are skipped)."""
+    """FireTimers on the broker, in chunks; returns how many it fired (repeats are skipped). A
+    broker whose `max_send_batch` is below `FIRE_CHUNK` refuses a chunk with the limit it keeps:
+    the chunks shrink to it (before, every batch firing more than it failed, and its replays too,
+    so the engine stopped for good)."""
     from chronoq.client import Admin
+    from chronoq.errors import InvalidBatchSize
 
     fired = 0
+    chunk = FIRE_CHUNK
     with Admin(server) as admin:
-        for start in range(0, len(positions), FIRE_CHUNK):
-            fired += admin.fire_timers([int(p) for p in positions[start:start + FIRE_CHUNK]]).fired
+        start = 0
+        while start < len(positions):
+            try:
+                fired += admin.fire_timers([int(p) for p in positions[start:start + chunk]]).fired
+            except InvalidBatchSize as e:
+                limit = (e.details or {}).get("max_batch_size")
+                if not isinstance(limit, int) or not 1 <= limit < chunk:
+                    raise
+                chunk = limit
+                continue
+            start += chunk
     return fired
 
 

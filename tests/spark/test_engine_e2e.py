@@ -87,3 +87,31 @@ def test_spark_engine_end_to_end(spark, spark_engine_server, tmp_path):
     ids = [m.message_id for m in delivered]
     assert sorted(ids) == sorted(["warm", "a", "s1", "s2", "s3", "h"]), ids  # each once, x never
     assert [i for i in ids if i.startswith("s")] == ["s1", "s2", "s3"]
+
+
+def test_fire_chunks_shrink_to_a_brokers_smaller_batch_limit(tmp_path):
+    """A broker with `max_send_batch` below the engine's 1,024 positions per call refused every
+    bigger chunk, and each replay of the batch the same way: the engine stopped for good."""
+    from chronoq.client import Admin, Producer
+    from chronoq.client.testing import ServerProcess
+    from chronoq.client.wire import outgoing
+    from chronoq.model import TIMER_TOPIC
+    from chronoq.spark.engine import fire_positions
+
+    server = ServerProcess(tmp_path / "data", settings={"timer_engine": "spark", "max_send_batch": 256}).start()
+    try:
+        with Admin(server.address) as admin, Producer(server.address) as producer:
+            admin.create_topic("small", queue_count=1)
+            for start in range(0, 300, 100):
+                producer.send_batch([outgoing("small", b"t", message_id=f"t{i}", delay=1)
+                                     for i in range(start, start + 100)])
+            positions: list[int] = []
+            while len(positions) < 300:  # the timer records, as the engine reads them
+                page = admin.read(TIMER_TOPIC, 0, len(positions), 256)
+                assert page.messages
+                positions += [m.position for m in page.messages]
+        time.sleep(0.05)  # all due
+        assert fire_positions(server.address, positions) == 300
+        assert fire_positions(server.address, positions) == 0  # a replay fires nothing twice
+    finally:
+        server.stop()
