@@ -171,7 +171,11 @@ def _load_queue(qdir: Path, report: CheckReport) -> _Queue | None:
     first_offset: int | None = None
     for name in names:
         path = qdir / name
-        data = path.read_bytes()
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:  # a running broker's retention took it since the listing
+            report.notes.append(f"{path}: removed by retention while being checked")
+            continue
         try:
             first = decode_cq_header(data)
         except CorruptRecord as e:
@@ -208,7 +212,11 @@ def _check_log(data_dir: Path, report: CheckReport, queues: dict[tuple[str, int]
     for i, name in enumerate(names):
         path = log_dir / name
         is_last = i == len(names) - 1
-        data = path.read_bytes()
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:  # a running broker's retention took it since the listing
+            report.notes.append(f"{path}: removed by retention while being checked")
+            continue
         report.segments += 1
         base = files.parse_numbered(name, files.SEGMENT_SUFFIX) or 0
         try:

@@ -20,6 +20,7 @@ import asyncio
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
@@ -302,3 +303,30 @@ def test_a_group_that_went_away_holds_segments_for_the_in_flight_hold_only(
             await b.close()
 
     asyncio.run(body())
+
+
+def test_check_on_a_running_broker_whose_retention_removes_a_file_meanwhile(
+        make_config: Callable[..., Config], monkeypatch: Any) -> None:
+    """`chronoq check` lists a directory, then reads each file; retention on a running broker can
+    remove one in between. The FileNotFoundError ended the check with exit status 1 (DAMAGED)."""
+    from chronoq.store import check
+
+    async def build() -> None:
+        b = await Broker.open(make_config(), clock=FakeClock(START_MS), background=False)
+        await send(b, 60, "m")
+        await b.close()
+
+    asyncio.run(build())
+    data = make_config().data_dir
+    first = segment_files(data)[0]
+    real_listdir = os.listdir
+
+    def listdir_then_retention(path: Any) -> list[str]:
+        names = real_listdir(path)
+        if Path(path) == first.parent and first.exists():
+            first.unlink()  # retention deletes the oldest segment right after the listing
+        return names
+
+    monkeypatch.setattr(check.os, "listdir", listdir_then_retention)
+    report = check.check_data_dir(data)
+    assert report.problems == [] and any("removed by retention while being checked" in n for n in report.notes)
