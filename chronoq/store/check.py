@@ -28,12 +28,15 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rocksdict import AccessType, Options, Rdict
+
 from chronoq.errors import CorruptRecord
 from chronoq.model import is_system_topic
 from chronoq.store import files
 from chronoq.store.commitlog import SEGMENT_HEADER_SIZE, check_frame, decode_segment_header
 from chronoq.store.consumequeue import CQ_HEADER_SIZE, ENTRY_SIZE, decode_cq_header, decode_entry, tag_hash
 from chronoq.store.damage import DAMAGED, classify
+from chronoq.store.diskspace import resource_problem
 from chronoq.store.meta import decode_checkpoint, decode_topics
 from chronoq.store.record import decode_record
 
@@ -97,6 +100,8 @@ def check_data_dir(data_dir: str | Path) -> CheckReport:
                            f"{', '.join(DATA_DIR_MARKERS)}")
         return report
     _check_topics(data_dir, report)
+    _check_rocksdb(data_dir / files.GROUPS_DIR, "consumer-group store", report, derived=False)
+    _check_rocksdb(data_dir / files.TIMER_DIR, "timer index", report, derived=True)
     checkpoint = _check_checkpoint(data_dir, report)
     queues = _load_queues(data_dir, report)
     _check_log(data_dir, report, queues, checkpoint)
@@ -112,6 +117,38 @@ def check_data_dir(data_dir: str | Path) -> CheckReport:
             report.problems.append(f"{q.path}: {len(extra) - past_end} entries past the last record of "
                                    f"{topic}/{qid} in the log")
     return report
+
+
+def _check_rocksdb(path: Path, what: str, report: CheckReport, *, derived: bool) -> None:
+    """Open a RocksDB store read-only (it writes nothing, and a running broker's lock does not
+    stop it) and read every key: what a restart would find. The consumer-group store is not
+    derived: a restart moves a damaged one aside and every group receives the retained log
+    again, acknowledged messages too (a problem). The timer index is rebuilt from the log (a
+    repair)."""
+    if not path.exists():
+        why = "rebuilt from the log at the next start" if derived else "no group has received yet"
+        report.notes.append(f"{path}: missing ({why})")
+        return
+    try:
+        cfs = Rdict.list_cf(str(path))
+        opts = Options(raw_mode=True)
+        db = Rdict(str(path), opts, column_families={name: Options(raw_mode=True) for name in cfs if name != "default"},
+                   access_type=AccessType.read_only())
+        try:
+            for name in cfs:
+                handle = db if name == "default" else db.get_column_family(name)
+                for _ in handle.keys():  # noqa: SIM118 (keys only: the values are not decoded)
+                    pass
+        finally:
+            db.close()
+    except Exception as e:
+        if (problem := resource_problem(e)) is not None:
+            report.notes.append(f"{path}: not checked: {problem}")
+        elif derived:
+            report.repairs.append(f"{path}: the {what} cannot be read ({e}); a restart rebuilds it from the log")
+        else:
+            report.problems.append(f"{path}: the {what} cannot be read ({e}); a restart moves it aside and every "
+                                   "group receives the retained log again, acknowledged messages included")
 
 
 def _check_topics(data_dir: Path, report: CheckReport) -> None:

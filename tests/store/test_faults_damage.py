@@ -621,3 +621,34 @@ def test_chronoq_serve_on_a_damaged_copy_stays_up_and_serves(tmp_path: Path) -> 
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_check_reads_the_rocksdb_stores_and_writes_nothing(tmp_path: Path) -> None:
+    """`chronoq check` never looked at groups/ or timer/: a consumer-group store a restart would
+    move aside (every group receiving its acknowledged messages again) was reported OK."""
+    data = tmp_path / "data"
+
+    async def build() -> None:
+        broker = await _open(data)
+        await broker.send(OutgoingMessage("t", b"x", message_id="m"))
+        await broker.send(OutgoingMessage("t", b"later", message_id="timer", delay_ms=60_000))
+        got = await broker.receive("g", "t", batch_size=4)
+        await broker.ack("g", "t", got[0].receipt_handle)
+        await broker.close()
+
+    asyncio.run(build())
+
+    def listing() -> list[tuple[str, int]]:
+        return sorted((str(p.relative_to(data)), p.stat().st_size) for p in data.rglob("*") if p.is_file())
+
+    before = listing()
+    clean = check_data_dir(data)
+    assert clean.ok and not clean.problems and not clean.repairs, (clean.problems, clean.repairs)
+    assert listing() == before  # read-only: RocksDB writes nothing when opened read-only
+    (data / files.TIMER_DIR / "CURRENT").write_text("MANIFEST-999999\n")
+    timer_damaged = check_data_dir(data)
+    assert not timer_damaged.problems and any("timer index cannot be read" in r for r in timer_damaged.repairs)
+    (data / files.GROUPS_DIR / "CURRENT").write_text("MANIFEST-999999\n")
+    groups_damaged = check_data_dir(data)
+    assert any("consumer-group store cannot be read" in p and "acknowledged messages included" in p
+               for p in groups_damaged.problems)
