@@ -45,7 +45,7 @@ from typing import Any
 
 from chronoq.accept import Accept
 from chronoq.clock import Clock, SystemClock
-from chronoq.config import Config
+from chronoq.config import Config, ConfigError
 from chronoq.deliver import Deliver
 from chronoq.errors import BrokerClosed, ChronoqError, DiskFull, FlushFailed, InvalidRecallHandle, RecallTopicMismatch
 from chronoq.model import (
@@ -119,6 +119,11 @@ class Broker:
                 write_buffer_bytes=config.groups_write_buffer_bytes, disk=store.disk)
             groups.clamp(lambda topic, queue_id: store.queue(topic, queue_id).next_offset)
             timer = open_timer_service(config, store, _appender(store, clock))
+            if stranded := timer.delay_queues.stranded():
+                shown = ", ".join(f"level {lv}: {n}" for lv, n in sorted(stranded.items()))
+                raise ConfigError(f"delay_levels has {timer.levels.max_level} levels, but messages sent at higher "
+                                  f"levels have not fired yet ({shown}); nothing would fire them. Keep at least "
+                                  f"{max(stranded)} levels until they have")
             broker = cls(config, clock, store, groups, timer, report)
         except BaseException:
             if timer is not None:

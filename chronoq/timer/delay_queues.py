@@ -105,6 +105,19 @@ class DelayLevelQueues:
                 low = p if low is None else min(low, p)
         return low
 
+    def stranded(self) -> dict[int, int]:
+        """Levels past the configured table (`delay_levels` shortened since they were sent) that
+        still hold messages not fired: level -> count. Nothing fires them, nothing counts them,
+        and retention would delete them."""
+        out: dict[int, int] = {}
+        for topic, qid in self.store.queue_keys():
+            level = qid + 1
+            if topic == SCHEDULE_TOPIC and level > self.levels.max_level:
+                n = self.store.queue(SCHEDULE_TOPIC, qid).next_offset - self._next_offset(level)
+                if n > 0:
+                    out[level] = n
+        return out
+
     def pending_by_level(self) -> dict[str, int]:
         """Entries not yet fired, per level that has any (stats)."""
         out = {}

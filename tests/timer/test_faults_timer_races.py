@@ -359,3 +359,29 @@ def test_an_index_older_than_the_retained_log_is_rebuilt_not_replayed(tmp_path: 
             await broker.close()
 
     run(body())
+
+
+def test_a_broker_started_with_fewer_delay_levels_than_its_unfired_messages_need_refuses_to_start(
+        tmp_path: Path) -> None:
+    """Messages sent at level 18, then a restart with `delay_levels` of 3: nothing fired them,
+    `stats` did not count them, and retention would have deleted them, silently. The start is
+    refused, naming the levels; with the table back they fire."""
+    from chronoq.config import ConfigError
+
+    async def body() -> None:
+        data = tmp_path / "data"
+        clock = FakeClock(START_MS)
+        broker = await _open(data, clock)
+        await broker.send(OutgoingMessage("orders", b"late", message_id="l18", delay_level=18))
+        await broker.close()
+        with pytest.raises(ConfigError, match="level 18: 1"):
+            await _open(data, clock, delay_levels="1s 5s 10s")
+        broker = await _open(data, clock)  # the default table again
+        try:
+            clock.advance(2 * HOUR_MS)
+            assert await broker.run_due() == 1
+            assert [m.message_id for m in await drain(broker, "orders")] == ["l18"]
+        finally:
+            await broker.close()
+
+    run(body())
