@@ -458,8 +458,17 @@ class AsyncProducer(AsyncAdmin):
         bodies base64's third more bytes may tip it the other way."""
         send = self._send_grpc if self.batch_via == "grpc" else self._send_admin
         results: list[SendReceipt | Exception] = []
-        for chunk in self._chunks(messages):
-            results.extend(await self._with_retries(send, chunk))
+        while len(results) < len(messages):
+            chunk = next(self._chunks(messages[len(results):]))
+            try:
+                results.extend(await self._with_retries(send, chunk))
+            except core.InvalidBatchSize as e:
+                # A server whose `max_send_batch` is below `max_batch` names its limit (SendBatch
+                # does): learn it and go on in smaller requests, rather than fail every batch.
+                limit = (e.details or {}).get("max_batch_size")
+                if not isinstance(limit, int) or not 1 <= limit < len(chunk):
+                    raise
+                self.max_batch = limit
         outcome = BatchOutcome(tuple(results))
         if outcome.errors:
             raise BatchSendError(outcome)

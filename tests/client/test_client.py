@@ -404,3 +404,24 @@ def test_a_batch_of_one_message_group_keeps_the_group_in_one_queue(server: str, 
             assert [m.body for m in got] == [m.body for m in msgs]  # in order, one queue
 
     asyncio.run(body())
+
+
+def test_send_batch_learns_a_servers_smaller_batch_limit(tmp_path: Path) -> None:
+    """A broker with `max_send_batch` 256 refused every request of the SDK's default 1,024
+    messages: `send_batch` of 600 always failed. SendBatch names the limit; the SDK now sends
+    in requests of that size."""
+    from chronoq.client.testing import ServerProcess
+
+    server = ServerProcess(tmp_path / "data", settings={"max_send_batch": 256}).start()
+    try:
+        async def body() -> None:
+            async with AsyncProducer(server.address) as p:
+                await p.create_topic("small", queue_count=1)
+                receipts = await p.send_batch([outgoing("small", f"{i}".encode()) for i in range(600)])
+                assert len(receipts) == 600 and p.max_batch == 256
+                d = await p.describe_topic("small")
+                assert sum(q.max_offset - q.min_offset for q in d.queues) == 600
+
+        asyncio.run(body())
+    finally:
+        server.stop()
