@@ -3,12 +3,13 @@
 Theory of operation: with `trace_enable`, the broker appends one fixed-size binary event per
 milestone to `DATA_DIR/trace/events.bin` (buffered, flushed at checkpoints and on close; the
 trace is a measurement, not a durable record, so it does not ride the commit log's fsync).
-`export_rows()` folds the events into one row per (topic, message id), the shape of
+`export_rows()` folds the events into one row per (topic, message id, due time), the shape of
 `chronoq.spark.trace.TRACE_COLUMNS`; `chronoq trace export` writes them as Parquet for
 `chronoq spark report`.
 
 Each event is a 21-byte head (kind, times, name lengths) and the names; `docs/disk-format.md`
-("Delivery trace") gives the layout, once. A truncated last event (crash) is ignored.
+("Delivery trace") gives the layout, once. A truncated last event (crash) is ignored, and cut
+off when the journal is opened again.
 On a full disk the journal stops for the rest of the run (one warning): it is a measurement,
 and a broker must not stall on it; what it wrote stays readable (a cut last event is ignored).
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,7 @@ EVENT_HEAD = struct.Struct(">BQQHH")
 _EVENT = EVENT_HEAD
 TRACE_FILE = files.TRACE_EVENTS
 log = logging.getLogger("chronoq.trace")
+RECEIVED_REMEMBERED = 100_000
 
 
 class TraceJournal:
@@ -53,7 +56,10 @@ class TraceJournal:
                             path.stat().st_size - whole, path)
                 os.truncate(path, whole)
         self._f = open(path, "ab", buffering=1 << 20)  # noqa: SIM115 (owned, closed in close())
-        self._received: set[tuple[str, str]] = set()
+        self._received: OrderedDict[tuple[str, str], None] = OrderedDict()
+        """The last `RECEIVED_REMEMBERED` first receives, so a second group's is not journaled
+        too. Bounded: a set of every id received grew for good (157 MiB per million); past it a
+        later group's first receive is journaled again, and the export keeps the first."""
         self.stopped: str | None = None
         """Why the journal stopped recording (its disk was full), or None."""
 
@@ -85,7 +91,9 @@ class TraceJournal:
         """A first delivery to any group (later ones are not the 'first received')."""
         key = (topic, message_id)
         if key not in self._received:
-            self._received.add(key)
+            self._received[key] = None
+            if len(self._received) > RECEIVED_REMEMBERED:
+                self._received.popitem(last=False)
             self.record(RECEIVED, topic, message_id, ts_ms, due_ms)
 
     def flush(self) -> None:
@@ -145,14 +153,16 @@ def _whole_length(data: bytes) -> int:
 
 
 def export_rows(data_dir: Path) -> list[dict[str, Any]]:
-    """One row per timer message: accepted_ms, due_ms, fired_ms, first_received_ms."""
-    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    """One row per timer message: accepted_ms, due_ms, fired_ms, first_received_ms. A row is a
+    (topic, message id, due time): a timer cancelled and sent again under its id for another
+    time is two rows (one key per id measured the new one against the cancelled one's due time:
+    an hour early). A cancelled one stays a row without fired_ms (cancels are not journaled)."""
+    rows: dict[tuple[str, str, int], dict[str, Any]] = {}
     for kind, ts, due, topic, mid in read_events(data_dir):
-        row = rows.setdefault((topic, mid), {"message_id": mid, "topic": topic, "accepted_ms": None,
-                                             "due_ms": due, "fired_ms": None, "first_received_ms": None})
+        row = rows.setdefault((topic, mid, due), {"message_id": mid, "topic": topic, "accepted_ms": None,
+                                                  "due_ms": due, "fired_ms": None, "first_received_ms": None})
         if kind == ACCEPTED and row["accepted_ms"] is None:
             row["accepted_ms"] = ts
-            row["due_ms"] = due
         elif kind == FIRED and row["fired_ms"] is None:
             row["fired_ms"] = ts
         elif kind == RECEIVED and row["first_received_ms"] is None:

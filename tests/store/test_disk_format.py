@@ -378,3 +378,29 @@ def test_receipt_handle_property(qid: int, offset: int, nonce: int, data: st.Dat
     for bad in (handle[:i] + c + handle[i + 1:], handle[:i] + c + handle[i:], handle[:i] + handle[i + 1:]):
         with pytest.raises(InvalidReceiptHandle):
             groups.decode_handle(bad)
+
+
+def test_a_timer_sent_again_for_another_time_is_its_own_trace_row(tmp_path: Path) -> None:
+    """Cancelled and sent again under its id for another time: one row per id measured the new
+    delivery against the cancelled one's due time (an hour "early", in a report whose early
+    count must stay zero)."""
+    journal = trace.TraceJournal(tmp_path)
+    journal.record(trace.ACCEPTED, "tp", "M1", 1, 3_600_000)  # cancelled later
+    journal.record(trace.ACCEPTED, "tp", "M1", 2, 1_000)  # sent again, due in a second
+    journal.record(trace.FIRED, "tp", "M1", 1_001, 1_000)
+    journal.received("tp", "M1", 1_002, 1_000)
+    journal.close()
+    rows = {r["due_ms"]: r for r in trace.export_rows(tmp_path)}
+    assert rows[1_000]["first_received_ms"] - rows[1_000]["due_ms"] == 2  # late by 2 ms, not early
+    assert rows[3_600_000]["fired_ms"] is None
+
+
+def test_the_trace_remembers_a_bounded_number_of_first_receives(tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.setattr(trace, "RECEIVED_REMEMBERED", 3)
+    journal = trace.TraceJournal(tmp_path)
+    for i in range(10):
+        journal.received("tp", f"M{i}", 10 + i, 5)
+    journal.received("tp", "M9", 30, 5)  # a second group's first receive: still remembered
+    assert len(journal._received) == 3
+    journal.close()
+    assert [e[3:] for e in trace.read_events(tmp_path)] == [("tp", f"M{i}") for i in range(10)]
