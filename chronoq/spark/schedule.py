@@ -32,6 +32,7 @@ from chronoq.config import Config
 from chronoq.spark.datasource import SOURCE_NAME, register
 
 MAX_MESSAGE_ID_LENGTH = Config().max_message_id_length
+MAX_TAG_LENGTH = Config().max_tag_length
 """The broker's default limit, from its one declaration (a broker configured lower still refuses per row)."""
 PROGRESS_INTERVAL_S = 2.0
 ROWS_PER_WRITE_TASK = 50_000
@@ -165,7 +166,22 @@ def validate(df: Any, fmt: str, options: ScheduleOptions, now_ms: int) -> Any:
         (F.col("message_id").isNull() | (F.length("message_id") == 0), "id_missing", F.lit("message id is missing")),
         (F.length("message_id") > MAX_MESSAGE_ID_LENGTH, "id_too_long",
          F.lit(f"message id is longer than {MAX_MESSAGE_ID_LENGTH} characters")),
+        # The broker's rules (chronoq/validate.py), so a row it would refuse is a reject here: a
+        # refusal inside a task failed the whole job with a traceback and wrote no rejects.
+        (~F.col("message_id").rlike(r"^[\x21-\x7e]+$"), "id_bad_characters",
+         F.lit("message id must be printable ASCII without spaces")),
     ]
+    if options.tag_column:
+        tag = F.col(f"`{options.tag_column}`").cast("string")
+        blank = (F.length(tag) > 0) & (F.length(F.trim(tag)) == 0)
+        checks.append((tag.isNotNull() & ((F.length(tag) > MAX_TAG_LENGTH) | tag.contains("|")
+                                          | tag.rlike(r"[\x00-\x1f]") | blank),
+                       "bad_tag", F.lit(f"tag must be 1..{MAX_TAG_LENGTH} characters, not blank, "
+                                        "without '|' or control characters")))
+    if options.keys_column and "array" not in df.schema[options.keys_column].dataType.simpleString():
+        keys = F.col(f"`{options.keys_column}`").cast("string")
+        checks.append((keys.isNotNull() & (keys.rlike(r"(^|,)(,|$)") | keys.rlike(r"[\x00-\x1f]")), "bad_keys",
+                       F.lit("keys must be non-empty, comma-separated, without control characters")))
     if options.deliver_at_column:
         ms, raw = _deliver_at_ms(df, options.deliver_at_column)
         out = out.withColumn("deliver_at_ms", ms)

@@ -125,3 +125,27 @@ def test_a_numeric_time_out_of_range_is_that_rows_reject(spark, chronoq_server, 
     assert "rows 3: scheduled 2, rejected 1" in capsys.readouterr().out
     assert [r["rid"] for r in pq.read_table(rejects).to_pylist()] == ["huge"]
     assert _pending(chronoq_server, "overflow") == 2
+
+
+def test_rows_the_broker_would_refuse_are_rejects_not_a_failed_job(spark, chronoq_server, tmp_path):
+    """An id with a space, a tag with '|' or blank, an empty key: the broker refuses them, and
+    that refusal inside a task failed the whole job with a traceback, no rejects written, while
+    the other rows of the same requests were stored. They are rejects now, like other bad rows."""
+    from chronoq.client import Admin
+    from chronoq.spark.schedule import ScheduleOptions, run_schedule
+
+    with Admin(chronoq_server) as admin:
+        admin.create_topic("refusals", queue_count=1)
+    now_ms = int(time.time() * 1000)
+    due = now_ms + HOUR_MS
+    lines = ["rid,body,when,tag,keys"] + [f"ok{i},b{i},{due},t,k{i}" for i in range(20)] + [
+        f"has space,b,{due},t,k", f"bar,b,{due},a|b,k", f"blank,b,{due},  ,k", f"emptykey,b,{due},t,\"a,,b\""]
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "part.csv").write_text("\n".join(lines) + "\n")
+    options = ScheduleOptions(input_path=str(tmp_path / "in"), topic="refusals", server=chronoq_server,
+                              deliver_at_column="when", id_column="rid", tag_column="tag", keys_column="keys",
+                              rejects_path=str(tmp_path / "rej"))
+    result = run_schedule(spark, options, now_ms=now_ms)
+    assert (result.total, result.scheduled, result.rejected) == (24, 20, 4)
+    assert result.rejects_by_reason == {"id_bad_characters": 1, "bad_tag": 2, "bad_keys": 1}
+    assert _pending(chronoq_server, "refusals") == 20
