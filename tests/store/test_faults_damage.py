@@ -9,7 +9,6 @@ lost, and serves everything else; `chronoq check` tells a torn tail from damage.
 from __future__ import annotations
 
 import asyncio
-import gc
 import random
 import shutil
 import subprocess
@@ -17,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from timer_helpers import run_without_cycle_collector
 
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
@@ -436,11 +436,7 @@ def test_a_timer_index_damaged_inside_a_dispatch_write_is_rebuilt(tmp_path: Path
         finally:
             await broker.close()
 
-    gc.disable()
-    try:
-        asyncio.run(body())
-    finally:
-        gc.enable()
+    run_without_cycle_collector(body())
 
 
 def test_a_full_disk_while_a_damaged_timer_is_marked_does_not_stop_the_broker(tmp_path: Path,
@@ -491,11 +487,7 @@ def test_a_full_disk_while_a_damaged_timer_is_marked_does_not_stop_the_broker(tm
         finally:
             await broker.close()
 
-    gc.disable()
-    try:
-        asyncio.run(body())
-    finally:
-        gc.enable()
+    run_without_cycle_collector(body())
 
 
 def test_a_timer_index_found_damaged_during_the_fire_gap_is_rebuilt_before_the_next_step(
@@ -555,11 +547,7 @@ def test_a_timer_index_found_damaged_during_the_fire_gap_is_rebuilt_before_the_n
         finally:
             await broker.close()
 
-    gc.disable()
-    try:
-        asyncio.run(body())
-    finally:
-        gc.enable()
+    run_without_cycle_collector(body())
 
 
 @pytest.mark.slow

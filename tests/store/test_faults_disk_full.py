@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import gc
 import logging
 import os
 import subprocess
@@ -22,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from timer_helpers import run_without_cycle_collector
 
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
@@ -652,11 +652,7 @@ def test_a_timer_index_out_of_space_holds_timer_senders_and_is_reopened(mount, t
     # The cyclic collector off: the reopen must not wait for it. A reference cycle that kept the
     # failed RocksDB handle (and its lock) alive once passed in the full suite, where a collection
     # happened to run first, and failed only when this test ran alone.
-    gc.disable()
-    try:
-        asyncio.run(body())
-    finally:
-        gc.enable()
+    run_without_cycle_collector(body())
 
 
 def test_a_consumer_group_store_out_of_space_refuses_acks_then_is_reopened(mount, tmp_path: Path) -> None:
