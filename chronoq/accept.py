@@ -121,7 +121,7 @@ class Accept:
                 self._fail(slots, batch_done, BrokerClosed())
             raise
         except BaseException as e:
-            self._fail(slots, batch_done, e if isinstance(e, Exception) else BrokerClosed())
+            self._fail(slots, batch_done, e)
             raise
         for (i, _, _), result in zip(slots, self._finish(stored, slots, batch_done, now), strict=True):
             outcomes[i] = result
@@ -139,7 +139,7 @@ class Accept:
             results = [_result_for(rec, key, deliver_at_ms)
                        for (_, key, deliver_at_ms), rec in zip(slots, stored, strict=True)]
         except BaseException as e:
-            self._fail(slots, batch_done, e if isinstance(e, Exception) else BrokerClosed())
+            self._fail(slots, batch_done, e)
             raise
         for _, key, _ in slots:
             self._sending.pop(key, None)
@@ -149,11 +149,13 @@ class Accept:
         return results
 
     def _fail(self, slots: list[tuple[int, tuple[str, str], int | None]],
-              batch_done: asyncio.Future[list[SendResult]], error: Exception) -> None:
+              batch_done: asyncio.Future[list[SendResult]], error: BaseException) -> None:
+        """The batch failed: its ids are no longer in flight, and whoever waits for one gets the
+        error (a cancellation or exit as `BrokerClosed`: a future holds exceptions only)."""
         for _, key, _ in slots:
             self._sending.pop(key, None)
         if not batch_done.done():
-            batch_done.set_exception(error)
+            batch_done.set_exception(error if isinstance(error, Exception) else BrokerClosed())
             batch_done.exception()  # mark retrieved: waiters may not exist
 
     def _finish_when_durable(self, stored: list[StoredMessage], slots: list[tuple[int, tuple[str, str], int | None]],
@@ -162,7 +164,7 @@ class Accept:
             try:
                 await self.store.wait_durable(stored[-1].position + stored[-1].size)
             except BaseException as e:  # the log failed, or the broker closed: nobody to tell but waiters
-                self._fail(slots, batch_done, e if isinstance(e, Exception) else BrokerClosed())
+                self._fail(slots, batch_done, e)
                 return
             self._finish(stored, slots, batch_done, now)
 

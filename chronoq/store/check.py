@@ -119,6 +119,16 @@ def check_data_dir(data_dir: str | Path) -> CheckReport:
     return report
 
 
+def _read(path: Path, report: CheckReport) -> bytes | None:
+    """A file's bytes; None (and a note) when a running broker's retention removed it after the
+    directory was listed: not damage."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        report.notes.append(f"{path}: removed by retention while being checked")
+        return None
+
+
 def _check_rocksdb(path: Path, what: str, report: CheckReport, *, derived: bool) -> None:
     """Open a RocksDB store read-only (it writes nothing, and a running broker's lock does not
     stop it) and read every key: what a restart would find. The consumer-group store is not
@@ -132,7 +142,7 @@ def _check_rocksdb(path: Path, what: str, report: CheckReport, *, derived: bool)
     try:
         cfs = Rdict.list_cf(str(path))
         opts = Options(raw_mode=True)
-        db = Rdict(str(path), opts, column_families={name: Options(raw_mode=True) for name in cfs if name != "default"},
+        db = Rdict(str(path), opts, column_families={name: opts for name in cfs if name != "default"},
                    access_type=AccessType.read_only())
         try:
             for name in cfs:
@@ -208,10 +218,8 @@ def _load_queue(qdir: Path, report: CheckReport) -> _Queue | None:
     first_offset: int | None = None
     for name in names:
         path = qdir / name
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:  # a running broker's retention took it since the listing
-            report.notes.append(f"{path}: removed by retention while being checked")
+        data = _read(path, report)
+        if data is None:
             continue
         try:
             first = decode_cq_header(data)
@@ -249,10 +257,8 @@ def _check_log(data_dir: Path, report: CheckReport, queues: dict[tuple[str, int]
     for i, name in enumerate(names):
         path = log_dir / name
         is_last = i == len(names) - 1
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:  # a running broker's retention took it since the listing
-            report.notes.append(f"{path}: removed by retention while being checked")
+        data = _read(path, report)
+        if data is None:
             continue
         report.segments += 1
         base = files.parse_numbered(name, files.SEGMENT_SUFFIX) or 0

@@ -115,7 +115,7 @@ class TimerLoop:
             self._wakeup.clear()
             self.passes += 1
             try:
-                fired = await self.service.fire_due(now)
+                fired: int | None = await self.service.fire_due(now)
             except TimerIndexCorrupt as e:
                 self.service.index_damaged = e.message
                 continue
@@ -123,8 +123,8 @@ class TimerLoop:
                 # Fired copies (or the index) found no space: nothing fired; try again soon. The
                 # timers stay pending, so nothing is lost and nothing fires early.
                 self.store.disk.note_full("timer firing", e)
-                fired = -1
-            if fired < 0:
+                fired = None
+            if fired is None:
                 await asyncio.sleep(self.config.disk_full_retry_ms / 1000)
                 continue
             self.store.disk.note_ok("timer firing")
