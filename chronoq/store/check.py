@@ -281,7 +281,7 @@ def _check_log(data_dir: Path, report: CheckReport, queues: dict[tuple[str, int]
                 size = check_frame(data, offset, position)
                 msg = decode_record(data, offset, expected_position=position)
             except CorruptRecord as e:
-                resume = _bad_record(report, path, data, base, position, end, e.reason, is_last)
+                resume = _bad_record(report, path, data, base, position, end, e.reason, is_last, checkpoint)
                 if resume is None:  # a torn tail: the log a restart keeps ends here
                     end = position
                     break
@@ -293,12 +293,26 @@ def _check_log(data_dir: Path, report: CheckReport, queues: dict[tuple[str, int]
             position += size
         expected_base = end
     report.log_end = expected_base or 0
+    if checkpoint is not None and report.log_end < checkpoint:
+        # A torn tail (or a file cut short) below the checkpoint: a problem, not a repair.
+        report.problems.append(
+            f"{log_dir}: the log's valid records end at {report.log_end}, below the checkpoint {checkpoint}: "
+            f"{checkpoint - report.log_end} bytes of records the consume queues were given (so acknowledged) are "
+            f"gone. {_LOST_BELOW_CHECKPOINT}")
+
+
+_LOST_BELOW_CHECKPOINT = ('With flush = "async" and a checkpoint of version 1 a power loss took them before '
+                          "their fsync, the price of that option; otherwise the disk lost fsynced records. A "
+                          "restart cuts the tail, says how much was lost, and brings the consume queues and the "
+                          "timer index back to the log's end")
 
 
 def _bad_record(report: CheckReport, path: Path, data: bytes, base: int, position: int, end: int, reason: str,
-                is_last: bool) -> int | None:
+                is_last: bool, checkpoint: int | None) -> int | None:
     """Report the record at `position` that failed its checks; return where to read on (None:
-    a torn tail, where the log ends once a restart has truncated it)."""
+    a torn tail, where the log ends once a restart has truncated it). A torn tail below the
+    checkpoint is a problem, not a repair: the records there had been dispatched, so
+    acknowledged, in either flush mode (recovery: `CommitLog._lost_below_checkpoint`)."""
 
     def pread(at: int, size: int) -> bytes:
         offset = at - base + SEGMENT_HEADER_SIZE
@@ -311,9 +325,12 @@ def _bad_record(report: CheckReport, path: Path, data: bytes, base: int, positio
                                f"({resume - position} bytes): {reason}; {after}. A restart quarantines them "
                                "(skips and reports them), it does not cut anything after them")
         return resume
+    if is_last and checkpoint is not None and position < checkpoint:
+        return None  # the log's end is below the checkpoint: `_check_log` reports it, once
     if is_last:
         report.repairs.append(f"{path}: torn tail at position {position} ({end - position} bytes): {reason}; no valid "
-                              "record follows, so nothing acknowledged is in it. A restart truncates it")
+                              "record follows, so nothing fsynced is in it (with flush = \"sync\", nothing "
+                              "acknowledged). A restart truncates it")
         return None
     else:
         report.problems.append(f"{path}: damaged bytes at positions [{position}, {end}) to the segment's end: {reason}")

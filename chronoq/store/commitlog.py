@@ -14,9 +14,13 @@ Theory of operation:
   than `run_in_executor`'s concurrent.futures round trip (this machine wakes threads slowly).
 - Before rolling, the old segment is fsynced, so only the last segment can hold a torn tail.
   `open()` scans the last segment from the checkpoint (or its start); at a record that fails its
-  checks it asks `store/damage.py` whether that is a torn tail (truncated: nothing acknowledged
-  is in it) or damage (quarantined: the bad bytes are skipped and reported, every valid record
-  after them is kept). Damage found later, by a scan or a read, is quarantined the same way.
+  checks it asks `store/damage.py` whether that is a torn tail (truncated: nothing fsynced is in
+  it) or damage (quarantined: the bad bytes are skipped and reported, every valid record after
+  them is kept). The checkpoint is never past the fsynced end (version 2); after a version-1
+  one, which `flush = "async"` could write past it, the walk starts at the segment's start. A
+  torn tail below the checkpoint is cut too, and said out loud: it held acknowledged records
+  (`_lost_below_checkpoint`). Damage found later, by a scan or a read, is quarantined the same
+  way.
   A segment whose header is damaged is read by the base its name gives; only a broken chain (a
   segment missing or misnamed) refuses to open (`LogDamaged`).
 - `on_durable(end)` lets the broker dispatch what is now durable: visibility follows durability.
@@ -149,6 +153,11 @@ class RecoveryReport:
     """Quarantined ranges found in the last segment (kept, not truncated)."""
     damaged_headers: list[str] = field(default_factory=list)
     """Segments whose header failed its checks; read by the base their name gives."""
+    lost_below_checkpoint: int = 0
+    """Bytes below the checkpoint the log no longer holds (its records end there): records the
+    consume queues were given, so acknowledged. With flush = "async", a power loss's price."""
+    checkpoint_past_end: int | None = None
+    """The checkpoint those bytes were lost below, when `lost_below_checkpoint` is set."""
 
 
 class CommitLog:
@@ -189,12 +198,16 @@ class CommitLog:
 
     @classmethod
     def open(cls, directory: Path, *, segment_size_bytes: int, flush: str = "sync",
-             flush_interval_ms: int = 200, scan_from: int = 0, disk: DiskSpace | None = None,
-             dispatch_retry_ms: int = 1000) -> tuple[CommitLog, RecoveryReport]:
+             flush_interval_ms: int = 200, scan_from: int = 0, verify_below: bool = False,
+             disk: DiskSpace | None = None, dispatch_retry_ms: int = 1000) -> tuple[CommitLog, RecoveryReport]:
+        """Open and recover the log. `scan_from`: the checkpoint (0: none), a record boundary
+        the log durably holds, where the walk of the last segment starts; `verify_below`: the
+        checkpoint may be past the fsynced end (version 1), so the walk starts at the segment's
+        start instead."""
         fsync.make_dirs(directory)
         log = cls(directory, segment_size_bytes=segment_size_bytes, flush=flush,
                   flush_interval_ms=flush_interval_ms, disk=disk, dispatch_retry_ms=dispatch_retry_ms)
-        report = log._load(scan_from)
+        report = log._load(scan_from, verify_below)
         # Records a crashed run wrote but never fsynced (their senders were never acknowledged)
         # are still in the page cache: made durable here, before recovery dispatches them to
         # consumers, so a power loss cannot take back what a consumer has seen. Only the last
@@ -209,7 +222,7 @@ class CommitLog:
         log._flushed = log._visible = log.end_position
         return log, report
 
-    def _load(self, scan_from: int) -> RecoveryReport:
+    def _load(self, scan_from: int, verify_below: bool) -> RecoveryReport:
         report = RecoveryReport()
         names = sorted(
             (base, name) for name in os.listdir(self.directory)
@@ -244,42 +257,85 @@ class CommitLog:
         if not self._segments:
             self._new_segment(0)
             return report
-        self._recover_tail(scan_from, report)
+        self._recover_tail(scan_from, report, verify_below=verify_below)
         for seg in self._segments:
             seg.opened_size = seg.data_size  # after the tail's truncation
         return report
 
-    def _recover_tail(self, scan_from: int, report: RecoveryReport) -> None:
-        """Walk the last segment from `scan_from`: quarantine damage, truncate a torn tail."""
+    def _recover_tail(self, scan_from: int, report: RecoveryReport, *, verify_below: bool) -> None:
+        """Walk the last segment from `scan_from` (the checkpoint): quarantine damage, truncate a
+        torn tail. With `verify_below` (a version-1 checkpoint, which flush = "async" could write
+        past the fsynced end) the walk starts at the segment's start, so a torn tail below the
+        checkpoint is found; so it does when the segment ends before it. Such a loss is reported
+        (`_lost_below_checkpoint`)."""
         seg = self._segments[-1]
-        position = scan_from if seg.base <= scan_from <= seg.end else seg.base
+        position = scan_from if seg.base <= scan_from <= seg.end and not verify_below else seg.base
         while True:
-            bad: tuple[int, str] | None = None
-            for frame_position, size, err in self._frames(seg, position):
-                if err is not None:
-                    bad = (frame_position, err)
-                    break
-                position = frame_position + size
+            bad = self._first_bad(seg, position)
             if bad is None:
+                if seg.end < scan_from:
+                    self._lost_below_checkpoint(seg, seg.end, scan_from, "the segment ends there",
+                                                report, legacy=verify_below)
                 return
-            bad_position, reason = bad
-            verdict, resume = classify(self._pread(seg), check_frame, bad_position, seg.end)
+            verdict, resume = classify(self._pread(seg), check_frame, bad[0], seg.end)
             if verdict == DAMAGED:
-                damage = Damage(bad_position, resume, reason, str(seg.path))
+                damage = Damage(bad[0], resume, bad[1], str(seg.path))
                 self.damage.add(damage)
                 report.damaged.append(damage)
                 log.error("commit log: quarantined damaged bytes [%d, %d) in %s (%s); the %s after them are kept",
-                          damage.start, damage.end, seg.path, reason,
+                          damage.start, damage.end, seg.path, bad[1],
                           "records" if resume < seg.end else "bytes")
                 position = resume
                 continue
-            report.truncated_at = bad_position
-            report.reason = reason
-            report.truncated_bytes = seg.end - bad_position
-            os.ftruncate(seg.fd, bad_position - seg.base + SEGMENT_HEADER_SIZE)
-            fsync.fsync(seg.fd, seg.path)
-            seg.data_size = bad_position - seg.base
+            if bad[0] < scan_from:
+                self._lost_below_checkpoint(seg, bad[0], scan_from, bad[1], report, legacy=verify_below)
+            self._truncate_tail(seg, bad[0], bad[1], report)
             return
+
+    def _first_bad(self, seg: Segment, start: int) -> tuple[int, str] | None:
+        """(position, reason) of the first record of `seg` from `start` that fails its checks."""
+        for frame_position, _size, err in self._frames(seg, start):
+            if err is not None:
+                return frame_position, err
+        return None
+
+    def _truncate_tail(self, seg: Segment, at: int, reason: str, report: RecoveryReport) -> None:
+        report.truncated_at = at
+        report.reason = reason
+        report.truncated_bytes = seg.end - at
+        if self.flush_mode == "async":
+            # Said out loud: with "async" a cut tail may hold records acknowledged before their
+            # fsync (the option's price after a power loss); with "sync" it holds none.
+            log.warning("commit log: torn tail of %d bytes cut at position %d in %s (%s); with flush = \"async\" "
+                        "it may hold records acknowledged before their fsync", seg.end - at, at, seg.path, reason)
+        else:
+            log.info("commit log: torn tail of %d bytes cut at position %d in %s (%s); nothing in it was "
+                     "acknowledged", seg.end - at, at, seg.path, reason)
+        os.ftruncate(seg.fd, at - seg.base + SEGMENT_HEADER_SIZE)
+        fsync.fsync(seg.fd, seg.path)
+        seg.data_size = at - seg.base
+
+    def _lost_below_checkpoint(self, seg: Segment, at: int, checkpoint: int, reason: str,
+                               report: RecoveryReport, *, legacy: bool) -> None:
+        """Say that the log's records end at `at`, below the checkpoint: `checkpoint - at` bytes
+        of records that were dispatched, so visible and acknowledged in either flush mode, are
+        gone (a torn tail there is still cut: nothing valid follows it, so cutting it loses
+        nothing more, and new records must not follow garbage). With `flush = "async"` and a
+        version-1 checkpoint, which could be past the fsynced end, that is the option's
+        documented price after a power loss: a warning. Otherwise those records were fsynced
+        before anyone saw them, so the disk lost them: an error. Either way the store drops
+        their consume-queue entries, the timer index (covering positions past the end) is
+        rebuilt, and `chronoq check` calls it a problem."""
+        report.lost_below_checkpoint = checkpoint - at
+        report.checkpoint_past_end = checkpoint
+        if self.flush_mode == "async" and legacy:
+            log.warning("commit log: %s ends its records at %d (%s), below the checkpoint %d: a power loss took "
+                        "%d bytes of records acknowledged before their fsync (flush = \"async\"); they are gone",
+                        seg.path, at, reason, checkpoint, checkpoint - at)
+        else:
+            log.error("commit log: %s ends its records at %d (%s), below the checkpoint %d: %d bytes of records "
+                      "fsynced and acknowledged are gone: the disk lost them",
+                      seg.path, at, reason, checkpoint, checkpoint - at)
 
     @staticmethod
     def _pread(seg: Segment) -> Callable[[int, int], bytes]:

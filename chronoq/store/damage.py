@@ -15,8 +15,10 @@ The rules (`classify`):
   acknowledged. It is quarantined and reported, not silently cut; any bytes after it are a torn
   tail.
 - nothing valid follows and the record is incomplete (runs past the end of the file, or its
-  header is not a header): a torn tail. Recovery truncates it; that loses nothing acknowledged,
-  because a send is acknowledged only after an fsync that covered the whole record.
+  header is not a header): a torn tail. Recovery truncates it; with `flush = "sync"` that loses
+  nothing acknowledged, because a send is acknowledged only after an fsync that covered the
+  whole record (with "async", what a power loss took before its fsync: the option's price). A
+  torn tail below the checkpoint held acknowledged records: `CommitLog._lost_below_checkpoint`.
 
 A quarantined range costs the records inside it and nothing else: every reader steps over it,
 `stats` and `chronoq check` report it, consume queues get a hole entry (size 0) at each queue
@@ -142,8 +144,14 @@ class DamageRegistry:
         self._by_start[damage.start] = damage
         return True
 
-    def known(self, start: int) -> Damage | None:
-        return self._by_start.get(start)
+    def known(self, position: int) -> Damage | None:
+        """The range that holds `position`, if one is known. Not only one that starts there: a
+        queue entry can point inside a range (a zeroed run of several records), and a search
+        from there found a second, overlapping range for each record, each logged as new."""
+        found = self._by_start.get(position)
+        if found is not None:
+            return found
+        return next((d for d in self._by_start.values() if d.start <= position < d.end), None)
 
     def ranges(self) -> list[Damage]:
         return sorted(self._by_start.values(), key=lambda d: d.start)

@@ -7,9 +7,11 @@ records: appends their consume-queue entries and hands them to the dispatch list
 engine, long-polling receivers). So nothing is visible to a consumer before it is durable.
 
 Recovery (`open`) in order: lock the directory; read the topic table; open the log, truncating a
-torn tail and quarantining damage (`store/damage.py`); load each consume queue, dropping entries
-past the log's end and marking damaged ones for rebuild; replay the log from the checkpoint's
-dispatched position (idempotent: an entry is appended only where the queue is missing it);
+torn tail and quarantining damage (`store/damage.py`; a tail lost below the checkpoint, as a power
+loss under `flush = "async"` leaves it, is cut and reported); load each consume queue, dropping
+entries past the log's end (counted and logged) and marking damaged ones for rebuild; replay the
+log from the checkpoint's dispatched position (idempotent: an entry is appended only where the
+queue is missing it);
 rebuild damaged queues from the whole log. A queue offset whose record was lost to damage gets a
 *hole* entry (size 0) so the queue stays dense and readers step over it.
 The store knows nothing of consumers or timers: listeners and the broker own those meanings.
@@ -28,7 +30,8 @@ space returns. A checkpoint that finds no space raises `DiskFull` and leaves the
 Recovery writes nothing that needs space: its checkpoint, or a topic table it had to rebuild,
 waits for a later checkpoint when the disk is full.
 
-A checkpoint (the dispatched position, once every consume-queue write below it is fsynced) runs
+A checkpoint (the dispatched position, once every consume-queue write below it is fsynced, and
+never past the log's fsynced end, which `flush = "async"` dispatch runs ahead of) runs
 on the caller's thread at open, close and before retention deletes, and on the store's own
 worker thread for the broker's periodic tick (`checkpoint_in_background`), so the loop does not
 wait out its fsyncs: what it covers is decided on the loop first, and the next checkpoint, or
@@ -73,7 +76,14 @@ from chronoq.store import files, fsync
 from chronoq.store.commitlog import CommitLog, RecoveryReport, Segment
 from chronoq.store.consumequeue import ConsumeQueue, TakenFlush, tag_hash
 from chronoq.store.diskspace import DiskSpace, is_disk_full
-from chronoq.store.meta import decode_topics, encode_checkpoint, encode_topics, read_checkpoint, write_atomic
+from chronoq.store.meta import (
+    CHECKPOINT_VERSION,
+    decode_topics,
+    encode_checkpoint,
+    encode_topics,
+    read_checkpoint_versioned,
+    write_atomic,
+)
 from chronoq.store.record import encode_record
 
 DispatchListener = Callable[[list[StoredMessage]], None]
@@ -249,11 +259,13 @@ class MessageStore:
 
     def _recover(self) -> OpenReport:
         topics_damaged = self._load_topics()
-        checkpoint = read_checkpoint(self.dir / files.CHECKPOINT)
+        found = read_checkpoint_versioned(self.dir / files.CHECKPOINT)
+        checkpoint = None if found is None else found[0]
         self.log, log_report = CommitLog.open(
             self.dir / files.COMMITLOG_DIR, segment_size_bytes=self.config.segment_size_bytes,
             flush=self.config.flush, flush_interval_ms=self.config.flush_interval_ms,
-            scan_from=checkpoint or 0, disk=self.disk, dispatch_retry_ms=self.config.disk_full_retry_ms,
+            scan_from=checkpoint or 0, verify_below=found is not None and found[1] < CHECKPOINT_VERSION,
+            disk=self.disk, dispatch_retry_ms=self.config.disk_full_retry_ms,
         )
         report = OpenReport(log=log_report, checkpoint=checkpoint, topics_damaged=topics_damaged)
         damaged: set[tuple[str, int]] = set()
@@ -273,6 +285,14 @@ class MessageStore:
                         cq = ConsumeQueue(cq.directory, self.config.consume_queue_entries_per_file)
                         damaged.add(key)
                     self._cqs[key] = cq
+        if report.truncated_cq_entries:
+            # Queue entries are written only for dispatched records, so acknowledged ones: with
+            # flush = "async", what a power loss took before their fsync (those whose entries had
+            # reached a durable queue file: a lower bound); with "sync", what the disk lost. The
+            # timer index, ahead of the log's end too, is rebuilt by its owner.
+            log.warning("recovery: %d consume-queue entries pointed past the commit log's end %d and were dropped: "
+                        "acknowledged messages the log no longer holds", report.truncated_cq_entries,
+                        self.log.end_position)
         for topic in self.topics.values():
             for qid in range(topic.queue_count):
                 key = (topic.name, qid)
@@ -669,7 +689,11 @@ class MessageStore:
         """On the loop: the position a checkpoint records and the fsyncs that must precede it."""
         if self.log.failure is not None:
             raise FlushFailed(self.log.failure)
-        position = self.dispatched_position
+        # Never past the log's fsynced end: with flush = "async" records are dispatched once
+        # written, and a checkpoint past the fsynced end would point into what a power loss can
+        # zero, where recovery's walk from the checkpoint could not see the loss. (With "sync",
+        # dispatch follows the fsync and this is the dispatched position.)
+        position = min(self.dispatched_position, self.log.flushed_position)
         try:
             if self._topics_unsaved:
                 self._save_topics()

@@ -5,7 +5,8 @@ over the old one, fsync the directory), so a crash leaves the old or the new ver
 mix. Each carries magic, version and a CRC32C; `read_*` names which check failed.
 
 The checkpoint's meaning: every consume queue holds every record below its dispatched_position,
-durably. Both layouts: `docs/disk-format.md` ("Checkpoint", "Topic table"), their one description.
+durably, and (version 2) so does the commit log: it is never past the log's fsynced end. Both
+layouts: `docs/disk-format.md` ("Checkpoint", "Topic table"), their one description.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from chronoq.model import MessageType, TopicConfig
 from chronoq.store import fsync
 
 CHECKPOINT_MAGIC = b"CQCKPT01"
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2
+CHECKPOINT_VERSIONS_READ = (1, 2)
+"""Version 1 has the same layout; only its promise is weaker (see `decode_checkpoint_versioned`)."""
 CHECKPOINT_SIZE = 32
 TOPICS_MAGIC = b"CQTP"
 TOPICS_VERSION = 1
@@ -52,29 +55,42 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 def encode_checkpoint(dispatched_position: int, written_ms: int) -> bytes:
+    """A version-2 checkpoint: `dispatched_position` must not be past the log's fsynced end."""
     head = struct.pack(">8sIIQ", CHECKPOINT_MAGIC, CHECKPOINT_VERSION, 0, dispatched_position)
     head += struct.pack(">I", written_ms // 1000 & 0xFFFFFFFF)  # seconds: enough for a human
     return head + struct.pack(">I", crc32c.crc32c(head))
 
 
 def decode_checkpoint(buf: bytes) -> int:
+    return decode_checkpoint_versioned(buf)[0]
+
+
+def decode_checkpoint_versioned(buf: bytes) -> tuple[int, int]:
+    """(dispatched_position, version). Version 1 (same layout) was written by brokers that, with
+    flush = "async", could record a position past the log's fsynced end; version 2 never does."""
     if len(buf) != CHECKPOINT_SIZE:
         raise CorruptRecord(f"checkpoint is {len(buf)} bytes, expected {CHECKPOINT_SIZE}")
     magic, version, _reserved, position = struct.unpack_from(">8sIIQ", buf)
     if magic != CHECKPOINT_MAGIC:
         raise CorruptRecord(f"bad checkpoint magic {magic!r}")
-    if version != CHECKPOINT_VERSION:
+    if version not in CHECKPOINT_VERSIONS_READ:
         raise CorruptRecord(f"unknown checkpoint version {version}")
     (crc,) = struct.unpack_from(">I", buf, 28)
     if crc32c.crc32c(buf[:28]) != crc:
         raise CorruptRecord("checkpoint CRC32C mismatch")
-    return int(position)
+    return int(position), int(version)
 
 
 def read_checkpoint(path: Path) -> int | None:
     """The dispatched position, or None if missing or invalid (then dispatch replays from 0)."""
+    found = read_checkpoint_versioned(path)
+    return None if found is None else found[0]
+
+
+def read_checkpoint_versioned(path: Path) -> tuple[int, int] | None:
+    """(dispatched position, version), or None if missing or invalid."""
     try:
-        return decode_checkpoint(path.read_bytes())
+        return decode_checkpoint_versioned(path.read_bytes())
     except (FileNotFoundError, CorruptRecord):
         return None
 

@@ -67,7 +67,7 @@ def test_sizes_the_layouts_state() -> None:
     assert (record.RECORD_MAGIC, record.RECORD_VERSION) == (0xC4A0, 1)
     assert (commitlog.SEGMENT_MAGIC, commitlog.SEGMENT_VERSION) == (b"CHRONOQL", 1)
     assert (consumequeue.CQ_MAGIC, consumequeue.CQ_VERSION) == (b"CHRONOQQ", 1)
-    assert (meta.CHECKPOINT_MAGIC, meta.CHECKPOINT_VERSION) == (b"CQCKPT01", 1)
+    assert (meta.CHECKPOINT_MAGIC, meta.CHECKPOINT_VERSION, meta.CHECKPOINT_VERSIONS_READ) == (b"CQCKPT01", 2, (1, 2))
     assert (meta.TOPICS_MAGIC, meta.TOPICS_VERSION) == (b"CQTP", 1)
     assert groups.GROUPS_FORMAT_VERSION == groups.HANDLE_VERSION == 1
     assert files.segment_name(4096) == "00000000000000004096.log"
@@ -80,7 +80,7 @@ DOC_STATES = [  # (what docs/disk-format.md says, with the size as group 1; the 
     (r"Version 1, (\d+)-byte fixed header", record.HEADER_SIZE),
     (r"Header, version 1, (\d+) bytes: magic `b\"CHRONOQQ\"`", consumequeue.CQ_HEADER_SIZE),
     (r"Entry, (\d+) bytes:", consumequeue.ENTRY_SIZE),
-    (r"(\d+) bytes, version 1, rewritten atomically", meta.CHECKPOINT_SIZE),
+    (r"(\d+) bytes, version 2, rewritten atomically", meta.CHECKPOINT_SIZE),
     (r"Header (\d+) bytes: magic `b\"CQTP\"`", meta.TOPICS_HEADER_SIZE),
     (r"In-flight value, (\d+) bytes:", groups._INFLIGHT.size),
     (r"crc32c u32 of the first 17 bytes \((\d+) bytes\)", groups._HANDLE.size + 4),
@@ -216,8 +216,14 @@ def test_headers_property(first: int) -> None:
 def test_checkpoint() -> None:
     blob = meta.encode_checkpoint(987_654_321, 1_700_000_123_456)
     assert blob[:8] == b"CQCKPT01"
-    assert struct.unpack(">IIQI", blob[8:28]) == (1, 0, 987_654_321, 1_700_000_123)
+    assert struct.unpack(">IIQI", blob[8:28]) == (2, 0, 987_654_321, 1_700_000_123)
     assert meta.decode_checkpoint(blob) == 987_654_321
+    assert meta.decode_checkpoint_versioned(blob) == (987_654_321, 2)
+    head = blob[:8] + struct.pack(">I", 1) + blob[12:28]  # version 1: the same layout, still read
+    assert meta.decode_checkpoint_versioned(head + struct.pack(">I", crc32c.crc32c(head))) == (987_654_321, 1)
+    head = blob[:8] + struct.pack(">I", 3) + blob[12:28]
+    with pytest.raises(CorruptRecord, match="unknown checkpoint version 3"):
+        meta.decode_checkpoint(head + struct.pack(">I", crc32c.crc32c(head)))
     with pytest.raises(CorruptRecord, match="32"):
         meta.decode_checkpoint(blob + b"\x00")  # the file is exactly one checkpoint
     assert_prefixes_raise(meta.decode_checkpoint, blob, CorruptRecord)
