@@ -98,6 +98,14 @@ class Config:
     default_queue_count: int = limit(4)
     max_queue_count: int = limit(256)
     consume_queue_entries_per_file: int = limit(300_000)
+    max_open_queue_files: int = limit(256)
+    """Consume-queue files held open at once, over all queues (least recently used closed first,
+    fdatasynced first if written since the last checkpoint): the store's descriptors stay
+    bounded whatever the number of topics and queues. A checkpoint syncs duplicates of the dirty
+    ones on its thread, so consume queues use up to twice this many descriptors: keep that well
+    under `ulimit -n` (the default fits a soft limit of 1,024 with room for the log, RocksDB and
+    connections). A broker that writes to more queues than this per checkpoint interval pays an
+    fsync per eviction: raise both."""
     checkpoint_interval_ms: int = limit(1000)
     max_delivery_attempts: int = limit(16)
     default_invisible_duration_ms: int = limit(30 * SECOND_MS)

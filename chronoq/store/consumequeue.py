@@ -6,7 +6,15 @@ entry per durable record; entry i describes the record with queue offset i. File
 arithmetic (a binary search over first offsets when files written under another setting hold
 other counts) and retention drops whole files from the front. Entries carry their own CRC32C so a
 torn or flipped entry is found by `load`; the caller (recovery) then re-dispatches from the commit
-log. Reads go through `os.pread` on the page cache; nothing is held in memory but file handles.
+log. Reads go through `os.pread` on the page cache; nothing is held in memory but file handles,
+and not all of those: a broker may have tens of thousands of queues, one file each at least, so
+the files are opened on first use and the least recently used is closed once the store's
+`OpenFiles` holds `max_open_queue_files` (before, every queue file stayed open: a topic of
+65,000 queues ran out of descriptors at its creation). A file closed while it holds entries no
+fsync has covered is fdatasynced first, on the calling thread, so a checkpoint never covers
+entries written through a descriptor it can no longer sync; a checkpoint syncs duplicates of
+the dirty files' descriptors (`take_dirty`), so closing the originals meanwhile is safe; while
+it runs, consume queues hold up to twice the limit.
 A write that runs out of space (a short `pwrite`, ENOSPC at a new file) is undone: the file is
 cut back to its last whole entry, a half-made file removed, and the OSError (ENOSPC) raised; the
 dispatcher tries again later, and `append_many` skips entries an earlier try already wrote.
@@ -21,12 +29,14 @@ import bisect
 import errno
 import os
 import struct
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import crc32c
 
-from chronoq.errors import CorruptRecord
+from chronoq.errors import CorruptRecord, FsyncFailed
 from chronoq.store import files, fsync
 
 CQ_MAGIC = b"CHRONOQQ"
@@ -101,12 +111,86 @@ def decode_cq_header(buf: bytes) -> int:
     return int(first)
 
 
-@dataclass
+@dataclass(eq=False)  # by identity: a key of `OpenFiles`
 class CQFile:
     first_offset: int
     path: Path
     fd: int
+    """-1 while closed (`OpenFiles` opens it on first use)."""
     count: int
+    dirty: bool = False
+    """Written since the last `take_dirty` (or eviction): such a file is open, always."""
+
+
+DEFAULT_MAX_OPEN_FILES = 256
+
+
+class OpenFiles:
+    """The consume-queue files held open, shared by a store's queues: at most `limit`, the least
+    recently used closed first. Only the event loop's thread uses it (appends, reads, retention,
+    checkpoints' `take_dirty`); the checkpoint thread syncs duplicated descriptors, never these.
+
+    Closing a dirty file fdatasyncs it first, on the calling thread: its entries are then durable
+    and its `dirty` flag cleared, so the next checkpoint, which syncs only open dirty files, still
+    covers everything below its position. That costs an fsync per eviction only when more than
+    `limit` queues are written within one checkpoint interval; raise the limit (and `ulimit -n`)
+    for such a broker. An fsync error there calls `on_fsync_failed` (the store fails for good)
+    and is raised."""
+
+    def __init__(self, limit: int = DEFAULT_MAX_OPEN_FILES) -> None:
+        if limit < 1:
+            raise ValueError(f"OpenFiles needs a limit of at least 1, not {limit}")
+        self.limit = limit
+        self._open: OrderedDict[CQFile, None] = OrderedDict()
+        self.evictions = 0
+        self.evicted_dirty = 0
+        self.on_fsync_failed: Callable[[str], None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def fd(self, f: CQFile) -> int:
+        """`f`'s descriptor, opening it (and closing the least recently used) if need be."""
+        if f.fd >= 0:
+            self._open.move_to_end(f)
+            return f.fd
+        self._make_room()
+        f.fd = os.open(f.path, os.O_RDWR)
+        self._open[f] = None
+        return f.fd
+
+    def add(self, f: CQFile) -> None:
+        """Count `f`, just created with its descriptor open."""
+        self._open[f] = None
+        self._make_room(keep=f)
+
+    def forget(self, f: CQFile) -> None:
+        """Close `f` for good (retention removed it, or its queue is closed): no sync here, the
+        caller decides (a failed store must not fsync again)."""
+        self._open.pop(f, None)
+        if f.fd >= 0:
+            fd, f.fd = f.fd, -1
+            os.close(fd)
+
+    def _make_room(self, keep: CQFile | None = None) -> None:
+        while len(self._open) >= self.limit + (keep is not None):
+            victim = next(iter(self._open))
+            if victim is keep:
+                return
+            del self._open[victim]
+            self.evictions += 1
+            fd, victim.fd = victim.fd, -1
+            try:
+                if victim.dirty:
+                    self.evicted_dirty += 1
+                    fsync.fdatasync(fd, victim.path)
+                    victim.dirty = False
+            except FsyncFailed as e:
+                if self.on_fsync_failed is not None:
+                    self.on_fsync_failed(e.message)
+                raise
+            finally:
+                os.close(fd)
 
 
 @dataclass
@@ -118,19 +202,20 @@ class LoadReport:
 
 
 class ConsumeQueue:
-    def __init__(self, directory: Path, entries_per_file: int) -> None:
+    def __init__(self, directory: Path, entries_per_file: int, open_files: OpenFiles | None = None) -> None:
         self.directory = directory
         self.entries_per_file = entries_per_file
+        self.open_files = open_files if open_files is not None else OpenFiles()
+        """Shared by the store's queues: what bounds their open descriptors."""
         self._files: list[CQFile] = []
-        self._dirty: set[int] = set()
         self._dir_dirty = False
         """A file was created in or removed from `directory` since the last `flush`."""
         self._empty_next_offset = 0
 
     @classmethod
-    def open(cls, directory: Path, entries_per_file: int, *, log_start: int, log_end: int) -> tuple[
-            ConsumeQueue, LoadReport]:
-        cq = cls(directory, entries_per_file)
+    def open(cls, directory: Path, entries_per_file: int, *, log_start: int, log_end: int,
+             open_files: OpenFiles | None = None) -> tuple[ConsumeQueue, LoadReport]:
+        cq = cls(directory, entries_per_file, open_files)
         report = cq._load(log_start, log_end)
         return cq, report
 
@@ -179,10 +264,9 @@ class ConsumeQueue:
                     report.damaged = f"{name}: entry {count} is beyond the log's end"
                     return report
                 report.truncated_entries += whole - count
-            fd = os.open(path, os.O_RDWR)
             if len(body) != count * ENTRY_SIZE:
-                os.ftruncate(fd, CQ_HEADER_SIZE + count * ENTRY_SIZE)
-            self._files.append(CQFile(first, path, fd, count))
+                os.truncate(path, CQ_HEADER_SIZE + count * ENTRY_SIZE)
+            self._files.append(CQFile(first, path, -1, count))  # opened on first use
         del log_start  # entries below the log's start are expired, not damaged
         return report
 
@@ -224,7 +308,6 @@ class ConsumeQueue:
             f = self._new_file(offset)
         self._write_entries(f, encode_entry(position, size, tag_hash_value))
         f.count += 1
-        self._dirty.add(f.fd)
         return offset
 
     def append_many(self, entries: list[tuple[int, int, int]], first_offset: int | None = None) -> None:
@@ -241,20 +324,21 @@ class ConsumeQueue:
             blob = b"".join([encode_entry(p, s, t) for p, s, t in entries[i:i + take]])
             self._write_entries(f, blob)
             f.count += take
-            self._dirty.add(f.fd)
             i += take
 
     def _write_entries(self, f: CQFile, blob: bytes) -> None:
         """Write whole entries after the last one of `f`, or none (cut back, ENOSPC raised)."""
         end = CQ_HEADER_SIZE + f.count * ENTRY_SIZE
+        fd = self.open_files.fd(f)
+        f.dirty = True  # before the write: a part-written file must be synced before it is closed
         try:
-            n = os.pwrite(f.fd, blob, end)
+            n = os.pwrite(fd, blob, end)
         except OSError as e:
             if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
             n = -1
         if n != len(blob):  # short: the disk is full; a part-entry must not stay at the end
-            os.ftruncate(f.fd, end)
+            os.ftruncate(fd, end)
             raise OSError(errno.ENOSPC, f"consume-queue append of {len(blob)} bytes to {f.path} ran out of space")
 
     def _new_file(self, first_offset: int) -> CQFile:
@@ -277,10 +361,10 @@ class ConsumeQueue:
                 os.close(fd)
             tmp.unlink(missing_ok=True)  # a full disk leaves no half-made queue file behind
             raise
-        self._dirty.add(fd)
         self._dir_dirty = True
-        f = CQFile(first_offset, path, fd, 0)
+        f = CQFile(first_offset, path, fd, 0, dirty=True)
         self._files.append(f)
+        self.open_files.add(f)
         return f
 
     def flush(self) -> None:
@@ -297,15 +381,16 @@ class ConsumeQueue:
         closes the file meanwhile, and the directory if it changed; all counted clean from now.
         A taker whose sync fails must fail the store for good, as a failed `flush` does (the
         next checkpoint would otherwise cover entries no fsync made durable)."""
-        paths = {f.fd: f.path for f in self._files}
         taken = TakenFlush([], self.directory if self._dir_dirty else None)
+        dirty = [f for f in self._files if f.dirty]  # open, all of them (`OpenFiles` syncs before it closes)
         try:
-            for fd in self._dirty:
-                taken.files.append((os.dup(fd), paths.get(fd, self.directory)))
+            for f in dirty:
+                taken.files.append((os.dup(f.fd), f.path))
         except BaseException:
             taken.close()
             raise
-        self._dirty.clear()
+        for f in dirty:
+            f.dirty = False
         self._dir_dirty = False
         return taken
 
@@ -328,7 +413,7 @@ class ConsumeQueue:
         f = self._file_for(offset)
         if f is None:
             return None
-        buf = os.pread(f.fd, ENTRY_SIZE, CQ_HEADER_SIZE + (offset - f.first_offset) * ENTRY_SIZE)
+        buf = os.pread(self.open_files.fd(f), ENTRY_SIZE, CQ_HEADER_SIZE + (offset - f.first_offset) * ENTRY_SIZE)
         return decode_entry(buf)
 
     def read_range(self, offset: int, max_entries: int) -> list[tuple[int, int, int, int]]:
@@ -338,7 +423,7 @@ class ConsumeQueue:
         if f is None:
             return []
         n = min(max_entries, f.first_offset + f.count - offset)
-        buf = os.pread(f.fd, n * ENTRY_SIZE, CQ_HEADER_SIZE + (offset - f.first_offset) * ENTRY_SIZE)
+        buf = os.pread(self.open_files.fd(f), n * ENTRY_SIZE, CQ_HEADER_SIZE + (offset - f.first_offset) * ENTRY_SIZE)
         out = []
         for j in range(len(buf) // ENTRY_SIZE):
             position, size, th = decode_entry(buf, j * ENTRY_SIZE)
@@ -355,8 +440,7 @@ class ConsumeQueue:
             if last_entry is None or last_entry[0] >= log_start:
                 break
             f = self._files.pop(0)
-            os.close(f.fd)
-            self._dirty.discard(f.fd)
+            self.open_files.forget(f)  # entries wholly below the log's start: nothing to sync
             f.path.unlink()
             self._dir_dirty = True
             removed += 1
@@ -377,8 +461,8 @@ class ConsumeQueue:
                 self.flush()
         finally:
             for f in self._files:
-                os.close(f.fd)
-            self._dirty.clear()
+                self.open_files.forget(f)
+                f.dirty = False
             self._files = []
 
 

@@ -51,6 +51,7 @@ import fcntl
 import itertools
 import logging
 import os
+import resource
 import shutil
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping
@@ -74,7 +75,7 @@ from chronoq.errors import (
 from chronoq.model import MessageType, StoredMessage, TopicConfig
 from chronoq.store import files, fsync
 from chronoq.store.commitlog import CommitLog, RecoveryReport, Segment
-from chronoq.store.consumequeue import ConsumeQueue, TakenFlush, tag_hash
+from chronoq.store.consumequeue import ConsumeQueue, OpenFiles, TakenFlush, tag_hash
 from chronoq.store.diskspace import DiskSpace, is_disk_full
 from chronoq.store.meta import (
     CHECKPOINT_VERSION,
@@ -103,6 +104,17 @@ on the event loop under load (the delivery-error tail). Building the StoredMessa
 hit costs ~1 µs, and gives the caller its own copy."""
 _CACHED_SIZE = 13
 """The index of `size` in a `_CachedRecord`."""
+
+
+def _warn_if_queue_files_exceed_the_fd_limit(max_open_queue_files: int) -> None:
+    """Consume queues may hold twice `max_open_queue_files` descriptors (a checkpoint syncs
+    duplicates); past half the process's soft RLIMIT_NOFILE that leaves too little for the log,
+    RocksDB and connections. Said at open, not refused: the limit is the environment's."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and 2 * max_open_queue_files > soft // 2:
+        log.warning("max_open_queue_files = %d: consume queues may hold %d descriptors, more than half the "
+                    "process's open-file limit (ulimit -n) %d; lower it or raise the limit",
+                    max_open_queue_files, 2 * max_open_queue_files, soft)
 
 
 async def _finished(job: Future[None]) -> None:
@@ -190,6 +202,10 @@ class MessageStore:
         self.dir = config.data_dir
         self.topics: dict[str, TopicConfig] = {}
         self._cqs: dict[tuple[str, int], ConsumeQueue] = {}
+        self.queue_files = OpenFiles(config.max_open_queue_files)
+        """Every consume queue's open files, at most `max_open_queue_files` (least recently used
+        closed first): the store's descriptors do not grow with the number of queues."""
+        self.queue_files.on_fsync_failed = lambda reason: self.log.fail(reason)
         self._next_qoff: dict[tuple[str, int], int] = {}
         self._round_robin: dict[str, itertools.count[int]] = {}
         self._undispatched: deque[StoredMessage] = deque()
@@ -228,6 +244,7 @@ class MessageStore:
         leave it out."""
         store = cls(config)
         store.first_seen_ms = opened_ms
+        _warn_if_queue_files_exceed_the_fd_limit(config.max_open_queue_files)
         fsync.make_dirs(store.dir)
         store._lock()
         try:
@@ -278,11 +295,12 @@ class MessageStore:
                     key = (topic, int(qid_name))
                     cq, cq_report = ConsumeQueue.open(
                         queues_root / topic / qid_name, self.config.consume_queue_entries_per_file,
-                        log_start=self.log.start_position, log_end=self.log.end_position)
+                        log_start=self.log.start_position, log_end=self.log.end_position,
+                        open_files=self.queue_files)
                     report.truncated_cq_entries += cq_report.truncated_entries
                     if cq_report.damaged:
                         cq.destroy()
-                        cq = ConsumeQueue(cq.directory, self.config.consume_queue_entries_per_file)
+                        cq = ConsumeQueue(cq.directory, self.config.consume_queue_entries_per_file, self.queue_files)
                         damaged.add(key)
                     self._cqs[key] = cq
         if report.truncated_cq_entries:
@@ -314,7 +332,8 @@ class MessageStore:
                 # Entries are missing below the checkpoint (a deleted or damaged queue, or records
                 # expired before the queue was first written): rebuild it from the whole log.
                 cq.destroy()
-                self._cqs[key] = ConsumeQueue(cq.directory, self.config.consume_queue_entries_per_file)
+                self._cqs[key] = ConsumeQueue(cq.directory, self.config.consume_queue_entries_per_file,
+                                              self.queue_files)
                 damaged.add(key)
                 continue
             cq.append(msg.position, msg.size, tag_hash(msg.tag))
@@ -437,7 +456,8 @@ class MessageStore:
     def _cq(self, key: tuple[str, int]) -> ConsumeQueue:
         cq = self._cqs.get(key)
         if cq is None:
-            cq = ConsumeQueue(files.queue_dir(self.dir, *key), self.config.consume_queue_entries_per_file)
+            cq = ConsumeQueue(files.queue_dir(self.dir, *key), self.config.consume_queue_entries_per_file,
+                              self.queue_files)
             self._cqs[key] = cq
         return cq
 

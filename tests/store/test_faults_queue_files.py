@@ -1,0 +1,200 @@
+"""Open consume-queue files are bounded: `max_open_queue_files`, least recently used closed first.
+
+Before, every consume-queue file stayed open for the store's life: a topic of 65,000 queues ran
+out of descriptors at its creation (an EMFILE on a directory fsync, reported as an fsync error
+that failed the store for good), and a broker that had ever created that many could not open.
+The fault is caused for real: a child process with a low RLIMIT_NOFILE. The rest watches the
+system-call boundary (which files get fdatasynced before they are closed), not the cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from chronoq.config import Config
+from chronoq.model import MessageType
+from chronoq.store.consumequeue import ConsumeQueue, OpenFiles
+from chronoq.store.messagestore import MessageStore, PreparedMessage
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def scratch(tmp_path: Path) -> Iterator[Path]:
+    """tmpfs when there is one: creating thousands of queues fsyncs thousands of directories,
+    and what is tested is the count of descriptors, not the disk's fsync latency."""
+    shm = Path("/dev/shm")
+    if not (shm.is_dir() and os.access(shm, os.W_OK)):
+        yield tmp_path
+        return
+    path = Path(tempfile.mkdtemp(prefix="chronoq-test-", dir=shm))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+CHILD = textwrap.dedent('''
+    import asyncio, os, resource, sys
+    from pathlib import Path
+    from chronoq.broker import Broker
+    from chronoq.clock import FakeClock
+    from chronoq.config import Config
+    from chronoq.model import OutgoingMessage
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[3]), resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    queues = int(sys.argv[2])
+    peak = 0
+
+    def fds() -> int:
+        global peak
+        peak = max(peak, len(os.listdir("/proc/self/fd")))
+        return peak
+
+    async def main() -> None:
+        config = Config(data_dir=Path(sys.argv[1]), max_queue_count=queues)
+        broker = await Broker.open(config, clock=FakeClock(1_800_000_000_000), background=False)
+        broker.topics.create("wide", queues)
+        fds()
+        for qid in range(queues):
+            await broker.send(OutgoingMessage("wide", b"x", message_id=f"m{qid}", queue_id=qid))
+            if qid % 500 == 0:
+                await broker.store.checkpoint_in_background()  # duplicates of the dirty files
+                fds()
+        fds()
+        await broker.close()
+        broker = await Broker.open(config, clock=FakeClock(1_800_000_000_000), background=False)
+        fds()
+        for qid in (0, queues // 2, queues - 1):
+            [msg] = await broker.read("wide", qid, 0, 10)
+            assert msg.message_id == f"m{qid}", msg
+        fds()
+        await broker.close()
+        print(peak)
+
+    asyncio.run(main())
+''')
+
+
+def test_a_topic_of_thousands_of_queues_works_under_an_open_file_limit_of_1024(scratch: Path) -> None:
+    """3,000 queues under `ulimit -n` 1024 with the default `max_open_queue_files` (256): create,
+    a send to every queue with checkpoints among them, close, reopen, read. Before: EMFILE at
+    the topic's creation."""
+    limit = 1024
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # this checkout's chronoq, not an installed one
+    run = subprocess.run([sys.executable, "-c", CHILD, str(scratch / "data"), "3000", str(limit)],
+                         capture_output=True, text=True, timeout=110, env=env, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    peak = int(run.stdout.split()[-1])
+    # Queue files: at most 256 open plus their duplicates while a checkpoint syncs them; the
+    # rest is the log, RocksDB's files and the interpreter's own.
+    assert peak <= 2 * Config().max_open_queue_files + 150, peak
+
+
+def _queues(directory: Path, open_files: OpenFiles, n: int) -> list[ConsumeQueue]:
+    return [ConsumeQueue(directory / str(i), 100, open_files) for i in range(n)]
+
+
+def test_a_dirty_queue_file_is_fdatasynced_before_it_is_closed_to_make_room(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint syncs only the files still open and dirty; one closed to make room must have
+    been made durable first, or the next checkpoint would cover entries no fsync reached."""
+    synced: list[str] = []
+    real_fdatasync = os.fdatasync
+
+    def recording_fdatasync(fd: int) -> None:  # the syscall boundary: which file, then the real call
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fdatasync(fd)
+
+    open_files = OpenFiles(2)
+    q0, q1, q2 = _queues(tmp_path, open_files, 3)
+    q0.append(100, 10, 0)
+    q1.append(200, 10, 0)
+    monkeypatch.setattr(os, "fdatasync", recording_fdatasync)
+    q2.append(300, 10, 0)  # the third open file: q0's, least recently used and dirty, is closed
+    assert synced == [str(q0._files[0].path)]
+    assert len(open_files) == 2 and open_files.evicted_dirty == 1
+    taken = q0.take_dirty()
+    assert taken.files == [] and taken.directory is not None  # its entries are durable already
+    taken.close()
+    assert q0.get(0) == (100, 10, 0)  # reopened on use, closing q1's (dirty: synced too)
+    assert synced == [str(q0._files[0].path), str(q1._files[0].path)]
+    q1.take_dirty().close()
+    for q in (q0, q1, q2):
+        q.close()
+    assert len(open_files) == 0
+
+
+def test_a_clean_queue_file_is_closed_without_an_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    open_files = OpenFiles(1)
+    q0, q1 = _queues(tmp_path, open_files, 2)
+    q0.append(100, 10, 0)
+    q0.flush()  # a checkpoint covered it
+    synced: list[int] = []
+    monkeypatch.setattr(os, "fdatasync", synced.append)
+    q1.ensure_file()
+    assert synced == [] and open_files.evictions == 1
+
+
+def test_bad_limits_are_refused_with_their_value() -> None:
+    with pytest.raises(ValueError, match="at least 1, not 0"):
+        OpenFiles(0)
+    with pytest.raises(ValueError, match="max_open_queue_files"):
+        Config(max_open_queue_files=0)
+
+
+def test_background_checkpoints_racing_evictions_lose_nothing(tmp_path: Path,
+                                                              assert_queues_match_log: Callable) -> None:
+    """The checkpoint thread syncs duplicated descriptors while the loop closes the originals to
+    make room (4 open files, 40 queues written in turn): every checkpoint succeeds, and after a
+    reopen every queue agrees with the log."""
+    config = Config(data_dir=tmp_path / "data", max_open_queue_files=4, max_queue_count=40)
+
+    async def body() -> None:
+        store, _ = MessageStore.open(config)
+        try:
+            store.create_topic("t", 40, frozenset(MessageType), 0)
+            for round_ in range(5):
+                msgs = [PreparedMessage("t", f"m{round_}-{q}", MessageType.NORMAL, b"x" * 10, 0, queue_id=q)
+                        for q in range(40)]
+                stored = store.append(msgs[:20], 1)
+                checkpoint = asyncio.ensure_future(store.checkpoint_in_background())
+                stored += store.append(msgs[20:], 1)
+                await store.log.flush_now()  # the group commit: dispatches, evicting dirty files
+                await checkpoint
+                assert len(store.queue_files) <= 4
+            assert store.queue_files.evicted_dirty > 0
+        finally:
+            store.close()
+        store, _ = MessageStore.open(config)
+        try:
+            assert assert_queues_match_log(store) == 200
+            assert len(store.queue_files) <= 4
+        finally:
+            store.close()
+
+    asyncio.run(body())
+
+
+def test_a_limit_too_close_to_ulimit_is_named_at_open(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        pytest.skip("no open-file limit to compare with")
+    cap = soft // 2
+    with caplog.at_level(logging.WARNING, logger="chronoq"):
+        store, _ = MessageStore.open(Config(data_dir=tmp_path / "data", max_open_queue_files=cap))
+        store.close()
+    assert f"max_open_queue_files = {cap}: consume queues may hold {2 * cap} descriptors" in caplog.text
+    assert f"(ulimit -n) {soft}" in caplog.text
