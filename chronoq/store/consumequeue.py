@@ -145,6 +145,20 @@ class OpenFiles:
         self.evictions = 0
         self.evicted_dirty = 0
         self.on_fsync_failed: Callable[[str], None] | None = None
+        self._dirty_queues: dict[ConsumeQueue, None] = {}
+        """Queues written (or whose directory changed) since their last `take_dirty`: all a
+        checkpoint visits. Visiting every queue cost ~0.9 us each on the loop, every second:
+        17.5 ms with 20,000 queues, ~57 ms with 65,000."""
+
+    def note_dirty(self, queue: ConsumeQueue) -> None:
+        self._dirty_queues[queue] = None
+
+    def dirty_queues(self) -> list[ConsumeQueue]:
+        """The queues a checkpoint must take from (each leaves the set in its `take_dirty`)."""
+        return list(self._dirty_queues)
+
+    def note_clean(self, queue: ConsumeQueue) -> None:
+        self._dirty_queues.pop(queue, None)
 
     def __len__(self) -> int:
         return len(self._open)
@@ -331,6 +345,7 @@ class ConsumeQueue:
         end = CQ_HEADER_SIZE + f.count * ENTRY_SIZE
         fd = self.open_files.fd(f)
         f.dirty = True  # before the write: a part-written file must be synced before it is closed
+        self.open_files.note_dirty(self)
         try:
             n = os.pwrite(fd, blob, end)
         except OSError as e:
@@ -364,6 +379,7 @@ class ConsumeQueue:
         self._dir_dirty = True
         f = CQFile(first_offset, path, fd, 0, dirty=True)
         self._files.append(f)
+        self.open_files.note_dirty(self)
         self.open_files.add(f)
         return f
 
@@ -392,6 +408,7 @@ class ConsumeQueue:
         for f in dirty:
             f.dirty = False
         self._dir_dirty = False
+        self.open_files.note_clean(self)
         return taken
 
     # -- reading ----------------------------------------------------------------------------
@@ -443,6 +460,7 @@ class ConsumeQueue:
             self.open_files.forget(f)  # entries wholly below the log's start: nothing to sync
             f.path.unlink()
             self._dir_dirty = True
+            self.open_files.note_dirty(self)
             removed += 1
         return removed
 
@@ -464,6 +482,7 @@ class ConsumeQueue:
                 self.open_files.forget(f)
                 f.dirty = False
             self._files = []
+            self.open_files.note_clean(self)
 
 
 def _first_offset(f: CQFile) -> int:
