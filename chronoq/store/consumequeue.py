@@ -57,6 +57,23 @@ class TakenFlush:
 
     files: list[tuple[int, Path]]
     directory: Path | None
+    queue: ConsumeQueue | None = None
+    owners: tuple[CQFile, ...] = ()
+    """The files the descriptors duplicate, for `untake`."""
+
+    def untake(self) -> None:
+        """Give the queue back what was taken (on the loop, before anything else ran): a
+        checkpoint that fails while taking from a later queue must not leave these counted
+        clean, or the next one would cover their entries without syncing them."""
+        if self.queue is not None:
+            for f in self.owners:
+                if f.fd >= 0:  # still open (nothing ran in between to close it)
+                    f.dirty = True
+            if self.directory is not None:
+                self.queue._dir_dirty = True
+            if self.owners or self.directory is not None:
+                self.queue.open_files.note_dirty(self.queue)
+        self.close()
 
     def sync(self) -> None:
         for fd, path in self.files:
@@ -409,6 +426,7 @@ class ConsumeQueue:
             f.dirty = False
         self._dir_dirty = False
         self.open_files.note_clean(self)
+        taken.queue, taken.owners = self, tuple(dirty)
         return taken
 
     # -- reading ----------------------------------------------------------------------------

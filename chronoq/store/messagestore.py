@@ -723,7 +723,17 @@ class MessageStore:
             raise
         # Only the queues written since their last take (all the store's queues share
         # `queue_files`): with tens of thousands of idle queues, visiting each held the loop.
-        return position, [cq.take_dirty() for cq in self.queue_files.dirty_queues()]
+        taken: list[TakenFlush] = []
+        try:
+            for cq in self.queue_files.dirty_queues():
+                taken.append(cq.take_dirty())
+        except BaseException:
+            # (An EMFILE on a duplicate, say.) What was taken is given back, or the next
+            # checkpoint would cover those queues' entries without syncing them.
+            for t in taken:
+                t.untake()
+            raise
+        return position, taken
 
     def _settle_background_checkpoint(self) -> None:
         """Wait for a background checkpoint still running (a close, or a checkpoint after a

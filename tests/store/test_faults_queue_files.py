@@ -10,6 +10,8 @@ system-call boundary (which files get fdatasynced before they are closed), not t
 from __future__ import annotations
 
 import asyncio
+import errno
+import itertools
 import logging
 import os
 import resource
@@ -228,6 +230,54 @@ def test_a_checkpoint_syncs_the_queues_written_since_the_last_one_and_visits_no_
             queue_files = [p for p in synced if "/queues/" in p]
             assert queue_files == [str(store.queue("t", 7)._files[0].path)]
             assert store.queue_files.dirty_queues() == []
+        finally:
+            store.close()
+
+    asyncio.run(body())
+
+
+def test_a_checkpoint_that_runs_out_of_descriptors_while_taking_gives_back_what_it_took(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checkpoint duplicates each dirty file's descriptor; an EMFILE on the third (a real
+    RLIMIT_NOFILE, lowered for the moment) fails it. The queues taken before it must count as
+    dirty again: before, they were left clean, their duplicates unsynced and leaked, and the
+    next checkpoint covered their entries without an fsync."""
+    config = Config(data_dir=tmp_path / "data", max_queue_count=5)
+
+    async def body() -> None:
+        store, _ = MessageStore.open(config)
+        try:
+            store.create_topic("t", 5, frozenset(MessageType), 0)
+            store.checkpoint()
+            store.append([PreparedMessage("t", f"m{q}", MessageType.NORMAL, b"x", 0, queue_id=q) for q in range(5)], 1)
+            await store.log.flush_now()
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            in_use = len(os.listdir("/proc/self/fd")) - 1  # listdir's own descriptor
+            # Room for exactly two more: a new descriptor takes the lowest free number, holes
+            # first. The listing's own (the lowest free then, closed after) is the first; the
+            # limit is the third, the second free number the listing shows.
+            used = {int(n) for n in os.listdir("/proc/self/fd")}
+            third_free = list(itertools.islice((n for n in itertools.count() if n not in used), 2))[1]
+            resource.setrlimit(resource.RLIMIT_NOFILE, (third_free, hard))
+            try:
+                with pytest.raises(OSError) as raised:
+                    store.checkpoint()
+            finally:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            assert raised.value.errno == errno.EMFILE
+            assert len(os.listdir("/proc/self/fd")) - 1 == in_use  # no duplicate leaked
+            assert len(store.queue_files.dirty_queues()) == 5
+            synced: list[str] = []
+            real_fdatasync = os.fdatasync
+
+            def recording_fdatasync(fd: int) -> None:
+                synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+                real_fdatasync(fd)
+
+            monkeypatch.setattr(os, "fdatasync", recording_fdatasync)
+            store.checkpoint()
+            assert sorted(p for p in synced if "/queues/" in p) == sorted(
+                str(store.queue("t", q)._files[0].path) for q in range(5))
         finally:
             store.close()
 
