@@ -10,7 +10,9 @@ room adds what takes time and I/O around them:
   turn (not through the two extra tasks of `wait_for(event.wait())`). `wait_ms` is a real-time
   wait on the loop's clock; visibility is broker time.
 - Dead letters. A message past `max_delivery_attempts` is appended to `%DLQ%<group>` and waits
-  for durability before it leaves the group, so it is never in neither.
+  for durability before it leaves the group, so it is never in neither. One copy per entry: a
+  receive that finds it while its copy is written skips it, and a receive cancelled meanwhile
+  leaves the copy to finish and the entry to leave the group.
 - Reads by offset (the admin service, Spark): a queue's records as stored, damaged ones skipped.
 """
 
@@ -167,10 +169,14 @@ class Deliver:
         if not items:
             return
         self._dead_lettering.update(keys)
-        try:
-            await self._write_dead_letters(group, items)
-        finally:
-            self._dead_lettering.difference_update(keys)
+        # Shielded: a caller that goes away (a client's deadline cancels the receive) while the
+        # copy waits for its group commit leaves it to finish. The copy becomes durable anyway;
+        # cancelled with it, the entry stayed in the group, exhausted, and the next receive wrote
+        # a second copy.
+        task = asyncio.ensure_future(self._write_dead_letters(group, items))
+        task.add_done_callback(lambda t: self._dead_lettering.difference_update(keys))
+        task.add_done_callback(_retrieve)
+        await asyncio.shield(task)
 
     async def _write_dead_letters(self, group: str, items: list[tuple[InFlight, StoredMessage]]) -> None:
         dlq = dlq_topic(group)
@@ -210,6 +216,12 @@ class Deliver:
     def queue_offsets(self, topic: str, queue_id: int) -> tuple[int, int]:
         cq = self.store.queue(topic, queue_id)
         return cq.min_offset, cq.next_offset
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    """Mark a shielded task's error seen: its caller may have gone away (it had its chance)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -196,6 +197,48 @@ def test_receives_at_once_write_one_dead_letter_copy(env: Callable) -> None:
         assert first == second == []
         dead = await e.receive(topic="%DLQ%g", group="dlq-reader")
         assert [d.message.message_id for d in dead] == [sent]
+        assert e.broker.groups.inflight_count("g", "orders") == 0
+
+    env(body, max_delivery_attempts=1)
+
+
+def test_a_receive_cancelled_while_its_dead_letter_is_made_durable_writes_one_copy(
+        env: Callable, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The receive's caller goes away (a client's deadline cancels the handler) while the DLQ
+    copy waits for its group commit. The copy becomes durable all the same; the entry used to
+    stay in the group (exhausted, and no longer marked as being dead-lettered), so the next
+    receive wrote a second copy: the DLQ held the message twice."""
+    held, release, armed = threading.Event(), threading.Event(), threading.Event()
+    real = os.fdatasync
+
+    def fdatasync(fd: int) -> None:
+        if armed.is_set() and os.readlink(f"/proc/self/fd/{fd}").endswith(files.SEGMENT_SUFFIX):
+            armed.clear()
+            held.set()
+            assert release.wait(10)
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+
+    async def body(e: Env) -> None:
+        (poison,) = await e.send("orders", 1)
+        assert ids(await e.receive()) == [poison]
+        e.clock.advance(INVISIBLE_MS)  # exhausted: max_delivery_attempts = 1
+        armed.set()
+        receiver = asyncio.create_task(e.receive())
+        while not held.is_set():  # the DLQ copy is written; its group commit is held
+            await asyncio.sleep(0.001)
+        receiver.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await receiver
+        release.set()
+        for _ in range(100):  # the held group commit ends; its copy is durable
+            if e.broker.store.log.flushed_position == e.broker.store.log.end_position:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0)
+        assert await e.receive() == []
+        assert ids(await e.receive(topic="%DLQ%g", group="r")) == [poison]
         assert e.broker.groups.inflight_count("g", "orders") == 0
 
     env(body, max_delivery_attempts=1)
