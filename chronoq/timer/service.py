@@ -10,9 +10,11 @@ Theory of operation (RocketMQ 5's shape, with RocksDB in place of the timer log 
 3. Fire: `fire_due(now_ms)` asks the engine for due entries, writes each message to its real
    topic with the original id (the "fired copy", carrying the timer record's position), and
    waits for durability; the copy's own dispatch marks the timer fired. A crash between the two
-   cannot fire twice: replay sees the fired copy. Delay-level queues are scanned at their heads
-   (`timer/delay_queues.py`). Who fires and when the broker's loop steps in is the firing
-   policy's (`timer/firing.py`: the broker, or a Spark job with the loop as its backstop).
+   cannot fire twice: replay sees the fired copy. Timers stay "firing" (no second fire picks
+   them) until their copies are durable, even if the caller went away meanwhile. Delay-level
+   queues are scanned at their heads (`timer/delay_queues.py`). Who fires and when the
+   broker's loop steps in is the firing policy's (`timer/firing.py`: the broker, or a Spark
+   job with the loop as its backstop).
    A timer whose record is damaged is marked DAMAGED, not fired.
 4. Cancel: a tombstone record in the timer topic (RocketMQ 5's delete). While it is being made
    durable the fire loop holds the timer back, so a cancel racing the fire has one winner; a
@@ -28,6 +30,7 @@ returns is encoded by `timer/recall.py`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -92,6 +95,8 @@ class TimerService:
         """Positions whose fired copies are being made durable: no second fire picks them."""
         self._firing_ids: set[tuple[str, str]] = set()
         """(topic, message id) of the timers in `_firing`: a cancel of one is refused."""
+        self._settling: set[asyncio.Future[None]] = set()
+        """Fires whose caller went away, waiting for durability to leave `_firing`."""
         self.damaged_timers = 0
         """Timers marked DAMAGED since start (their records failed their checks when due)."""
         self.index_damaged: str | None = None
@@ -295,12 +300,38 @@ class TimerService:
         self._firing_ids |= ids
         try:
             await self._append(copies)
-        finally:
+        except asyncio.CancelledError:
+            # The caller went away (a FireTimers deadline cancels the handler) while the copies
+            # waited for their group commit: they become durable all the same, and until their
+            # dispatch marks the timers fired the index calls them pending. They stay firing
+            # until then, or the caller's retry fired them a second time.
+            self._settle_firing_when_durable(self.store.log.end_position, positions, ids)
+            raise
+        except BaseException:
             self._firing -= positions
             self._firing_ids -= ids
+            raise
+        self._firing -= positions
+        self._firing_ids -= ids
         fired = self.fired_by_topic  # for metrics (rocketmq_timer_dequeue_total): once per batch
         for copy in copies:
             fired[copy.topic] = fired.get(copy.topic, 0) + 1
+
+    def _settle_firing_when_durable(self, end: int, positions: set[int], ids: set[tuple[str, str]]) -> None:
+        """Keep these timers firing until the log is durable and dispatched up to `end` (their
+        copies, if written, lie below it), or has failed or closed."""
+        async def settle() -> None:
+            try:
+                await self.store.wait_durable(end)
+            except BaseException:  # the log failed or closed: nothing fires from it any more
+                pass
+            finally:
+                self._firing -= positions
+                self._firing_ids -= ids
+
+        task = asyncio.ensure_future(settle())
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
 
     async def fire_positions(self, positions: list[int], now_ms: int) -> tuple[int, int]:
         """Fire the pending timers at these positions (the Spark engine decides when).

@@ -385,3 +385,52 @@ def test_a_broker_started_with_fewer_delay_levels_than_its_unfired_messages_need
             await broker.close()
 
     run(body())
+
+
+def test_a_fire_timers_call_cancelled_while_its_fire_is_made_durable_is_not_fired_again_by_its_retry(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Spark engine's FireTimers call goes away (its deadline cancels the handler) while the
+    fired copy waits for its group commit, and the engine retries. The copy becomes durable all
+    the same, but the cancellation had already let the timer go from the firing set, and the
+    index still called it pending until the copy's dispatch: the retry fired it a second time."""
+    held, release = threading.Event(), threading.Event()
+    hold = [False]
+    real = os.fdatasync
+
+    def fdatasync(fd: int) -> None:
+        if hold[0] and os.readlink(f"/proc/self/fd/{fd}").endswith(files.SEGMENT_SUFFIX):
+            hold[0] = False
+            held.set()
+            assert release.wait(10)
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+
+    async def body() -> None:
+        clock = FakeClock(START_MS)
+        broker = await _open(tmp_path / "data", clock)
+        try:
+            sent = await broker.send(OutgoingMessage("orders", b"t", message_id="t1", delay_ms=1_000))
+            clock.advance(1_000)
+            hold[0] = True
+            first = asyncio.ensure_future(broker.fire_timers([sent.position]))
+            while not held.is_set():  # the fired copy is written; its group commit waits
+                await asyncio.sleep(0.001)
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            retry = asyncio.ensure_future(broker.fire_timers([sent.position]))
+            await asyncio.sleep(0.01)
+            release.set()
+            assert await retry == (0, 1)
+            for _ in range(500):  # the first call's copy is made durable and dispatched
+                if broker.store.dispatched_position == broker.store.log.end_position:
+                    break
+                await asyncio.sleep(0.01)
+            assert broker.query("t1", "orders")[0].state is TimerState.DELIVERED
+            assert [m.message_id for m in _fired_copies(broker, "orders")] == ["t1"]
+            assert [m.message_id for m in await drain(broker, "orders")] == ["t1"]
+        finally:
+            await broker.close()
+
+    run(body())
