@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any
@@ -351,8 +352,9 @@ class Broker:
             topic = handle_topic
         if topic is None or message_id is None:
             raise InvalidRecallHandle("give a recall handle, or both topic and message id")
-        await self.timer.cancel(topic, message_id, self.clock.now_ms(), deliver_at_ms=deliver_at_ms)
-        self.accept.forget(topic, message_id)
+        # Forgotten once the tombstone is durable, even if this caller has gone away by then.
+        forget = functools.partial(self.accept.forget, topic, message_id)
+        await self.timer.cancel(topic, message_id, self.clock.now_ms(), deliver_at_ms=deliver_at_ms, then=forget)
         self.timer_loop.poke()
         return message_id
 

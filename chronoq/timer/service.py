@@ -18,7 +18,8 @@ Theory of operation (RocketMQ 5's shape, with RocksDB in place of the timer log 
    A timer whose record is damaged is marked DAMAGED, not fired.
 4. Cancel: a tombstone record in the timer topic (RocketMQ 5's delete). While it is being made
    durable the fire loop holds the timer back, so a cancel racing the fire has one winner; a
-   cancel of a timer whose fired copy is being made durable is refused (it has fired).
+   cancel of a timer whose fired copy is being made durable is refused (it has fired). A
+   caller that goes away meanwhile leaves the hold in place until the tombstone is durable.
 5. Roll: before retention deletes a segment, pending timers in it are re-appended (rolled) so a
    timer due in 30 days outlives 72-hour segments, and the index moves to the new copy. A roll
    decides and writes one chunk (`timer_roll_batch`) at a time, in one step, skipping timers
@@ -96,7 +97,7 @@ class TimerService:
         self._firing_ids: set[tuple[str, str]] = set()
         """(topic, message id) of the timers in `_firing`: a cancel of one is refused."""
         self._settling: set[asyncio.Future[None]] = set()
-        """Fires whose caller went away, waiting for durability to leave `_firing`."""
+        """Fires and cancels whose caller went away, waiting for their records' durability."""
         self.damaged_timers = 0
         """Timers marked DAMAGED since start (their records failed their checks when due)."""
         self.index_damaged: str | None = None
@@ -305,7 +306,11 @@ class TimerService:
             # waited for their group commit: they become durable all the same, and until their
             # dispatch marks the timers fired the index calls them pending. They stay firing
             # until then, or the caller's retry fired them a second time.
-            self._settle_firing_when_durable(self.store.log.end_position, positions, ids)
+            def settle(durable: bool) -> None:
+                self._firing -= positions
+                self._firing_ids -= ids
+
+            self._when_durable(self.store.log.end_position, settle)
             raise
         except BaseException:
             self._firing -= positions
@@ -317,19 +322,18 @@ class TimerService:
         for copy in copies:
             fired[copy.topic] = fired.get(copy.topic, 0) + 1
 
-    def _settle_firing_when_durable(self, end: int, positions: set[int], ids: set[tuple[str, str]]) -> None:
-        """Keep these timers firing until the log is durable and dispatched up to `end` (their
-        copies, if written, lie below it), or has failed or closed."""
-        async def settle() -> None:
+    def _when_durable(self, end: int, settle: Callable[[bool], None]) -> None:
+        """`settle(True)` once the log is durable and dispatched up to `end` (the records of a
+        caller that went away lie below it), `settle(False)` if it fails or closes first."""
+        async def wait() -> None:
             try:
                 await self.store.wait_durable(end)
-            except BaseException:  # the log failed or closed: nothing fires from it any more
-                pass
-            finally:
-                self._firing -= positions
-                self._firing_ids -= ids
+            except BaseException:  # the log failed or closed: nothing more is made durable
+                settle(False)
+                return
+            settle(True)
 
-        task = asyncio.ensure_future(settle())
+        task = asyncio.ensure_future(wait())
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
 
@@ -379,7 +383,11 @@ class TimerService:
 
     # -- cancel and query -------------------------------------------------------------------
 
-    async def cancel(self, topic: str, message_id: str, now_ms: int, *, deliver_at_ms: int | None = None) -> None:
+    async def cancel(self, topic: str, message_id: str, now_ms: int, *, deliver_at_ms: int | None = None,
+                     then: Callable[[], None] | None = None) -> None:
+        """Write the timer's tombstone and wait until it is durable; `then` is called at that
+        moment, whether or not the caller still waits (a caller that goes away meanwhile leaves
+        the tombstone to become durable: the timer stays held back until it is, and `then` runs)."""
         if self.index_damaged is not None:
             raise TimerIndexRebuilding(self.index_damaged)
         status = self.engine.lookup(topic, message_id)
@@ -407,8 +415,25 @@ class TimerService:
         self._holding.add(key)
         try:
             await self._append([tombstone])
-        finally:
+        except asyncio.CancelledError:
+            # The caller went away (a client's deadline) while the tombstone waited for its
+            # group commit: it becomes durable all the same. Released here, the timer could fire
+            # meanwhile (delivered after a durable tombstone), and `then` (the dedupe window
+            # forgetting the id) would never run: a resend of the id was answered with the
+            # cancelled timer's result and stored nowhere.
+            def settle(durable: bool) -> None:
+                self._holding.discard(key)
+                if durable and then is not None:
+                    then()
+
+            self._when_durable(self.store.log.end_position, settle)
+            raise
+        except BaseException:
             self._holding.discard(key)
+            raise
+        self._holding.discard(key)
+        if then is not None:
+            then()
 
     def query(self, message_id: str, topic: str | None = None) -> list[TimerStatus]:
         if topic is not None:

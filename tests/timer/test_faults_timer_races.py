@@ -434,3 +434,66 @@ def test_a_fire_timers_call_cancelled_while_its_fire_is_made_durable_is_not_fire
             await broker.close()
 
     run(body())
+
+
+def _hold_segment_fdatasync(monkeypatch: pytest.MonkeyPatch) -> tuple[list[bool], threading.Event, threading.Event]:
+    """(arm, held, release): once `arm[0]` is set, the next group commit of a segment waits for
+    `release` (the fsync thread blocks; the event loop goes on)."""
+    held, release = threading.Event(), threading.Event()
+    arm = [False]
+    real = os.fdatasync
+
+    def fdatasync(fd: int) -> None:
+        if arm[0] and os.readlink(f"/proc/self/fd/{fd}").endswith(files.SEGMENT_SUFFIX):
+            arm[0] = False
+            held.set()
+            assert release.wait(10)
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    return arm, held, release
+
+
+def test_a_cancel_whose_caller_goes_away_while_its_tombstone_is_made_durable_still_cancels(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cancel's caller goes away (a client's deadline) while the tombstone waits for its group
+    commit; the tombstone becomes durable all the same, and the timer is cancelled. Two things
+    used to go with the caller: the hold on the timer (it fell due meanwhile, the loop fired it,
+    and its copy was delivered after the tombstone), and forgetting the id in the dedupe window
+    (a resend of the id, the cancel-and-resend pattern, was answered as a duplicate of the
+    cancelled timer and stored nowhere: acknowledged, never delivered)."""
+    arm, held, release = _hold_segment_fdatasync(monkeypatch)
+
+    async def body() -> None:
+        clock = FakeClock(START_MS)
+        broker = await _open(tmp_path / "data", clock)
+        try:
+            first = await broker.send(OutgoingMessage("orders", b"v1", message_id="order-7", delay_ms=1_000))
+            clock.advance(999)
+            arm[0] = True
+            cancel = asyncio.ensure_future(broker.cancel(recall_handle=first.recall_handle))
+            while not held.is_set():  # the tombstone is written; its group commit waits
+                await asyncio.sleep(0.001)
+            cancel.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await cancel
+            clock.advance(1)  # due now
+            fire = asyncio.ensure_future(broker.run_due())
+            await asyncio.sleep(0.01)
+            release.set()
+            fired = await fire
+            for _ in range(500):  # the tombstone is durable and dispatched
+                if broker.store.dispatched_position == broker.store.log.end_position:
+                    break
+                await asyncio.sleep(0.01)
+            assert fired == 0, "fired while its cancel was being made durable"
+            assert broker.query("order-7", "orders")[0].state is TimerState.CANCELLED
+            again = await broker.send(OutgoingMessage("orders", b"v2", message_id="order-7", delay_ms=HOUR_MS))
+            assert not again.duplicate, "a resend after the cancel was answered with the cancelled timer"
+            clock.advance(HOUR_MS)
+            await broker.run_due()
+            assert [m.body for m in await drain(broker, "orders")] == [b"v2"]
+        finally:
+            await broker.close()
+
+    run(body())
