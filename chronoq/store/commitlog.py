@@ -572,11 +572,13 @@ class CommitLog:
         fds = list(self._unsynced_fds)
         self._unsynced_fds.clear()
         started = time.perf_counter()  # a duration for /metrics only: no decision reads it
+        # Its outcome reaches `_fsync_done` even if this flusher is cancelled meanwhile. Cleared
+        # only once the fsync is queued: a thread that cannot start (RuntimeError: a pids limit)
+        # kills the flusher, and close's flush must not wait for an fsync that never began.
+        synced = self._sync_thread.run(loop, _fsync_all, [(fd, self._path_of(fd)) for fd in fds], self._fsync_done)
         self._fsync_idle.clear()
         try:
-            # Its outcome reaches `_fsync_done` even if this flusher is cancelled meanwhile.
-            await self._sync_thread.run(loop, _fsync_all, [(fd, self._path_of(fd)) for fd in fds],
-                                        self._fsync_done)
+            await synced
         except FsyncFailed:
             return  # `_fsync_done` failed the log; anything else is a bug the flusher dies of
         if self._failed is not None:  # failed elsewhere (a roll) while this fsync ran
@@ -875,8 +877,9 @@ class SyncThread:
         """Queue `fn(arg)`; `done` gets its outcome on the loop (None, or what it raised) before
         the returned future does, and gets it even if the future was cancelled meanwhile."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
-            self._thread.start()
+            thread = threading.Thread(target=self._work, name=self._name, daemon=True)
+            thread.start()  # RuntimeError when no thread can be made; `stop` then has none to join
+            self._thread = thread
         fut: asyncio.Future[None] = loop.create_future()
         self._jobs.put((loop, fn, arg, fut, done))
         return fut

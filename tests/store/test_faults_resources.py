@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
@@ -89,3 +93,54 @@ def test_an_open_short_of_file_descriptors_fails_clearly_and_changes_nothing(tmp
             await broker.close()
 
     asyncio.run(reopen())
+
+
+_NO_THREAD_CHILD = """
+import asyncio, json, os, resource, sys
+from pathlib import Path
+from chronoq.broker import Broker
+from chronoq.clock import FakeClock
+from chronoq.config import Config
+from chronoq.model import OutgoingMessage
+
+async def main():
+    data = Path(sys.argv[1])
+    broker = await Broker.open(Config(data_dir=data, default_queue_count=1), clock=FakeClock(), background=False)
+    if os.getuid() == 0:  # root is exempt from RLIMIT_NPROC: count threads against "nobody"
+        os.setresuid(65534, 0, 0)  # (files are still opened as root: the effective uid stays)
+    resource.setrlimit(resource.RLIMIT_NPROC, (1, 1))  # this user may start no more threads
+    out = {}
+    try:
+        await asyncio.wait_for(broker.send(OutgoingMessage("t", b"x")), 10)
+        out["send"] = "acknowledged"
+    except BaseException as e:
+        out["send"] = type(e).__name__
+    out["fatal"] = repr(broker.fatal)
+    try:
+        await asyncio.wait_for(broker.close(), 10)
+        out["close"] = "closed"
+    except BaseException as e:
+        out["close"] = f"{type(e).__name__}: {e}"
+    print(json.dumps(out))
+
+asyncio.run(main())
+"""
+
+
+def test_a_broker_that_cannot_start_its_fsync_thread_stops_and_closes(tmp_path: Path) -> None:
+    """The group commit's fsync thread starts at the first send. When no thread can be made (a
+    pids limit; here a real RLIMIT_NPROC on an unprivileged user), the send is refused and the
+    broker stops (fatal), as for any dead background task; then it must close, so that `chronoq
+    serve` exits for its supervisor. Its close used to wait forever for an fsync that never
+    started (and would then have failed joining a thread that never ran)."""
+    data = tmp_path / "data"
+    # Without CAP_SYS_RESOURCE and CAP_SYS_ADMIN, which would exempt the child from the limit.
+    drop = ["setpriv", "--bounding-set", "-sys_resource,-sys_admin"] if os.getuid() == 0 else []
+    if drop and shutil.which("setpriv") is None:
+        pytest.skip("running as root needs setpriv to drop the capabilities that lift RLIMIT_NPROC")
+    done = subprocess.run([*drop, sys.executable, "-c", _NO_THREAD_CHILD, str(data)], capture_output=True,
+                          text=True, timeout=120)
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["send"] in ("FlushFailed", "BrokerClosed"), out
+    assert "can't start new thread" in out["fatal"], out
+    assert out["close"] == "closed", out
