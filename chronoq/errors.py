@@ -18,7 +18,20 @@ Every error a client can see is defined here (or, for request-decoding faults, i
 and by code (`chronoq/client/errors.py`). Codes are the RocketMQ v2 `Code` enum's. Over the RocketMQ
 protocol a client sees only the code; classes that share a code share a base class, and that base
 is what a code-only client gets. `tests/client/test_error_codes.py` checks this table against
-the classes, and every code against the enum:
+the classes, and every code against the enum.
+
+A server error whose retry is safe never shares 50001 with one whose retry is not: over the
+RocketMQ protocol the code is all a client gets, so `retriable` must follow from it. The broker's
+own failures that a retry can outlive (it is closing or restarting: `BrokerClosed`; it could not
+make a write durable and must be restarted: `FlushFailed`) have codes of their own, 50002 and
+50401 (the code Apache's proxy answers for a broker's FLUSH_DISK_TIMEOUT), and chronoq's SDK
+retries them; 50001 is left to failures no retry mends. The official clients (their
+StatusChecker / MessagingResultChecker) raise InternalErrorException for 50000-50002 and
+ProxyTimeoutException for 50400-50402, and their producers resend on any failure, with the same
+message id, up to their max attempts (Java, Node, Go, C#: at once, TOO_MANY_REQUESTS after a
+backoff; Python: any failure but TOO_MANY_REQUESTS). So for them BrokerClosed stays an
+InternalErrorException, and FlushFailed becomes the ProxyTimeoutException they raise for a
+RocketMQ broker's flush timeout:
 
     code  RocketMQ name                        a code-only client gets (the classes raised)
     40000 BAD_REQUEST                          BadRequest (InvalidBatchSize, InvalidQueueId, InvalidQueueCount,
@@ -50,10 +63,10 @@ the classes, and every code against the enum:
     42800 PRECONDITION_FAILED                  TimerNotPending (TimerAlreadyFired, TimerAlreadyCancelled)
     42900 TOO_MANY_REQUESTS                    Throttled (TimerSlotCongested, DiskFull, TimerIndexRebuilding)
     43101 MESSAGE_PROPERTIES_TOO_LARGE         PropertiesTooLarge
-    50001 INTERNAL_SERVER_ERROR                ServerError (BrokerClosed, FlushFailed, FsyncFailed, DataDirLocked,
-                                               StoreUnavailable, UnsupportedVersion, LogDamaged,
-                                               IndexPositionWentBack,
-                                               TimerIndexCorrupt, TimerIndexClosed)
+    50001 INTERNAL_SERVER_ERROR                ServerError (DataDirLocked, StoreUnavailable, UnsupportedVersion,
+                                               LogDamaged, IndexPositionWentBack, TimerIndexCorrupt)
+    50002 HA_NOT_AVAILABLE                     BrokerClosed (TimerIndexClosed; retriable)
+    50401 MASTER_PERSISTENCE_TIMEOUT           FlushFailed (FsyncFailed; retriable)
     50500 UNSUPPORTED                          Unsupported
 """
 
@@ -504,25 +517,48 @@ class ServerError(ChronoqError):
 
 
 class BrokerClosed(ServerError):
+    """The broker is closing or closed (a shutdown or restart), or stopped taking work when a
+    background task died (`chronoq serve` then exits for a supervisor to restart it). Retriable
+    (RocketMQ's HA_NOT_AVAILABLE, 50002, not 50001, so a code-only client can tell): the same
+    request succeeds once the broker is back. A send refused so was not acknowledged; a retry
+    carries the same message id, and can store a second copy only where a timeout's retry can too
+    (the records were written as the broker closed, and the retry reaches the restarted broker,
+    whose dedupe window starts empty): at least once, never lost."""
+
+    code = 50002
     retriable = True
 
     def __init__(self) -> None:
-        super().__init__("the broker is closed")
+        super().__init__("the broker is closed (shutting down, restarting, or stopped after a failure); "
+                         "retry once it is back")
 
 
 class FlushFailed(ServerError):
     """The store cannot make writes durable any more (an fsync failed, or a background task
     died): the message is not acknowledged, and the broker refuses every later write until it is
-    restarted. Not retriable against this broker process."""
+    restarted (`chronoq serve` exits with status 1 for a supervisor to do so).
+
+    Retriable (RocketMQ's MASTER_PERSISTENCE_TIMEOUT, 50401, what Apache's proxy answers for a
+    broker's FLUSH_DISK_TIMEOUT): the same send may succeed once the broker is restarted. This
+    process refuses a retry at once, before writing anything, so the SDK's bounded retries cost
+    little. A retry is safe: nothing acknowledged is at stake, and it carries the same message id.
+    The refused records may still be on disk (their fsync failed, not necessarily their write) and
+    come back at the restart, so a retry that reaches the restarted broker (whose dedupe window
+    starts empty) may store a second copy: at least once, as after a timeout, never lost."""
+
+    code = 50401
+    retriable = True
 
     def __init__(self, reason: str) -> None:
         super().__init__(f"flush failed: {reason}", reason=reason)
 
 
 class FsyncFailed(FlushFailed):
-    """An fsync (or fdatasync) of `path` returned an error. Never retried: the kernel may already
-    have dropped the pages it could not write and marked them clean, so a second fsync would
-    report success for data that is gone ("fsyncgate"). The store fails for good."""
+    """An fsync (or fdatasync) of `path` returned an error. The broker never retries the fsync:
+    the kernel may already have dropped the pages it could not write and marked them clean, so a
+    second fsync would report success for data that is gone ("fsyncgate"). The store fails for
+    good. (A client's send that this refused may be retried, as `FlushFailed` says: a new
+    request, to a restarted broker.)"""
 
     def __init__(self, path: str, errno: int | None, strerror: str) -> None:
         ChronoqError.__init__(self, f"flush failed: fsync of {path} failed: {strerror} (errno {errno}); "
@@ -620,11 +656,13 @@ class TimerIndexCorrupt(ServerError):
                          path=str(path), reason=reason)
 
 
-class TimerIndexClosed(ServerError):
-    """The timer index was used after `close()` (a shutdown racing a call); nothing was written."""
+class TimerIndexClosed(BrokerClosed):
+    """The timer index was used after `close()` (a shutdown racing a call); nothing was written.
+    A broker closing, as a client sees it (50002, retriable)."""
 
     def __init__(self, path: str | PathLike[str]) -> None:
-        super().__init__(f"timer index at {path} is closed", path=str(path))
+        ChronoqError.__init__(self, f"timer index at {path} is closed (the broker is closing); retry once it is back",
+                              path=str(path))
 
 
 class ConsoleInputError(BadRequest):

@@ -26,7 +26,9 @@ Credentials: with an access key and secret key (arguments, or `CHRONOQ_ACCESS_KE
 (`chronoq.protocol.signature`), made afresh per call since they carry the time.
 
 Sends are retried (same message id, so the server's dedupe window makes a retry idempotent)
-when the failure is retriable: the connection, a deadline, or a retriable server code. A request
+when the failure is retriable: the connection, a deadline, or a retriable server code (the
+code's class in `chronoq.errors` says: 42900 throttled, 50002 the broker closing, 50401 a failed
+fsync; never 50001), at most `send_attempts` times, backing off 100 ms, 200 ms, .... A request
 gRPC refuses as too large (`RequestTooLarge`) is not retried; `send_batch` avoids making one by
 cutting batches by encoded size (`max_batch_bytes`) as well as by count (`max_batch`).
 """

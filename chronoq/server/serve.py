@@ -262,7 +262,7 @@ def http_url(host: str, port: int) -> str:
 
 async def _watch_broker(broker: object, stop: asyncio.Event) -> None:
     """A broker whose background task died refuses all work; stop serving so a supervisor sees
-    the exit (code 1) instead of a server that answers 50001 forever."""
+    the exit (code 1) instead of a server that answers 50002 (BrokerClosed) forever."""
     while getattr(broker, "fatal", None) is None:
         await asyncio.sleep(WATCHDOG_INTERVAL_S)
     log.error("broker failed (%r); stopping the server", broker.fatal)  # type: ignore[attr-defined]
