@@ -8,8 +8,11 @@ fields. `Config.load()` layers defaults < TOML file < environment (`CHRONOQ_<FIE
 < explicit overrides, checking each value where it comes from: a TOML value must already have
 the setting's type (`port = "18460"` is refused, not converted), an environment variable's text
 is read as that type, and a refusal is one line naming the source, the key, the value and what
-was expected. Rules that tie settings together are checked once all are in. Components receive
-the whole `Config` and read what they need; nothing mutates it after start.
+was expected. A `CHRONOQ_*` variable that names no setting refuses the start too, naming the
+nearest known name, unless it is one of the clients' (`chronoq.envvars`, their one list): a
+misspelled setting is never ignored without a word. Rules that tie settings together are
+checked once all are in. Components receive the whole `Config` and read what they need; nothing
+mutates it after start.
 
 Why not pydantic: it would be chronoq's first dependency outside the broker's own needs for a
 few dozen flat fields, and its lax mode converts `"18460"` and `"false"` silently; the strict
@@ -26,6 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+from chronoq import envvars
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -257,13 +262,33 @@ class Config:
                     continue  # read by chronoq.server.auth.load_auth: users are not limits
                 values[key] = check_setting(key, value, source=f"{toml_path}: ")
         for key, raw in (env or {}).items():
-            if key.startswith("CHRONOQ_") and key[len("CHRONOQ_"):].lower() in _FIELDS:
-                name = key[len("CHRONOQ_"):].lower()
+            if not key.startswith(envvars.PREFIX):
+                continue
+            name = key[len(envvars.PREFIX):].lower()
+            if name in _FIELDS:
                 values[name] = check_setting(name, _from_env(name, raw, key), source=f"environment {key}: ")
+            elif key not in envvars.NOT_SETTINGS:
+                raise ConfigError(unknown_env_message(key))
         for key, value in overrides.items():
             if value is not None:
                 values[key] = check_setting(key, value)
         return cls(**values)
+
+
+def unknown_env_message(key: str) -> str:
+    """One line for a `CHRONOQ_*` variable that is neither a setting nor one of the clients'
+    (`chronoq.envvars`): the nearest known name, compared without the common prefix (which
+    would make every pair look alike)."""
+    known = [f"{envvars.PREFIX}{name.upper()}" for name in _FIELDS] + sorted(envvars.NOT_SETTINGS)
+    stems = {k[len(envvars.PREFIX):]: k for k in known}
+    near = difflib.get_close_matches(key[len(envvars.PREFIX):].upper(), stems, n=1)
+    if near:
+        nearest = stems[near[0]]
+        hint = f"did you mean {nearest}" + (" (a client's variable)?" if nearest in envvars.NOT_SETTINGS else "?")
+    else:
+        hint = "docs/design.md, \"Limits\", lists the settings"
+    return (f"environment {key}: no such setting; {hint} (the broker refuses a CHRONOQ_* name it does not know "
+            "rather than ignore a misspelling)")
 
 
 def check_setting(name: str, value: Any, *, source: str = "") -> Any:

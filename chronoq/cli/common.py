@@ -37,6 +37,7 @@ from typing import Any
 
 from rich.console import Console
 
+from chronoq import envvars
 from chronoq.client import InvalidArgument, default_server
 from chronoq.client.aio import parse_server
 from chronoq.errors import ChronoqError
@@ -46,12 +47,12 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
-SERVER_ENV = "CHRONOQ_SERVER"
-TLS_ENV = "CHRONOQ_TLS"
-CA_CERT_ENV = "CHRONOQ_CA_CERT"
-TLS_SERVER_NAME_ENV = "CHRONOQ_TLS_SERVER_NAME"
-ACCESS_KEY_ENV = "CHRONOQ_ACCESS_KEY"
-SECRET_KEY_ENV = "CHRONOQ_SECRET_KEY"
+SERVER_ENV = envvars.SERVER
+TLS_ENV = envvars.TLS
+CA_CERT_ENV = envvars.CA_CERT
+TLS_SERVER_NAME_ENV = envvars.TLS_SERVER_NAME
+ACCESS_KEY_ENV = envvars.ACCESS_KEY
+SECRET_KEY_ENV = envvars.SECRET_KEY
 SPARK_SETUP = "scripts/setup.sh --spark"
 """The set-up step that installs the Spark extra (and Java 17) into the checkout's .venv."""
 SPARK_MODULES = ("pyspark", "pyarrow", "pandas", "matplotlib")

@@ -6,8 +6,8 @@ Theory of operation: configuration layers as `Config.load` defines them: default
 and tests can wait for it (with --http-port, a second line names the console's URL); logs go to
 stderr (gRPC's own C-core log only with GRPC_VERBOSITY set:
 `chronoq.cli.main`). Exit code 0 after a clean shutdown, 1 when the broker fails (or cannot open its
-data directory), 2 on a configuration error (a setting, a TLS file, a port, a data directory that
-is a file), each said in one line.
+data directory), 2 on a configuration error (a setting, an unknown `CHRONOQ_*` variable, a TLS
+file, a port, a data directory that is a file), each said in one line.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = add_command(
         subparsers, "serve", "run the broker (RocketMQ 5 gRPC protocol + chronoq admin)",
         "Run chronoq's broker and gRPC server until SIGTERM or SIGINT. Settings layer as defaults < --config "
-        "TOML < CHRONOQ_<SETTING> environment variables < these flags (settings: chronoq/config.py). Prints "
+        "TOML < CHRONOQ_<SETTING> environment variables < these flags (settings: chronoq/config.py); any other "
+        "CHRONOQ_* variable but the clients' (CHRONOQ_SERVER, ...: chronoq/envvars.py) stops the start. Prints "
         "\"chronoq serving on HOST:PORT\" once it accepts calls.",
         ["chronoq serve --data-dir data", "chronoq serve --data-dir data --host 0.0.0.0 --port 9876",
          "chronoq serve --data-dir data --http-port 8090   # console on http://127.0.0.1:8090/",

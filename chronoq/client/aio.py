@@ -46,7 +46,7 @@ from typing import Any, ClassVar
 
 import grpc
 
-from chronoq import __version__
+from chronoq import __version__, envvars
 from chronoq import errors as core
 from chronoq.client import wire
 from chronoq.client.errors import (
@@ -78,9 +78,9 @@ from chronoq.protocol.v2 import definition as pb
 from chronoq.protocol.v2 import service as svc
 
 DEFAULT_SERVER = "127.0.0.1:8081"
-SERVER_ENV = "CHRONOQ_SERVER"
-ACCESS_KEY_ENV = "CHRONOQ_ACCESS_KEY"
-SECRET_KEY_ENV = "CHRONOQ_SECRET_KEY"
+SERVER_ENV = envvars.SERVER
+ACCESS_KEY_ENV = envvars.ACCESS_KEY
+SECRET_KEY_ENV = envvars.SECRET_KEY
 ADMIN_SERVICE = "chronoq.admin.v1.Admin"
 DEFAULT_TIMEOUT_MS = 10_000
 DEFAULT_SEND_ATTEMPTS = 3

@@ -11,6 +11,8 @@ line and exits 2.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import subprocess
 import sys
 import typing
@@ -21,6 +23,7 @@ import pytest
 
 import chronoq
 from chronoq import config as config_module
+from chronoq import envvars
 from chronoq.config import Config, ConfigError
 
 FIELDS = dataclasses.fields(Config)
@@ -84,7 +87,7 @@ def test_toml_booleans_and_integers_of_the_right_type_load(tmp_path: Path) -> No
 
 def test_environment_text_is_read_as_the_setting_type_or_refused() -> None:
     config = Config.load(env={"CHRONOQ_TRACE_ENABLE": "false", "CHRONOQ_PORT": "18460", "CHRONOQ_FLUSH": "async",
-                              "CHRONOQ_NOT_A_SETTING": "x", "PATH": "/bin"})
+                              "CHRONOQ_SERVER": "10.0.0.5:8081", "PATH": "/bin"})
     assert (config.trace_enable, config.port, config.flush) == (False, 18460, "async")
     for key, raw, expected in [("CHRONOQ_PORT", "eighty", "an integer in 1..65535"),
                                ("CHRONOQ_TRACE_ENABLE", "maybe", "true or false"),
@@ -95,6 +98,65 @@ def test_environment_text_is_read_as_the_setting_type_or_refused() -> None:
         name = key[len("CHRONOQ_"):].lower()
         shown = repr(int(raw)) if raw.isdigit() else repr(raw)
         assert str(info.value) == f"environment {key}: {name} = {shown}: expected {expected}"
+
+
+MISSPELLED_ENV = {"CHRONOQ_TIMER_MAX_DELAY": "CHRONOQ_TIMER_MAX_DELAY_MS",
+                  "CHRONOQ_FLUSH_INTERVAL": "CHRONOQ_FLUSH_INTERVAL_MS",
+                  "CHRONOQ_SERVR": "CHRONOQ_SERVER"}
+"""Misspellings this file makes on purpose, and the name each should be told of."""
+DOCUMENTED_MISSPELLINGS = {"CHRONOQ_TIMER_MAX_DELAY", "CHRONOQ_FLUSH_INTERVAL"}
+"""What README.md and docs/design.md show being refused (in prose, never set by a command)."""
+
+
+@pytest.mark.parametrize(("key", "nearest"), MISSPELLED_ENV.items())
+def test_an_unknown_chronoq_variable_is_refused_naming_the_nearest_known_name(key: str, nearest: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Config.load(env={key: "7776000000", "CHRONOQ_PORT": "18460"})
+    message = str(info.value)
+    assert message.startswith(f"environment {key}: no such setting; did you mean {nearest}"), message
+    assert "\n" not in message
+
+
+def test_the_clients_variables_pass_a_broker_unread() -> None:
+    config = Config.load(env={name: "x" for name in envvars.NOT_SETTINGS})
+    assert config == Config()
+
+
+def test_every_chronoq_variable_named_in_the_repository_is_a_setting_or_a_clients() -> None:
+    """Scripts, CI, benchmarks, tests and docs name only variables a broker accepts: a broker
+    started under any of them (a test's `chronoq serve` inherits the runner's environment) starts."""
+    root = Path(__file__).resolve().parents[2]  # the checkout: tests/broker/ is two below it
+    known = {f"CHRONOQ_{f.name.upper()}" for f in FIELDS} | envvars.NOT_SETTINGS
+    pattern = re.compile(r"(?<![A-Za-z0-9_])CHRONOQ_[A-Z0-9_]*[A-Z0-9]")
+    found: dict[str, str] = {}
+    for top, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in (".git", ".venv", "node_modules", "__pycache__")]
+        for path in (Path(top) / n for n in names):
+            if path.suffix not in (".py", ".sh", ".md", ".toml", ".json", ".txt", ".yml", ".yaml", "") \
+                    or path.resolve() == Path(__file__).resolve() or path.stat().st_size > 4 * 2**20:
+                continue
+            for name in pattern.findall(path.read_text(errors="replace")):
+                if not (path.suffix == ".md" and name in DOCUMENTED_MISSPELLINGS):
+                    found.setdefault(name, str(path.relative_to(root)))
+    assert "CHRONOQ_SERVER" in found and "CHRONOQ_FLUSH" in found  # the scan reads the repository
+    unknown = {name: where for name, where in found.items() if name not in known}
+    assert not unknown, f"CHRONOQ_* names a broker would refuse: {unknown}"
+
+
+@pytest.mark.parametrize(("key", "nearest"), [("CHRONOQ_TIMER_MAX_DELAY", "CHRONOQ_TIMER_MAX_DELAY_MS")])
+def test_chronoq_serve_refuses_to_start_under_a_misspelled_variable(tmp_path: Path, key: str, nearest: str) -> None:
+    root = Path(chronoq.__file__).resolve().parents[1]
+    # A data directory that cannot be one: a broker that got past its settings would fail on it
+    # at once (not serve, and not be refused for the variable).
+    (tmp_path / "not-a-dir").write_text("")
+    proc = subprocess.run([sys.executable, "-m", "chronoq", "serve", "--data-dir", str(tmp_path / "not-a-dir")],
+                          capture_output=True, text=True, timeout=60, cwd=root,
+                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin", key: "7776000000",
+                               "CHRONOQ_SERVER": "127.0.0.1:1", "CHRONOQ_ACCESS_KEY": "ops"})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"chronoq serve: environment {key}: no such setting; did you mean {nearest}?"), \
+        proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
 
 
 def test_an_unknown_key_is_named_with_the_nearest_known_one(tmp_path: Path) -> None:

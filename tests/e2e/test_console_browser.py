@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from chronoq import envvars
 from chronoq.client import Consumer, Producer
 from chronoq.client.testing import ServerProcess, free_port
 
@@ -84,7 +85,7 @@ def wait_for(check: Callable[[], Any], what: str, timeout_s: float = WAIT_S) -> 
 def screenshot(driver: Any, tmp_path: Path, name: str) -> Path:
     path = tmp_path / f"console-{name}.png"
     driver.save_screenshot(str(path))
-    if target := os.environ.get("CHRONOQ_SCREENSHOT_DIR"):
+    if target := os.environ.get(envvars.SCREENSHOT_DIR):
         Path(target).mkdir(parents=True, exist_ok=True)
         shutil.copy(path, Path(target) / path.name)
     return path

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from timer_helpers import START_MS, drain, open_broker, restore_index, run, snapshot_index, timer_dir
 
+from chronoq import envvars
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
 from chronoq.errors import TimerAlreadyFired, TimerNotFound
@@ -158,7 +159,7 @@ async def _program(data: Path, program: list[tuple], precision_ms: int) -> None:
 
 # slow: a long property run (seconds); plain pytest stays under 2 minutes, scripts/test.sh runs it
 @pytest.mark.slow
-@settings(max_examples=int(os.environ.get("CHRONOQ_PROP_EXAMPLES", "40")), deadline=None,
+@settings(max_examples=int(os.environ.get(envvars.PROP_EXAMPLES, "40")), deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(program=steps, precision_ms=st.sampled_from([1, 1, 250, 1000]))
 def test_no_timer_fires_early_and_each_fires_once(program: list[tuple], precision_ms: int) -> None:
