@@ -166,6 +166,13 @@ def test_serve_on_a_data_dir_that_is_a_file_says_so(tmp_path: Path) -> None:
     assert f"data directory {a_file} is a file, not a directory" in _one_line_error(proc)
 
 
+def test_demo_under_a_misspelled_variable_prints_the_servers_line_not_a_traceback(tmp_path: Path) -> None:
+    proc = chronoq_cmd("demo", "--data-dir", str(tmp_path / "data"), env={"CHRONOQ_TIMER_MAX_DELAY": "1000"})
+    assert proc.returncode == 1
+    assert ("chronoq serve: environment CHRONOQ_TIMER_MAX_DELAY: no such setting; did you mean "
+            "CHRONOQ_TIMER_MAX_DELAY_MS?") in _one_line_error(proc)
+
+
 @pytest.mark.slow
 def test_serve_on_a_busy_port_names_the_cause_without_grpc_log_lines(tmp_path: Path, server: str) -> None:
     port = server.rsplit(":", 1)[1]
