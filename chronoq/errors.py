@@ -550,6 +550,9 @@ class FlushFailed(ServerError):
     retriable = True
 
     def __init__(self, reason: str) -> None:
+        # The store keeps why it failed as text, often an `FsyncFailed`'s message, which says
+        # "flush failed: " already.
+        reason = reason.removeprefix("flush failed: ")
         super().__init__(f"flush failed: {reason}", reason=reason)
 
 

@@ -180,5 +180,6 @@ def test_a_broker_whose_fsync_failed_answers_every_retry_at_once_with_flush_fail
                     monkeypatch.setattr(os, "fsync", real_fsync)
             assert served.sends.count == 1 + 3
             assert info.value.retriable and info.value.code == 50401
+            assert info.value.message.startswith("flush failed: fsync of ")  # said once, naming the fsync
 
     asyncio.run(body())
