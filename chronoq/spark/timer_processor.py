@@ -5,7 +5,8 @@ Theory of operation. The stream of timer-topic records is grouped by `(shard, bu
 (not per message) matters: every state call is an RPC from the Python worker to the JVM, and the
 measured ingest rate was ~1.4k msg/s with a key per message against ~29k msg/s with 60 s buckets.
 A cancel (tombstone) carries the id and due time of the timer it cancels, so it lands in the
-same key as that timer; timers due in the same millisecond share a key, so one task fires them.
+same key as that timer, and cancels only timers of that id due then (the broker's rule: one id
+may name several timers); timers due in the same millisecond share a key, so one task fires them.
 
 Per key the processor keeps one ListState of entries `(message_id, due_ms, position, tombstone)`
 and exactly one processing-time timer, at the earliest due time among its live timers:
@@ -69,31 +70,32 @@ def _entries(frame: pd.DataFrame) -> list[tuple]:
 def split_due(entries: list[tuple], now_ms: int, grace_ms: int) -> tuple[list[tuple], list[tuple]]:
     """Apply tombstones, then split into (due now, still pending). Pure; the processor's core.
 
-    A tombstone cancels the timers with its message id recorded before it in the log (a lower
-    position), as the broker's cancel does: a timer sent again under the id after the cancel
-    (the same due time puts it in the same key, often in the same micro-batch) is a new timer.
-    Tombstones that matched are dropped; unmatched ones are kept (their timer may arrive later)
-    until `due + grace_ms` has passed.
+    A tombstone cancels the timers with its message id *and due time* recorded before it in the
+    log (a lower position), as the broker's index does: a timer sent again under the id after
+    the cancel (the same due time puts it in the same key, often in the same micro-batch) is a
+    new timer, and so is one of the id due at another time (an id reused after the dedupe
+    window; a bucket holds several milliseconds). Tombstones that matched are dropped; unmatched
+    ones are kept (their timer may arrive later) until `due + grace_ms` has passed.
     """
-    cancelled_before: dict[str, int] = {}
+    cancelled_before: dict[tuple[str, int], int] = {}
     for e in entries:
         if e[3]:
-            cancelled_before[e[0]] = max(cancelled_before.get(e[0], -1), e[2])
-    matched: set[str] = set()
+            cancelled_before[(e[0], e[1])] = max(cancelled_before.get((e[0], e[1]), -1), e[2])
+    matched: set[tuple[str, int]] = set()
     due: list[tuple] = []
     pending: list[tuple] = []
     for entry in entries:
         message_id, due_ms, position, tombstone = entry
         if tombstone:
             continue
-        if position < cancelled_before.get(message_id, -1):
-            matched.add(message_id)
+        if position < cancelled_before.get((message_id, due_ms), -1):
+            matched.add((message_id, due_ms))
         elif due_ms <= now_ms:
             due.append(entry)
         else:
             pending.append(entry)
     for entry in entries:
-        if entry[3] and entry[0] not in matched and entry[1] + grace_ms > now_ms:
+        if entry[3] and (entry[0], entry[1]) not in matched and entry[1] + grace_ms > now_ms:
             pending.append(entry)
     return due, pending
 

@@ -166,6 +166,17 @@ def test_a_tombstone_cancels_only_the_timers_recorded_before_it():
     assert due == [("x", 5, 3, False)] and pending == []
 
 
+def test_a_tombstone_cancels_only_the_timer_of_its_id_due_at_its_due_time():
+    """An id reused after the dedupe window names two timers, due at 5 and 7 ms: both fall in one
+    bucket (one state key). The tombstone of the one due at 7 used to drop both, and the other
+    fired only by the broker's backstop, a minute late."""
+    entries = [("x", 5, 1, False), ("x", 7, 2, False), ("x", 7, 3, True)]
+    due, pending = split_due(entries, now_ms=10, grace_ms=5)
+    assert due == [("x", 5, 1, False)] and pending == []
+    due, pending = split_due(entries, now_ms=6, grace_ms=5)
+    assert due == [("x", 5, 1, False)] and pending == []
+
+
 def test_heartbeat_rows_are_ignored():
     t = _tester()
     out = t.testInPandas((-1, -1), _frame(("__chronoq_heartbeat", -1, -1)))
