@@ -172,10 +172,11 @@ class Accept:
         self._finishing.add(task)
         task.add_done_callback(self._finishing.discard)
 
-    def forget(self, topic: str, message_id: str) -> None:
-        """The id's timer was cancelled: a new send of it is a new timer to store, not a retry to
-        answer with the cancelled one's result (stored nowhere, it would never fire)."""
-        self.recent.discard((topic, message_id))
+    def forget(self, topic: str, message_id: str, deliver_at_ms: int) -> None:
+        """The id's timer due at `deliver_at_ms` was cancelled: a new send of it is a new timer to
+        store, not a retry to answer with the cancelled one's result (stored nowhere, it would
+        never fire). A later send of the id, due at another time, stays remembered."""
+        self.recent.discard((topic, message_id), deliver_at_ms)
 
     def _write(self, to_write: list[PreparedMessage], now: int) -> list[StoredMessage]:
         try:

@@ -340,7 +340,9 @@ class Broker:
     async def cancel(self, *, recall_handle: str | None = None, topic: str | None = None,
                      message_id: str | None = None) -> str:
         """Cancel a pending timer by recall handle or by (topic, message id); returns the id. With
-        both a handle and a topic, the handle must be that topic's (`RecallTopicMismatch`)."""
+        both a handle and a topic, the handle must be that topic's (`RecallTopicMismatch`). A
+        handle names one timer by its due time too; by id alone, several pending timers of the
+        id (reused after the dedupe window) are refused (`TimerIdAmbiguous`)."""
         self._check_open()
         deliver_at_ms = None
         if recall_handle is not None:

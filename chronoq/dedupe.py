@@ -16,7 +16,8 @@ id), rebuilt when a duplicate is answered. Insertion order is expiry order, so t
 keys is consumed from the left; the dict alone could not pop its oldest entry cheaply.
 
 A cancelled timer's id is forgotten (`discard`): sent again, it is a new timer to store, not a
-retry to answer with the cancelled one's result. Its deque slot stays, counted in `_stale`, and
+retry to answer with the cancelled one's result (unless the id remembered is a later timer's,
+due at another time: an id reused after the window). Its deque slot stays, counted in `_stale`, and
 is skipped when it reaches the left end (the older slots of a key are always the stale ones);
 the deque is compacted once stale slots outnumber the bound, so it stays within twice the bound.
 
@@ -99,11 +100,15 @@ class DedupeWindow:
             self._stale[name] = count - 1
         return True
 
-    def discard(self, key: tuple[str, str]) -> None:
-        """Forget `key` (its timer was cancelled: a new send of the id must be stored)."""
+    def discard(self, key: tuple[str, str], deliver_at_ms: int | None = None) -> None:
+        """Forget `key` (its timer was cancelled: a new send of the id must be stored); with
+        `deliver_at_ms`, only if the send remembered is the timer due then (the id may have been
+        reused since the cancelled one, and a retry of that later send must still be answered)."""
         name = f"{key[0]}\x00{key[1]}"
-        if self._entries.pop(name, None) is None:
+        packed = self._entries.get(name)
+        if packed is None or (deliver_at_ms is not None and _ENTRY.unpack(packed)[3] != deliver_at_ms):
             return
+        del self._entries[name]
         self._stale[name] += 1
         self._stale_slots += 1
         if self._stale_slots > self.max_entries:

@@ -37,7 +37,8 @@ RocketMQ broker's flush timeout:
     40000 BAD_REQUEST                          BadRequest (InvalidBatchSize, InvalidQueueId, InvalidQueueCount,
                                                TopicExists, InvalidRecallHandle, MalformedRequest,
                                                MissingField, InvalidField, ConsoleInputError,
-                                               RecallTopicMismatch: RocketMQ has no code for these)
+                                               RecallTopicMismatch, TimerIdAmbiguous: RocketMQ has no
+                                               code for these)
     40002 ILLEGAL_TOPIC                        InvalidTopicName (SystemTopicForbidden)
     40003 ILLEGAL_CONSUMER_GROUP               InvalidGroupName
     40004 ILLEGAL_MESSAGE_TAG                  InvalidTag
@@ -423,6 +424,22 @@ class TimerAlreadyFired(TimerNotPending):
 class TimerAlreadyCancelled(TimerNotPending):
     def __init__(self, message_id: str) -> None:
         super().__init__(f"timer message {message_id!r} is already cancelled", message_id=message_id)
+
+
+class TimerIdAmbiguous(BadRequest):
+    """A cancel by (topic, message id) without a due time, when several timers of that id on that
+    topic are pending (the id was reused after the dedupe window): which one is not guessed.
+    Each one's recall handle is in `details` (and the message), so a person can cancel one."""
+
+    code = 40000
+
+    def __init__(self, topic: str, message_id: str, deliver_at_ms: list[int], recall_handles: list[str]) -> None:
+        listed = "; ".join(f"due {instant(due)}: {handle}" for due, handle in zip(deliver_at_ms, recall_handles,
+                                                                                 strict=True))
+        super().__init__(f"{len(deliver_at_ms)} timer messages {message_id!r} on topic {topic!r} are pending; "
+                         f"cancel one by its recall handle ({listed})",
+                         topic=topic, message_id=message_id, deliver_at_ms=deliver_at_ms,
+                         recall_handles=recall_handles)
 
 
 class InvalidRecallHandle(BadRequest):

@@ -285,7 +285,9 @@ def register(subparsers: Any) -> None:
 
     cancel = add_command(
         subparsers, "cancel", "cancel a pending timer message",
-        "Cancel a timer message that is not yet due, by the recall handle `send` printed or by topic and id.",
+        "Cancel a timer message that is not yet due, by the recall handle `send` printed or by topic and id. "
+        "An id sent again after the dedupe window names several timers: by id, the one pending is cancelled, "
+        "and with several pending the cancel is refused with each one's due time and recall handle.",
         ["chronoq cancel --handle AQAAAaILbeX7dHIAMDEw...", "chronoq cancel --topic orders --id 0105582AB6E2..."])
     cancel.add_argument("--handle", default=None, help="recall handle printed by send")
     cancel.add_argument("--topic", default=None, help="the message's topic (with --id)")

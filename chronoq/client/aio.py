@@ -355,7 +355,8 @@ class AsyncAdmin:
 
     async def cancel(self, topic: str, message_id: str) -> str:
         """Cancel a pending timer message by id; returns the id. Raises `TimerAlreadyFired`,
-        `TimerNotFound`... when it is too late or unknown."""
+        `TimerNotFound`... when it is too late or unknown, and `TimerIdAmbiguous` (its details list
+        each one's due time and recall handle) when several timers of the id are pending."""
         reply = await self._admin("CancelMessage", {"topic": topic, "message_id": message_id})
         return wire._shape("CancelMessage", lambda r: str(r["message_id"]), reply)
 

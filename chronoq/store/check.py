@@ -39,6 +39,8 @@ from chronoq.store.damage import DAMAGED, classify
 from chronoq.store.diskspace import resource_problem
 from chronoq.store.meta import decode_checkpoint, decode_topics
 from chronoq.store.record import decode_record
+from chronoq.timer.index import FORMAT_VERSION as TIMER_INDEX_FORMAT_VERSION
+from chronoq.timer.index_codec import CF_META, META_FORMAT_VERSION, U32
 
 DATA_DIR_MARKERS = (files.COMMITLOG_DIR, files.TOPICS, files.CHECKPOINT, files.QUEUES_DIR, files.TIMER_DIR,
                     files.GROUPS_DIR, files.LOCK)
@@ -101,7 +103,8 @@ def check_data_dir(data_dir: str | Path) -> CheckReport:
         return report
     _check_topics(data_dir, report)
     _check_rocksdb(data_dir / files.GROUPS_DIR, "consumer-group store", report, derived=False)
-    _check_rocksdb(data_dir / files.TIMER_DIR, "timer index", report, derived=True)
+    _check_rocksdb(data_dir / files.TIMER_DIR, "timer index", report, derived=True,
+                   format_version=(CF_META, META_FORMAT_VERSION, TIMER_INDEX_FORMAT_VERSION))
     checkpoint = _check_checkpoint(data_dir, report)
     queues = _load_queues(data_dir, report)
     _check_log(data_dir, report, queues, checkpoint)
@@ -129,12 +132,14 @@ def _read(path: Path, report: CheckReport) -> bytes | None:
         return None
 
 
-def _check_rocksdb(path: Path, what: str, report: CheckReport, *, derived: bool) -> None:
+def _check_rocksdb(path: Path, what: str, report: CheckReport, *, derived: bool,
+                   format_version: tuple[str, bytes, int] | None = None) -> None:
     """Open a RocksDB store read-only (it writes nothing, and a running broker's lock does not
     stop it) and read every key: what a restart would find. The consumer-group store is not
     derived: a restart moves a damaged one aside and every group receives the retained log
     again, acknowledged messages too (a problem). The timer index is rebuilt from the log (a
-    repair)."""
+    repair), also when its format version (`format_version`: column family, key, the version
+    this chronoq reads) is another one, as a start would."""
     if not path.exists():
         why = "rebuilt from the log at the next start" if derived else "no group has received yet"
         report.notes.append(f"{path}: missing ({why})")
@@ -149,8 +154,15 @@ def _check_rocksdb(path: Path, what: str, report: CheckReport, *, derived: bool)
                 handle = db if name == "default" else db.get_column_family(name)
                 for _ in handle.keys():  # noqa: SIM118 (keys only: the values are not decoded)
                     pass
+            version = None
+            if format_version is not None and format_version[0] in cfs:
+                raw = db.get_column_family(format_version[0]).get(format_version[1])
+                version = U32.unpack(raw)[0] if raw is not None and len(raw) == U32.size else raw
         finally:
             db.close()
+        if format_version is not None and version != format_version[2]:
+            report.repairs.append(f"{path}: the {what} has format version {version!r}, this chronoq reads "
+                                  f"{format_version[2]}; a restart rebuilds it from the log")
     except Exception as e:
         if (problem := resource_problem(e)) is not None:
             report.notes.append(f"{path}: not checked: {problem}")

@@ -24,7 +24,12 @@ that refers to it), and where a cancel and a fired copy for one timer meet in th
 fired copy wins: it is in the log, so consumers can see the message, and calling it cancelled
 would lie. A cancel carries its tombstone's log position and reaches only timers recorded before
 it (a rolled copy counts from its original's position): a timer resent with the same id after
-a cancel, in the same batch, is a new timer the cancel must not touch.
+a cancel, in the same batch, is a new timer the cancel must not touch. It also carries the due
+time of the timer it cancels (the tombstone's TIMER_OUT_MS, as RocketMQ 5 places its delete
+record at the timer's delivery time) and reaches only timers due then: one id reused on a topic
+after the dedupe window names several timers, and a cancel of one must not cancel the others.
+Only a tombstone written without a due time (none since the Spark engine came) reaches every
+timer of its (topic, id).
 
 Delay-level progress (the next offset of each level's queue to fire) is derived state too, and
 lives in the engine with `indexed_position`, written in the same atomic batch: the fired copies
@@ -68,9 +73,10 @@ class IndexBatch:
     """Log records to apply atomically, with the log position they bring the index to."""
 
     adds: Sequence[TimerEntry] = ()
-    cancels: Sequence[tuple[str, str, int, int]] = ()
-    """(topic, message_id, cancelled_ms, tombstone position). Cancels every pending timer with that
-    id on that topic recorded before the tombstone."""
+    cancels: Sequence[tuple[str, str, int, int, int | None]] = ()
+    """(topic, message_id, cancelled_ms, tombstone position, deliver_at_ms). Cancels the pending
+    timers with that id on that topic, due at `deliver_at_ms`, recorded before the tombstone
+    (`deliver_at_ms` None: a tombstone without a due time, which reaches every due time)."""
     fired: Sequence[tuple[int, int]] = ()
     """(timer record position, fired_ms): the fired copy became visible at fired_ms."""
     rolled: Sequence[tuple[int, TimerEntry]] = ()
@@ -112,12 +118,13 @@ class TimerEngine(Protocol):
         """The newest timer with this id on this topic (by log position), or None."""
         ...
 
-    def lookup_id(self, message_id: str) -> list[TimerStatus]:
-        """The newest timer with this id on each topic, ordered by topic."""
+    def lookup_id(self, message_id: str, topic: str | None = None) -> list[TimerStatus]:
+        """Every timer with this id (on `topic`, if given), ordered by topic, then log position:
+        an id reused after the dedupe window names several timers, each with its own state."""
         ...
 
     def lookup_key(self, key: str) -> list[TimerStatus]:
-        """The newest timer of each (topic, message id) that carries `key`, in log order."""
+        """Every timer that carries `key`, in log order."""
         ...
 
     def slot_count(self, slot_s: int) -> int:

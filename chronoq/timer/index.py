@@ -17,8 +17,10 @@ its position, the only thing a fired mark names. Firing a timer thus rewrites on
 touches no `id` row, and a delivered or cancelled timer is known until `prune_history` forgets
 it. The message id comes first in `id` keys (not the topic) so that `lookup_id` finds an id on
 every topic with one prefix scan; the position last lets one id recur on a topic (a reused id,
-or a retry) without two timers sharing a key. Every timer ever applied keeps its `pos` row until
-pruned, so "was this record applied before?" (replay) is one read.
+or a retry) without two timers sharing a key. A cancel names its timer's due time too (a reused
+id names several timers): it scans the id's rows on its topic and finishes the pending ones
+whose `pos` row (read anyway) holds that due time. Every timer ever applied keeps its `pos` row
+until pruned, so "was this record applied before?" (replay) is one read.
 
 Counters (pending per second, grouped one key per minute; pending per hour; pending per topic)
 are kept in `counters` and mirrored in memory, so `slot_count`, per-topic counts and the
@@ -52,7 +54,7 @@ into one WriteBatch; `index_codec.py` holds the encoders for the layouts. Only t
 broker's timer task calls in (single-threaded; nothing here takes a lock or reads the clock).
 
 Byte layouts: `docs/disk-format.md` ("Timer index") is the one description of every column
-family, key and value (format version 2); `index_codec.py` encodes them and
+family, key and value (format version 3); `index_codec.py` encodes them and
 `tests/timer/test_timer_index.py` checks stored bytes against what the document says.
 """
 
@@ -128,7 +130,7 @@ from chronoq.timer.index_codec import (
 from chronoq.timer.index_txn import IndexTxn
 from chronoq.timer.metrics import TimerLatencies, TimerMetricsSnapshot, pending_by_due
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 log = logging.getLogger("chronoq.timer")
 
 
@@ -552,9 +554,11 @@ class RocksTimerIndex:
             if type(position) is not int or type(fired_ms) is not int or not (
                     0 <= position < _LIMIT_63 and 0 <= fired_ms < _LIMIT_63):
                 raise ValueError(f"fired mark ({position!r}, {fired_ms!r}) must be two ints in [0, 2**63)")
-        for topic, message_id, cancelled_ms, tombstone_position in batch.cancels:
+        for topic, message_id, cancelled_ms, tombstone_position, due_ms in batch.cancels:
             _check_u63("cancelled_ms", cancelled_ms)
             _check_u63("tombstone position", tombstone_position)
+            if due_ms is not None:
+                _check_u63("cancelled timer's deliver_at_ms", due_ms)
             id_prefix(message_id, topic)  # refuses ids and topics the layout cannot hold
         for position, damaged_ms in batch.damaged:
             _check_u63("damaged position", position)
@@ -570,8 +574,8 @@ class RocksTimerIndex:
             for old_position, entry in batch.rolled:
                 txn.roll(old_position, entry)
             txn.fire_all(batch.fired)
-            for topic, message_id, cancelled_ms, tombstone_position in batch.cancels:
-                txn.cancel(topic, message_id, cancelled_ms, tombstone_position)
+            for topic, message_id, cancelled_ms, tombstone_position, due_ms in batch.cancels:
+                txn.cancel(topic, message_id, cancelled_ms, tombstone_position, due_ms)
             for position, damaged_ms in batch.damaged:
                 txn.damage(position, damaged_ms)
             levels = {level: offset for level, offset in batch.level_progress.items()
@@ -661,23 +665,17 @@ class RocksTimerIndex:
             # Keys end in the position: the last row is the newest timer.
             return self._statuses(rows[-1:])[0] if rows else None
 
-    def lookup_id(self, message_id: str) -> list[TimerStatus]:
+    def lookup_id(self, message_id: str, topic: str | None = None) -> list[TimerStatus]:
         with self._guard():
-            newest = {status.topic: status  # ascending positions within a topic: the last wins
-                      for status in self._statuses(self._scan(CF_ID, id_prefix(message_id)))}
-            return [newest[topic] for topic in sorted(newest)]
+            statuses = self._statuses(self._scan(CF_ID, id_prefix(message_id, topic)))
+            # Keys order topics by their length prefix first, not by name.
+            return sorted(statuses, key=lambda s: (s.topic, s.position))
 
     def lookup_key(self, key: str) -> list[TimerStatus]:
         with self._guard():
-            id_keys = [ik for _, ik in self._scan(CF_KEY, pack_str(key))]
+            id_keys = [ik for _, ik in self._scan(CF_KEY, pack_str(key))]  # in position order
             facts = self._cf[CF_ID].get(id_keys) if id_keys else []
-            rows = [(ik, value) for ik, value in zip(id_keys, facts, strict=True) if value is not None]
-            newest: dict[tuple[str, str], TimerStatus] = {}
-            for status in self._statuses(rows):
-                current = newest.get((status.topic, status.message_id))
-                if current is None or current.position < status.position:
-                    newest[(status.topic, status.message_id)] = status
-            return sorted(newest.values(), key=lambda s: s.position)
+            return self._statuses([(ik, value) for ik, value in zip(id_keys, facts, strict=True) if value is not None])
 
     def _statuses(self, rows: list[tuple[bytes, bytes]]) -> list[TimerStatus]:
         """Statuses of `id` rows: the facts there, the state from `pos` (one multi-get)."""

@@ -237,9 +237,12 @@ class IndexTxn:
         if pos_value is not None and pos_value[0] == POS_PENDING:
             self._finish(position, pos_value, STATE_DAMAGED, damaged_ms)
 
-    def cancel(self, topic: str, message_id: str, cancelled_ms: int, tombstone_position: int) -> None:
-        """Cancel every pending timer with this id on this topic that was recorded before the
-        tombstone (a rolled copy counts from its original)."""
+    def cancel(self, topic: str, message_id: str, cancelled_ms: int, tombstone_position: int,
+               due_ms: int | None) -> None:
+        """Cancel the pending timers with this id on this topic, due at `due_ms` (None: at any
+        time, a tombstone written without a due time), recorded before the tombstone (a rolled
+        copy counts from its original). The due time is in the `pos` row read anyway: no read
+        more than before."""
         prefix = id_prefix(message_id, topic)
         id_keys = {ik for ik, _ in self.index._scan(CF_ID, prefix)}
         id_keys.update(ik for ik in self.added_ids if ik[:-8] == prefix)
@@ -252,7 +255,7 @@ class IndexTxn:
             pos_value = self.get_pos(position)
             if pos_value is None:
                 raise MalformedValue(f"timer at position {position} has an `id` row but no `pos` row")
-            if pos_value[0] == POS_PENDING:
+            if pos_value[0] == POS_PENDING and (due_ms is None or decode_pos_pending(pos_value)[0] == due_ms):
                 self._finish(position, pos_value, STATE_CANCELLED, cancelled_ms)
 
     def roll(self, old_position: int, entry: TimerEntry) -> None:

@@ -111,9 +111,10 @@ class MemoryTimerEngine:
                 _finish(new, position, TimerState.DELIVERED, fired_ms)
                 finished.append(position)
                 fired_times.append((max(row.entry.deliver_at_ms, row.entry.accepted_ms), fired_ms))
-        for topic, message_id, cancelled_ms, tombstone_position in batch.cancels:
+        for topic, message_id, cancelled_ms, tombstone_position, due_ms in batch.cancels:
             for position, row in sorted(new.rows.items()):
                 if (row.state is TimerState.PENDING and (row.entry.topic, row.entry.message_id) == (topic, message_id)
+                        and (due_ms is None or row.entry.deliver_at_ms == due_ms)
                         and rolled_from.get(position, position) < tombstone_position):
                     _finish(new, position, TimerState.CANCELLED, cancelled_ms)
                     finished.append(position)
@@ -169,16 +170,13 @@ class MemoryTimerEngine:
         rows = [(p, r) for p, r in self._live_rows() if (r.entry.topic, r.entry.message_id) == (topic, message_id)]
         return self._statuses(rows[-1:])[0] if rows else None
 
-    def lookup_id(self, message_id: str) -> list[TimerStatus]:
-        newest = {s.topic: s for s in self._statuses([(p, r) for p, r in self._live_rows()
-                                                       if r.entry.message_id == message_id])}
-        return [newest[topic] for topic in sorted(newest)]
+    def lookup_id(self, message_id: str, topic: str | None = None) -> list[TimerStatus]:
+        statuses = self._statuses([(p, r) for p, r in self._live_rows() if r.entry.message_id == message_id
+                                   and (topic is None or r.entry.topic == topic)])
+        return sorted(statuses, key=lambda s: (s.topic, s.position))
 
     def lookup_key(self, key: str) -> list[TimerStatus]:
-        newest: dict[tuple[str, str], TimerStatus] = {}
-        for status in self._statuses([(p, r) for p, r in self._live_rows() if key in r.entry.keys]):
-            newest[(status.topic, status.message_id)] = status
-        return sorted(newest.values(), key=lambda s: s.position)
+        return self._statuses([(p, r) for p, r in self._live_rows() if key in r.entry.keys])
 
     def slot_count(self, slot_s: int) -> int:
         self._check_open()
@@ -263,6 +261,10 @@ def _check_batch(batch: IndexBatch) -> None:
         if type(position) is not int or type(fired_ms) is not int or not (
                 0 <= position < 1 << 63 and 0 <= fired_ms < 1 << 63):
             raise ValueError(f"fired mark ({position!r}, {fired_ms!r}) must be two ints in [0, 2**63)")
+    for _topic, _message_id, cancelled_ms, tombstone_position, due_ms in batch.cancels:
+        for value in (cancelled_ms, tombstone_position, *(() if due_ms is None else (due_ms,))):
+            if type(value) is not int or not 0 <= value < 1 << 63:
+                raise ValueError(f"cancel field {value!r} must be an int in [0, 2**63)")
     for level in batch.level_progress:
         if type(level) is not int or not 0 < level < 1 << 16:
             raise ValueError(f"delay level {level!r} must be an int in [1, 65535]")

@@ -16,10 +16,15 @@ Theory of operation (RocketMQ 5's shape, with RocksDB in place of the timer log 
    broker's loop steps in is the firing policy's (`timer/firing.py`: the broker, or a Spark
    job with the loop as its backstop).
    A timer whose record is damaged is marked DAMAGED, not fired.
-4. Cancel: a tombstone record in the timer topic (RocketMQ 5's delete). While it is being made
-   durable the fire loop holds the timer back, so a cancel racing the fire has one winner; a
-   cancel of a timer whose fired copy is being made durable is refused (it has fired). A
-   caller that goes away meanwhile leaves the hold in place until the tombstone is durable.
+4. Cancel: a tombstone record in the timer topic (RocketMQ 5's delete). It names the timer by
+   (topic, message id, due time), the three a recall handle carries, and cancels only timers due
+   then: an id reused on a topic after the dedupe window names several timers, each with its own
+   handle. A cancel by id alone picks the one pending timer of that id, and is refused
+   (`TimerIdAmbiguous`, with each one's due time and handle) when there are several. While the
+   tombstone is being made durable the fire loop holds that timer back, so a cancel racing the
+   fire has one winner; a cancel of a timer whose fired copy is being made durable is refused
+   (it has fired). A caller that goes away meanwhile leaves the hold in place until the
+   tombstone is durable.
 5. Roll: before retention deletes a segment, pending timers in it are re-appended (rolled) so a
    timer due in 30 days outlives 72-hour segments, and the index moves to the new copy. A roll
    decides and writes one chunk (`timer_roll_batch`) at a time, in one step, skipping timers
@@ -45,6 +50,7 @@ from chronoq.errors import (
     TimerAlreadyCancelled,
     TimerAlreadyFired,
     TimerDisabled,
+    TimerIdAmbiguous,
     TimerIndexRebuilding,
     TimerNotFound,
     TimerSlotCongested,
@@ -69,10 +75,12 @@ from chronoq.model import (
     TimerStatus,
 )
 from chronoq.store.messagestore import MessageStore, PreparedMessage
+from chronoq.timefmt import instant
 from chronoq.timer.delay_queues import DelayLevelQueues
 from chronoq.timer.engine import IndexBatch, TimerEngine, TimerEntry
 from chronoq.timer.firing import firing_policy
 from chronoq.timer.levels import DelayLevels
+from chronoq.timer.recall import encode_recall_handle
 
 log = logging.getLogger("chronoq.timer")
 Append = Callable[[list[PreparedMessage]], Awaitable[list[StoredMessage]]]
@@ -90,12 +98,13 @@ class TimerService:
         self.delay_queues = DelayLevelQueues(self.levels, store, engine)
         self.firing = firing_policy(config)
         self._append = append
-        self._holding: set[tuple[str, str]] = set()
-        """(topic, message id) with a cancel being made durable: fire and roll leave them alone."""
+        self._holding: set[tuple[str, str, int]] = set()
+        """(topic, message id, due time) with a cancel being made durable: fire and roll leave
+        those timers alone."""
         self._firing: set[int] = set()
         """Positions whose fired copies are being made durable: no second fire picks them."""
-        self._firing_ids: set[tuple[str, str]] = set()
-        """(topic, message id) of the timers in `_firing`: a cancel of one is refused."""
+        self._firing_ids: set[tuple[str, str, int]] = set()
+        """(topic, message id, due time) of the timers in `_firing`: a cancel of one is refused."""
         self._settling: set[asyncio.Future[None]] = set()
         """Fires and cancels whose caller went away, waiting for their records' durability."""
         self.damaged_timers = 0
@@ -180,7 +189,7 @@ class TimerService:
         """The engine's batch for `msgs` (bringing it to `indexed_position`), and the due seconds
         whose slot reservations it settles."""
         adds: list[TimerEntry] = []
-        cancels: list[tuple[str, str, int, int]] = []
+        cancels: list[tuple[str, str, int, int, int | None]] = []
         fired: list[tuple[int, int]] = []
         rolled: list[tuple[int, TimerEntry]] = []
         level_offsets: dict[int, int] = {}
@@ -189,7 +198,11 @@ class TimerService:
             sp = m.system_properties
             if m.topic == TIMER_TOPIC:
                 if SYS_TIMER_DEL_UNIQKEY in sp:
-                    cancels.append((sp[SYS_REAL_TOPIC], sp[SYS_TIMER_DEL_UNIQKEY], m.store_ms, m.position))
+                    # The due time names which timer of the id (tombstones written before the
+                    # Spark engine came carry none, and reach every timer of the id, as then).
+                    due_ms = sp.get(SYS_TIMER_OUT_MS)
+                    cancels.append((sp[SYS_REAL_TOPIC], sp[SYS_TIMER_DEL_UNIQKEY], m.store_ms, m.position,
+                                    None if due_ms is None else int(due_ms)))
                     continue
                 due = int(sp[SYS_TIMER_OUT_MS])
                 entry = TimerEntry(due, m.position, m.size, m.message_id, sp[SYS_REAL_TOPIC],
@@ -250,20 +263,23 @@ class TimerService:
         # When a job fires (the Spark engine) this loop is only its backstop: `timer/firing.py`.
         horizon_ms = self.firing.loop_horizon_ms(now_ms)
         damaged: list[TimerEntry] = []
+        keys: list[tuple[str, str, int]] = []
         for entry in self.engine.due(horizon_ms, batch):
-            if entry.position in self._firing or self._busy((entry.topic, entry.message_id)):
+            key = (entry.topic, entry.message_id, entry.deliver_at_ms)
+            if entry.position in self._firing or self._busy(key):
                 continue
             rec = self._read_timer(entry, damaged)
             if rec is not None:
                 copies.append(self.delivered_copy(rec))
+                keys.append(key)
         self._mark_damaged(damaged, now_ms)
         if len(copies) < batch:
             for level, off, rec in self.delay_queues.due(now_ms, batch - len(copies), self._firing):
                 copies.append(self.delivered_copy(rec, {SYS_FIRED_OFFSET: str(off), SYS_DELAY_LEVEL: str(level)}))
-        await self._append_fired(copies)
+        await self._append_fired(copies, keys)
         return len(copies) + len(damaged)
 
-    def _busy(self, key: tuple[str, str]) -> bool:
+    def _busy(self, key: tuple[str, str, int]) -> bool:
         """A cancel of this timer is being made durable, or its fire is (from any copy: a roll
         copy made durable first can move the timer to a new position while its fire from the old
         one still waits for its fsync)."""
@@ -289,14 +305,15 @@ class TimerService:
                                          indexed_position=self.engine.indexed_position))
             self.damaged_timers += len(entries)
 
-    async def _append_fired(self, copies: list[PreparedMessage]) -> None:
-        """Append fired copies; until their dispatch has marked them fired, their timers count as
-        firing, so a concurrent fire (the timer loop and `run_due`, or two Spark `FireTimers`
-        calls, one a retry) cannot pick the same timers and deliver them twice."""
+    async def _append_fired(self, copies: list[PreparedMessage], keys: list[tuple[str, str, int]]) -> None:
+        """Append fired copies (`keys`: (topic, id, due time) of those that are timers, not delay
+        levels); until their dispatch has marked them fired, their timers count as firing, so a
+        concurrent fire (the timer loop and `run_due`, or two Spark `FireTimers` calls, one a
+        retry) cannot pick the same timers and deliver them twice."""
         if not copies:
             return
         positions = {int(c.system_properties[SYS_FIRED_FROM]) for c in copies}
-        ids = {(c.topic, c.message_id) for c in copies if SYS_DELAY_LEVEL not in c.system_properties}
+        ids = set(keys)
         self._firing |= positions
         self._firing_ids |= ids
         try:
@@ -345,16 +362,20 @@ class TimerService:
             raise TimerIndexRebuilding(self.index_damaged)
         copies = []
         damaged: list[TimerEntry] = []
+        keys: list[tuple[str, str, int]] = []
         for position in dict.fromkeys(positions):
             entry = self._pending_at(position)
-            if entry is None or position in self._firing or self._busy((entry.topic, entry.message_id)) \
-                    or entry.deliver_at_ms > now_ms:
+            if entry is None:
+                continue
+            key = (entry.topic, entry.message_id, entry.deliver_at_ms)
+            if position in self._firing or self._busy(key) or entry.deliver_at_ms > now_ms:
                 continue
             rec = self._read_timer(entry, damaged)
             if rec is not None:
                 copies.append(self.delivered_copy(rec))
+                keys.append(key)
         self._mark_damaged(damaged, now_ms)
-        await self._append_fired(copies)
+        await self._append_fired(copies, keys)
         return len(copies), len(positions) - len(copies)
 
     def _pending_at(self, position: int) -> TimerEntry | None:
@@ -384,34 +405,53 @@ class TimerService:
     # -- cancel and query -------------------------------------------------------------------
 
     async def cancel(self, topic: str, message_id: str, now_ms: int, *, deliver_at_ms: int | None = None,
-                     then: Callable[[], None] | None = None) -> None:
-        """Write the timer's tombstone and wait until it is durable; `then` is called at that
-        moment, whether or not the caller still waits (a caller that goes away meanwhile leaves
-        the tombstone to become durable: the timer stays held back until it is, and `then` runs)."""
+                     then: Callable[[int], None] | None = None) -> int:
+        """Cancel the timer (topic, message id) due at `deliver_at_ms` (a recall handle's three),
+        or, without a due time, the one timer of that id still pending; return its due time.
+
+        The tombstone carries the due time, and cancels only timers of the id due then (a replay
+        or rebuild applies the same rule), so a reused id's other timers keep their own handles.
+        Timers that share topic, id and due time share one handle string too: a cancel reaches
+        all of them, as RocketMQ's delete reaches its key at its delivery time.
+
+        `then(due time)` is called once the tombstone is durable, whether or not the caller still
+        waits (a caller that goes away meanwhile leaves the tombstone to become durable: the
+        timer stays held back until it is, and `then` runs)."""
         if self.index_damaged is not None:
             raise TimerIndexRebuilding(self.index_damaged)
-        status = self.engine.lookup(topic, message_id)
-        if status is None:
+        statuses = self.engine.lookup_id(message_id, topic)
+        if not statuses:
             raise TimerNotFound(topic, message_id)
-        if deliver_at_ms is not None and status.deliver_at_ms != deliver_at_ms:
-            raise InvalidRecallHandle("its delivery time does not match the stored timer message")
-        if status.state is TimerState.CANCELLED:
-            raise TimerAlreadyCancelled(message_id)
+        if deliver_at_ms is None:
+            pending_dues = sorted({s.deliver_at_ms for s in statuses if s.state is TimerState.PENDING})
+            if len(pending_dues) > 1:
+                raise TimerIdAmbiguous(topic, message_id, pending_dues,
+                                       [encode_recall_handle(topic, due, message_id) for due in pending_dues])
+            # None pending: the newest timer of the id says why the cancel is refused.
+            deliver_at_ms = pending_dues[0] if pending_dues else statuses[-1].deliver_at_ms
+        named = [s for s in statuses if s.deliver_at_ms == deliver_at_ms]
+        if not named:
+            raise InvalidRecallHandle(
+                f"it names timer message {message_id!r} on topic {topic!r} due at {instant(deliver_at_ms)}, "
+                f"and none of that id there is due then (due: {', '.join(instant(s.deliver_at_ms) for s in statuses)})")
+        if not any(s.state is TimerState.PENDING for s in named):
+            if named[-1].state is TimerState.CANCELLED:
+                raise TimerAlreadyCancelled(message_id)
+            raise TimerAlreadyFired(message_id, deliver_at_ms)
+        key = (topic, message_id, deliver_at_ms)
         # Its fired copy may be on its way to the disk while the index still says pending: that
         # copy will be delivered, so the cancel must not be acknowledged. (Checked apart from the
         # due time: a clock that disagrees with the one that fired it must not matter.)
-        if status.state is not TimerState.PENDING or status.deliver_at_ms <= now_ms \
-                or (topic, message_id) in self._firing_ids:
-            raise TimerAlreadyFired(message_id, status.deliver_at_ms)
+        if deliver_at_ms <= now_ms or key in self._firing_ids:
+            raise TimerAlreadyFired(message_id, deliver_at_ms)
         tombstone = PreparedMessage(
             topic=TIMER_TOPIC, message_id=message_id, message_type=MessageType.DELAY, body=b"",
             born_ms=now_ms,
-            # The due time rides along so a timer engine fed by the timer topic (the Spark job)
-            # can find the pending entry the tombstone cancels.
+            # The due time names which timer of the id this cancels (the index's rule, and the
+            # Spark job's, which also finds the pending entry's state key by it).
             system_properties={SYS_REAL_TOPIC: topic, SYS_TIMER_DEL_UNIQKEY: message_id,
-                               SYS_TIMER_OUT_MS: str(status.deliver_at_ms)},
+                               SYS_TIMER_OUT_MS: str(deliver_at_ms)},
             queue_id=0)
-        key = (topic, message_id)
         self._holding.add(key)
         try:
             await self._append([tombstone])
@@ -424,7 +464,7 @@ class TimerService:
             def settle(durable: bool) -> None:
                 self._holding.discard(key)
                 if durable and then is not None:
-                    then()
+                    then(key[2])
 
             self._when_durable(self.store.log.end_position, settle)
             raise
@@ -433,13 +473,12 @@ class TimerService:
             raise
         self._holding.discard(key)
         if then is not None:
-            then()
+            then(deliver_at_ms)
+        return deliver_at_ms
 
     def query(self, message_id: str, topic: str | None = None) -> list[TimerStatus]:
-        if topic is not None:
-            status = self.engine.lookup(topic, message_id)
-            return [status] if status is not None else []
-        return self.engine.lookup_id(message_id)
+        """Every timer with this id (on `topic`, if given): by topic, then in log order."""
+        return self.engine.lookup_id(message_id, topic)
 
     # -- roll -------------------------------------------------------------------------------
 
@@ -462,7 +501,8 @@ class TimerService:
             start = entries[-1].position + 1
             copies, damaged = [], []
             for entry in entries:
-                if entry.position in self._firing or (entry.topic, entry.message_id) in self._holding:
+                if entry.position in self._firing or \
+                        (entry.topic, entry.message_id, entry.deliver_at_ms) in self._holding:
                     continue
                 rec = self._read_timer(entry, damaged)
                 if rec is None:

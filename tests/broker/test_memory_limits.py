@@ -85,6 +85,21 @@ def test_the_window_expires_by_age_and_by_count_in_insertion_order() -> None:
     assert window.get(("t", "c")) == SendResult("c", "t", 0, 11, 1100, duplicate=True)
 
 
+def test_a_cancel_forgets_an_id_only_if_the_send_remembered_is_the_cancelled_timer() -> None:
+    """An id reused after the window names a second timer, due at another time; a cancel of the
+    first used to forget the second's result too, and a retry of the second send then stored a
+    copy that fired as well."""
+    window = DedupeWindow(window_ms=100, max_entries=10)
+    window.add(("t", "X"), 0, SendResult("X", "t", 0, 8, 800, 9_000, encode_recall_handle("t", 9_000, "X")))
+    window.discard(("t", "X"), 5_000)  # the first timer of X, due at 5,000: not the one remembered
+    assert window.get(("t", "X")) is not None
+    window.discard(("t", "X"), 9_000)
+    assert window.get(("t", "X")) is None
+    window.add(("t", "Y"), 1, SendResult("Y", "t", 0, 9, 900))
+    window.discard(("t", "Y"))  # no due time: forgotten whatever it was
+    assert ("t", "Y") not in window and len(window) == 0
+
+
 def test_the_window_holds_any_queue_id_a_record_holds() -> None:
     """Queue ids were packed in 16 bits while a record holds 32: remembering a send to queue
     70,000 raised after the record was durable."""

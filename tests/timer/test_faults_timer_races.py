@@ -175,7 +175,8 @@ def test_a_timer_resent_with_its_id_after_a_cancel_is_stored_and_fires(tmp_path:
             again = await broker.send(OutgoingMessage("orders", b"v2", message_id="order-7", delay_ms=2 * HOUR_MS))
             assert not again.duplicate and again.deliver_at_ms == START_MS + 2 * HOUR_MS
             assert again.position != first.position
-            [status] = broker.query("order-7", "orders")
+            cancelled, status = broker.query("order-7", "orders")  # every timer of the id, in log order
+            assert cancelled.state is TimerState.CANCELLED and cancelled.deliver_at_ms == first.deliver_at_ms
             assert status.state is TimerState.PENDING and status.deliver_at_ms == again.deliver_at_ms
             retry = await broker.send(OutgoingMessage("orders", b"v2", message_id="order-7", delay_ms=2 * HOUR_MS))
             assert retry.duplicate and retry.position == again.position  # a retry of the new send is still one
@@ -195,7 +196,8 @@ def test_a_cancel_reaches_only_timers_recorded_before_its_tombstone(tmp_path: Pa
     with RocksTimerIndex.open(tmp_path / "index") as index:
         old = TimerEntry(START_MS + 1_000, 100, 80, "same", "orders", START_MS)
         new = TimerEntry(START_MS + 2_000, 300, 80, "same", "orders", START_MS)
-        index.apply(IndexBatch(adds=[old, new], cancels=[("orders", "same", START_MS + 5, 200)], indexed_position=400))
+        index.apply(IndexBatch(adds=[old, new], cancels=[("orders", "same", START_MS + 5, 200, None)],
+                               indexed_position=400))
         assert index.lookup("orders", "same").position == 300
         assert index.lookup("orders", "same").state is TimerState.PENDING
         assert [e.position for e in index.due(START_MS + 10_000, 10)] == [300]

@@ -9,6 +9,8 @@ that lets a 30-day timer outlive 72-hour segments.
 from __future__ import annotations
 
 import asyncio
+import shutil
+import struct
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,7 @@ from chronoq.errors import (
     TimerAlreadyCancelled,
     TimerAlreadyFired,
     TimerDisabled,
+    TimerIdAmbiguous,
     TimerNotFound,
 )
 from chronoq.model import (
@@ -43,6 +46,10 @@ from chronoq.model import (
     OutgoingMessage,
     TimerState,
 )
+from chronoq.store.check import check_data_dir
+from chronoq.timer.engine import IndexBatch
+from chronoq.timer.index import RocksTimerIndex
+from chronoq.timer.index_codec import CF_META, META_FORMAT_VERSION
 from chronoq.timer.recall import decode_recall_handle
 
 # -- long delays -------------------------------------------------------------------------------
@@ -279,6 +286,138 @@ def test_cancel_survives_restart(tmp_path: Path) -> None:
             assert [m.body for m in await drain(b, "orders")] == [b"keep"]
         finally:
             await b.close()
+
+    run(body())
+
+
+# -- an id reused after the dedupe window ------------------------------------------------------
+
+WINDOW_MS = 60_000
+
+
+async def _reused_id(b, clock: FakeClock) -> tuple:  # type: ignore[no-untyped-def]
+    """Two timers of one id on one topic: the second sent after the dedupe window, due later."""
+    t1 = await b.send(OutgoingMessage("orders", b"one", message_id="X", deliver_at_ms=START_MS + 2 * HOUR_MS))
+    clock.advance(WINDOW_MS + 1)
+    t2 = await b.send(OutgoingMessage("orders", b"two", message_id="X", deliver_at_ms=START_MS + 3 * HOUR_MS))
+    assert not t2.duplicate and t2.position > t1.position
+    return t1, t2
+
+
+def _states(b) -> list[tuple[int, TimerState]]:  # type: ignore[no-untyped-def]
+    return [(s.deliver_at_ms, s.state) for s in b.query("X")]
+
+
+@pytest.mark.parametrize("cancelled", ["first", "second"])
+def test_each_timer_of_a_reused_id_is_cancelled_by_its_own_handle_and_only_it(tmp_path: Path, cancelled: str) -> None:
+    """The review's case. The index keyed cancels by (topic, id): the first timer's own handle was
+    refused ("due time mismatch"), the second's cancelled both, and query showed only the second,
+    so the first, acknowledged and never cancelled, was silently never delivered. A cancel names
+    (topic, id, due time), as RocketMQ's delete record does; replay and rebuild apply the same rule."""
+
+    async def body() -> None:
+        clock = FakeClock(START_MS)
+        b = await open_broker(tmp_path, clock, dedupe_window_ms=WINDOW_MS)
+        try:
+            t1, t2 = await _reused_id(b, clock)
+            assert _states(b) == [(t1.deliver_at_ms, TimerState.PENDING), (t2.deliver_at_ms, TimerState.PENDING)]
+            gone, kept = (t1, t2) if cancelled == "first" else (t2, t1)
+            assert await b.cancel(recall_handle=gone.recall_handle) == "X"
+            assert pending_total(b) == 1
+            assert sorted(_states(b)) == sorted([(gone.deliver_at_ms, TimerState.CANCELLED),
+                                                  (kept.deliver_at_ms, TimerState.PENDING)])
+            with pytest.raises(TimerAlreadyCancelled):
+                await b.cancel(recall_handle=gone.recall_handle)
+            # The cancel forgot the id in the dedupe window only if the send it remembers was the
+            # cancelled one: a retry of the second send (inside its window) is still a duplicate.
+            retry = await b.send(OutgoingMessage("orders", b"two", message_id="X", deliver_at_ms=t2.deliver_at_ms))
+            assert retry.duplicate == (cancelled == "first") and pending_total(b) == 1 + (cancelled == "second")
+            live = b.query("X")
+        finally:
+            await b.close()
+        # Replayed into an index rebuilt from the log, the tombstone cancels the same timer.
+        shutil.rmtree(timer_dir(tmp_path))
+        b = await open_broker(tmp_path, clock, dedupe_window_ms=WINDOW_MS)
+        try:
+            assert b.query("X") == live
+            clock.set(START_MS + 4 * HOUR_MS)
+            while await b.run_due():
+                pass
+            fired = await drain(b, "orders")
+            assert_not_early(fired)
+            assert [m.body for m in fired] == ([b"two"] if cancelled == "first" else [b"one", b"two"])
+            assert fired[0].system_properties[SYS_TIMER_OUT_MS] == str(kept.deliver_at_ms)
+        finally:
+            await b.close()
+
+    run(body())
+
+
+def test_a_cancel_by_id_alone_of_several_pending_timers_is_refused_with_their_due_times(tmp_path: Path) -> None:
+    """Without a due time a cancel cannot tell the timers of a reused id apart: it is refused, and
+    the error lists each one's due time and recall handle. With one pending, it cancels that one."""
+
+    async def body() -> None:
+        clock = FakeClock(START_MS)
+        b = await open_broker(tmp_path, clock, dedupe_window_ms=WINDOW_MS)
+        try:
+            t1, t2 = await _reused_id(b, clock)
+            end = log_end(b)
+            with pytest.raises(TimerIdAmbiguous) as info:
+                await b.cancel(topic="orders", message_id="X")
+            assert info.value.details == {"topic": "orders", "message_id": "X",
+                                          "deliver_at_ms": [t1.deliver_at_ms, t2.deliver_at_ms],
+                                          "recall_handles": [t1.recall_handle, t2.recall_handle]}
+            assert t1.recall_handle in info.value.message and info.value.code == 40000
+            assert log_end(b) == end and pending_total(b) == 2
+            # A handle naming a due time no timer of the id has is refused, with the due times.
+            from chronoq.timer.recall import encode_recall_handle
+            with pytest.raises(InvalidRecallHandle) as bad:
+                await b.cancel(recall_handle=encode_recall_handle("orders", START_MS + HOUR_MS, "X"))
+            assert "none of that id there is due then" in bad.value.message
+            clock.set(t1.deliver_at_ms)
+            assert await b.run_due() == 1
+            # One pending left: a cancel by id is that timer's.
+            assert await b.cancel(topic="orders", message_id="X") == "X"
+            assert _states(b) == [(t1.deliver_at_ms, TimerState.DELIVERED), (t2.deliver_at_ms, TimerState.CANCELLED)]
+            with pytest.raises(TimerAlreadyCancelled):
+                await b.cancel(topic="orders", message_id="X")
+        finally:
+            await b.close()
+
+    run(body())
+
+
+def test_an_index_of_format_version_2_is_rebuilt_under_the_due_time_rule(tmp_path: Path) -> None:
+    """Version 2 applied a tombstone to every timer of its (topic, id): an index it built may hold
+    the first timer of a reused id cancelled by the second's tombstone. Version 3 reads none of
+    it: the broker rebuilds the index from the log, where the tombstone names the second's due
+    time, so the first (acknowledged, never cancelled by its own handle) is pending again."""
+
+    async def body() -> None:
+        clock = FakeClock(START_MS)
+        b = await open_broker(tmp_path, clock, dedupe_window_ms=WINDOW_MS)
+        try:
+            t1, t2 = await _reused_id(b, clock)
+            await b.cancel(recall_handle=t2.recall_handle)
+            live = b.query("X")
+        finally:
+            await b.close()
+        # What version 2 made of the same log: the tombstone reached the first timer too.
+        with RocksTimerIndex.open(timer_dir(tmp_path)) as index:
+            end = index.indexed_position
+            index.apply(IndexBatch(cancels=[("orders", "X", START_MS, end - 1, None)], indexed_position=end))
+            assert index.lookup_id("X")[0].state is TimerState.CANCELLED
+            index._cf[CF_META][META_FORMAT_VERSION] = struct.pack(">I", 2)
+        report = check_data_dir(tmp_path)
+        assert any("format version 2, this chronoq reads 3" in r for r in report.repairs), report.repairs
+        b = await open_broker(tmp_path, clock, dedupe_window_ms=WINDOW_MS)
+        try:
+            assert b.query("X") == live
+            assert _states(b) == [(t1.deliver_at_ms, TimerState.PENDING), (t2.deliver_at_ms, TimerState.CANCELLED)]
+        finally:
+            await b.close()
+        assert check_data_dir(tmp_path).ok
 
     run(body())
 

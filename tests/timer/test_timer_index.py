@@ -73,8 +73,10 @@ class Log:
     def apply(self, **parts: object) -> None:
         # A fired copy, tombstone or rolled copy is itself a record: it takes a log position. A
         # cancel given as (topic, id, ms) gets its tombstone's position here, after every timer
-        # the test made before it.
-        parts["cancels"] = [c if len(c) == 4 else (*c, self.position())  # type: ignore[union-attr]
+        # the test made before it, and no due time (it reaches the id's every due time); as
+        # (topic, id, ms, due) it gets a position too; a 5-tuple is taken as it is.
+        parts["cancels"] = [c if len(c) == 5 else (*c, self.position(), None) if len(c) == 3  # type: ignore[arg-type]
+                            else (*c[:3], self.position(), c[3])  # type: ignore[index]
                             for c in parts.get("cancels", ())]  # type: ignore[union-attr]
         for _ in range(len(parts.get("fired", ())) + len(parts.get("rolled", ()))):  # type: ignore[arg-type]
             self.position()
@@ -346,18 +348,47 @@ def test_a_timer_handed_out_by_due_then_cancelled_or_rolled_is_not_fired_as_it_w
     assert snapshot.latencies["delivery_error_ms"]["count"] == 2
 
 
-def test_lookup_returns_the_newest_timer_for_a_reused_id(engine: TimerEngine) -> None:
+def test_lookup_returns_the_newest_timer_and_lookup_id_every_timer_of_a_reused_id(engine: TimerEngine) -> None:
     log = Log(engine)
     old = log.add(T0 + 10, message_id="again")[0]
     log.fire(T0 + 10)
     new = log.add(T0 + 50, message_id="again")[0]
     status = engine.lookup("orders", "again")
     assert (status.position, status.state) == (new.position, TimerState.PENDING)
-    # A cancel by (topic, id) cancels what is pending, and leaves the delivered one alone.
+    # A tombstone without a due time cancels what is pending, and leaves the delivered one alone.
     log.apply(cancels=[("orders", "again", T0 + 20)])
     assert engine.lookup("orders", "again").state is TimerState.CANCELLED
-    assert engine.lookup_id("again")[0].position == new.position
-    assert old.position < new.position
+    assert [(s.position, s.state) for s in engine.lookup_id("again")] == [
+        (old.position, TimerState.DELIVERED), (new.position, TimerState.CANCELLED)]
+    assert engine.lookup_id("again", "orders") == engine.lookup_id("again")
+    assert engine.lookup_id("again", "elsewhere") == []
+
+
+def test_a_cancel_with_a_due_time_reaches_only_the_timers_of_the_id_due_then(
+        reopen: Callable[[TimerEngine | None], TimerEngine]) -> None:
+    """An id reused on a topic after the dedupe window names two pending timers; a tombstone
+    carries the due time of the one it cancels (its TIMER_OUT_MS) and must leave the other
+    pending. It used to cancel both."""
+    engine = reopen(None)
+    log = Log(engine)
+    first = log.add(T0 + 1_000, message_id="X", keys=("k",))[0]
+    second = log.add(T0 + 2_000, message_id="X", keys=("k",))[0]
+    other_topic = log.add(T0 + 2_000, message_id="X", topic="audit")[0]
+    log.apply(cancels=[("orders", "X", T0 + 5, second.deliver_at_ms)])
+    assert engine.due(T0 + 10_000, 10) == [first, other_topic]
+    assert [(s.topic, s.position, s.state) for s in engine.lookup_id("X")] == [
+        ("audit", other_topic.position, TimerState.PENDING), ("orders", first.position, TimerState.PENDING),
+        ("orders", second.position, TimerState.CANCELLED)]
+    assert [(s.position, s.state) for s in engine.lookup_key("k")] == [
+        (first.position, TimerState.PENDING), (second.position, TimerState.CANCELLED)]
+    # A due time no timer of the id has cancels nothing; the right one cancels the first.
+    log.apply(cancels=[("orders", "X", T0 + 6, T0 + 1_500)])
+    assert engine.metrics(T0).pending_total == 2
+    engine = reopen(engine)
+    log.engine = engine
+    log.apply(cancels=[("orders", "X", T0 + 7, first.deliver_at_ms)])
+    assert engine.due(T0 + 10_000, 10) == [other_topic]
+    assert engine.slot_count(first.deliver_at_ms // 1000) == 0
 
 
 # --- counters ----------------------------------------------------------------------------------------
@@ -540,7 +571,7 @@ def test_prune_history_in_chunks_and_roll_redirects(tmp_path: Path, monkeypatch:
 ops = st.lists(st.one_of(
     st.tuples(st.just("add"), st.lists(st.tuples(st.integers(0, 50_000), st.sampled_from("ab"),
                                                  st.integers(0, 15)), min_size=1, max_size=20)),
-    st.tuples(st.just("cancel"), st.sampled_from("ab"), st.integers(0, 15)),
+    st.tuples(st.just("cancel"), st.sampled_from("ab"), st.integers(0, 15), st.integers(0, 3)),
     st.tuples(st.just("fire"), st.integers(0, 60_000), st.integers(1, 10)),
     st.tuples(st.just("roll"), st.integers(0, 1_000)),
     st.tuples(st.just("replay"), st.just(0)),
@@ -574,8 +605,12 @@ def test_engine_matches_the_in_memory_model_through_random_histories(
                 both(adds=last_adds)
                 seen.update((t, f"m{i}") for _, t, i in op[1])
             elif op[0] == "cancel":
-                _, topic, i = op
-                both(cancels=[(topic, f"m{i}", now_ms, log.position())])
+                # 0: a tombstone without a due time (every due time of the id); else one of the
+                # due times of the id's timers (a reused id names several).
+                _, topic, i, pick = op
+                dues = sorted({s.deliver_at_ms for s in model.lookup_id(f"m{i}", topic)})
+                due = dues[(pick - 1) % len(dues)] if pick and dues else None
+                both(cancels=[(topic, f"m{i}", now_ms, log.position(), due)])
             elif op[0] == "fire":
                 now_ms = max(now_ms, T0 + op[1])
                 got = engine.due(now_ms, op[2])
@@ -599,6 +634,8 @@ def test_engine_matches_the_in_memory_model_through_random_histories(
         assert engine.due(T0 + 10**9, 10**6) == model.due(T0 + 10**9, 10**6)
         for topic, message_id in sorted(seen):
             assert engine.lookup(topic, message_id) == model.lookup(topic, message_id)
+            assert engine.lookup_id(message_id, topic) == model.lookup_id(message_id, topic)
+            assert engine.lookup_id(message_id) == model.lookup_id(message_id)
         assert engine.indexed_position == log.applied == model.indexed_position
     finally:
         engine.close()
@@ -636,7 +673,7 @@ def test_byte_layouts_match_docs_disk_format(tmp_path: Path) -> None:
             b"h" + struct.pack(">Q", second // 3600): struct.pack(">q", 1),
             b"ttp": struct.pack(">q", 1),
         }
-        assert dict(cf[CF_META].items()) == {META_FORMAT_VERSION: struct.pack(">I", 2),
+        assert dict(cf[CF_META].items()) == {META_FORMAT_VERSION: struct.pack(">I", 3),
                                               b"indexed_position": struct.pack(">Q", 400), b"head_floor": tk}
         index.apply(IndexBatch(fired=[(300, T0 + 61_502)], indexed_position=500))
         assert list(cf[CF_ID].items()) == [(ik, facts)]  # facts stay; the state moved to `pos`
