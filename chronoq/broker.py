@@ -84,7 +84,9 @@ class Broker:
         self.groups = groups
         self.timer = timer
         self.open_report = open_report
-        self.trace: TraceJournal | None = TraceJournal(config.data_dir) if config.trace_enable else None
+        self.trace: TraceJournal | None = TraceJournal(
+            config.data_dir, segment_size_bytes=config.trace_segment_size_bytes,
+            retention_bytes=config.trace_retention_bytes) if config.trace_enable else None
         self.topics = Topics(config, store, clock)
         self.accept = Accept(config, clock, store, self.topics, timer)
         append = _appender(store, clock)

@@ -184,6 +184,13 @@ class Config:
 
     trace_enable: bool = False
     """Journal accepted/fired/first-received times of timer messages (`chronoq trace export`)."""
+    trace_segment_size_bytes: int = limit(64 * MiB, minimum=4 * KiB)
+    """The trace journal is segments of at most this many bytes; a new one starts when the next
+    event would not fit. At least 4 KiB, more than the largest event (names at their limits)."""
+    trace_retention_bytes: int = limit(1024 * MiB, minimum=8 * KiB)
+    """Most bytes the trace journal keeps on disk (the disk of the commit log, where a full disk
+    stops sends): the oldest segments are deleted first, and an export says they were. At least
+    twice trace_segment_size_bytes, so one full closed segment stays beside the active one."""
 
     # -- server ------------------------------------------------------------------------------
     host: str = "127.0.0.1"
@@ -229,6 +236,10 @@ class Config:
         if self.default_queue_count > self.max_queue_count:
             raise ConfigError(f"default_queue_count = {self.default_queue_count} must not exceed "
                               f"max_queue_count = {self.max_queue_count}")
+        if self.trace_retention_bytes < 2 * self.trace_segment_size_bytes:
+            raise ConfigError(f"trace_retention_bytes = {self.trace_retention_bytes} must be at least twice "
+                              f"trace_segment_size_bytes = {self.trace_segment_size_bytes} (one full segment "
+                              "beside the one being written)")
         parse_delay_levels(self.delay_levels)
 
     def replace(self, **changes: Any) -> Config:

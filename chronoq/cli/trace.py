@@ -2,7 +2,10 @@
 
 Theory of operation: reads the trace journal the broker keeps with `trace_enable = true` and
 writes it as Parquet through pyarrow, part of the Spark extra: checked first, so a set-up without
-it is told `scripts/setup.sh --spark` rather than shown a ModuleNotFoundError.
+it is told `scripts/setup.sh --spark` rather than shown a ModuleNotFoundError. What the rows do
+not show (segments rotated away by `trace_retention_bytes`, timers left out for it) is printed
+and kept in the Parquet file's metadata, which `chronoq spark report` prints: "no events" and
+"events rotated away" never read the same.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from chronoq.cli.common import UsageError, add_command, require_modules
+from chronoq.cli.common import CliError, UsageError, add_command, require_modules
 from chronoq.store import files
 
 
@@ -36,15 +39,25 @@ def run_export(args: argparse.Namespace) -> int:
         raise UsageError(f"{data_dir} is not a directory (give the data directory of a broker run with "
                          "trace_enable = true)")
     from chronoq.spark.trace import write_trace
-    from chronoq.trace import export_rows
+    from chronoq.trace import TraceFormatError, read_trace
 
-    rows = export_rows(data_dir)
+    try:
+        trace = read_trace(data_dir)
+    except TraceFormatError as e:
+        raise CliError(str(e)) from None
+    rows = trace.rows
+    notes = trace.notes()
     if not rows:
-        hint = "" if (data_dir / files.TRACE_DIR).exists() else " (start the broker with trace_enable = true)"
-        print(f"no trace events in {args.data_dir}{hint}")
+        if trace.rotated_segments:
+            print(f"no trace events retained in {args.data_dir}: {'; '.join(notes)}")
+        else:
+            hint = "" if (data_dir / files.TRACE_DIR).exists() else " (start the broker with trace_enable = true)"
+            print(f"no trace events in {args.data_dir}{hint}")
         return 1
-    write_trace(rows, args.out)
+    write_trace(rows, args.out, notes=notes)
     fired = sum(1 for r in rows if r["fired_ms"] is not None)
     received = sum(1 for r in rows if r["first_received_ms"] is not None)
     print(f"wrote {len(rows)} timer messages ({fired} fired, {received} received) to {args.out}")
+    for note in notes:
+        print(f"note: {note}")
     return 0

@@ -79,7 +79,7 @@ def compute_report(spark: Any, trace_path: str, *, approx: bool = False) -> dict
     """Aggregate the trace at `trace_path` (Parquet file or directory) on Spark."""
     from pyspark.sql import functions as F
 
-    from chronoq.spark.trace import trace_spark_ddl
+    from chronoq.spark.trace import read_trace_notes, trace_spark_ddl
 
     df = spark.read.schema(trace_spark_ddl()).parquet(str(trace_path)).cache()
     overall_row = df.agg(
@@ -116,7 +116,7 @@ def compute_report(spark: Any, trace_path: str, *, approx: bool = False) -> dict
         per_minute.append(item)
     df.unpersist()
     return {"trace": str(trace_path), "percentile_method": "approx" if approx else "exact",
-            "overall": overall, "per_minute": per_minute}
+            "overall": overall, "per_minute": per_minute, "notes": read_trace_notes(trace_path)}
 
 
 def _ms(value: float | int | None) -> str:
@@ -150,6 +150,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         f"Trace: `{report['trace']}` ({report['percentile_method']} percentiles). "
         f"Messages {o['messages']:,}, fired {o['fired']:,}, received {o['recv_count']:,}, pending {o['pending']:,}.",
         _accepted_line(o),
+        *(f"Note: {note}." for note in report.get("notes", ())),
         "",
         "Delay error: how late each message was, counted from its due time, or from its acceptance when it was "
         "due before it was accepted (a time in the past is delivered at once).",

@@ -5,11 +5,13 @@ and when its timer fired; per consumer group it knows when a consumer first rece
 export keeps the earliest first-receive over all groups. This module owns the file format only
 (a Parquet schema and a writer built on pyarrow); it does not import Spark, so the broker can
 write a trace without a JVM. Times are int64 milliseconds since the epoch; a null means "not yet"
-(pending, or fired but never received).
+(pending, or fired but never received). What the rows cannot show (older events rotated away
+by `trace_retention_bytes`) rides in the file's metadata as lines for people (`NOTES_KEY`).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,9 @@ TRACE_COLUMNS: tuple[tuple[str, str, bool], ...] = (
     ("first_received_ms", "int64", True),
 )
 """The trace's columns, in file order."""
+
+NOTES_KEY = b"chronoq.trace.notes"
+"""Parquet key-value metadata: a JSON list of lines a reader of the rows must know."""
 
 TRACE_ROW_GROUP_ROWS = 128 * 1024
 """Rows per Parquet row group: large enough for Spark to split work, small enough to stream."""
@@ -69,8 +74,9 @@ def _columns_from_rows(rows: Iterable[Mapping[str, Any]]) -> dict[str, list[Any]
     return columns
 
 
-def write_trace(rows: Iterable[Mapping[str, Any]], path: str | Path) -> int:
-    """Write `rows` (mappings with the `TRACE_COLUMNS` keys) to one Parquet file at `path`.
+def write_trace(rows: Iterable[Mapping[str, Any]], path: str | Path, *, notes: Iterable[str] = ()) -> int:
+    """Write `rows` (mappings with the `TRACE_COLUMNS` keys) to one Parquet file at `path`, and
+    `notes` (what the rows do not show) in its metadata.
 
     The file is written beside its final name and renamed into place, so a reader never sees a
     half-written trace. Returns the number of rows written.
@@ -81,8 +87,23 @@ def write_trace(rows: Iterable[Mapping[str, Any]], path: str | Path) -> int:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     columns = _columns_from_rows(rows)
-    table = pa.table(columns, schema=trace_schema())
+    table = pa.table(columns, schema=trace_schema().with_metadata({NOTES_KEY: json.dumps(list(notes))}))
     tmp = path.with_name(f".{path.name}.tmp")
     pq.write_table(table, tmp, row_group_size=TRACE_ROW_GROUP_ROWS)
     tmp.replace(path)
     return table.num_rows
+
+
+def read_trace_notes(path: str | Path) -> list[str]:
+    """The notes of the trace at `path` (a Parquet file, or a directory of them), each once."""
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    parts = sorted(path.rglob("*.parquet")) if path.is_dir() else [path]
+    notes: list[str] = []
+    for part in parts:
+        meta = pq.read_schema(part).metadata or {}
+        for note in json.loads(meta.get(NOTES_KEY, b"[]")):
+            if note not in notes:
+                notes.append(note)
+    return notes

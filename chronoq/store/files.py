@@ -10,7 +10,9 @@
       queues/<topic>/<qid>/<20-digit first offset>.cq   consume-queue files
       groups/                       consumer-group state (RocksDB)
       timer/                        the timer index (RocksDB)
-      trace/events.bin              delivery trace journal (when tracing is on)
+      trace/<20-digit number>.trace delivery-trace segments (when tracing is on), bounded by
+                                    trace_retention_bytes
+      trace/events.bin              version 1 of the delivery trace (one file): read, never written
       topics.damaged-<ms>, groups.damaged-<ms>   a damaged topic table or consumer-group store,
                                     moved aside (kept for inspection) when the broker started
                                     without it; chronoq never reads them again
@@ -35,6 +37,7 @@ GROUPS_DIR = "groups"
 TIMER_DIR = "timer"
 TRACE_DIR = "trace"
 TRACE_EVENTS = "events.bin"
+TRACE_SEGMENT_SUFFIX = ".trace"
 
 
 def damaged_name(path: Path) -> Path:
@@ -45,6 +48,10 @@ def damaged_name(path: Path) -> Path:
 
 def segment_name(base_position: int) -> str:
     return f"{base_position:020d}{SEGMENT_SUFFIX}"
+
+
+def trace_segment_name(number: int) -> str:
+    return f"{number:020d}{TRACE_SEGMENT_SUFFIX}"
 
 
 def cq_file_name(first_offset: int) -> str:

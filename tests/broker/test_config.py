@@ -172,6 +172,9 @@ def test_an_unknown_key_is_named_with_the_nearest_known_one(tmp_path: Path) -> N
 def test_settings_tied_together_name_both_values() -> None:
     with pytest.raises(ConfigError, match="max_message_size_bytes = 8192 must not exceed segment_size_bytes = 4096"):
         Config(segment_size_bytes=4096, max_message_size_bytes=8192)
+    with pytest.raises(ConfigError, match="trace_retention_bytes = 12288 must be at least twice "
+                                          "trace_segment_size_bytes = 8192"):
+        Config(trace_segment_size_bytes=8192, trace_retention_bytes=12288)
 
 
 def test_the_declared_defaults_are_valid() -> None:

@@ -72,6 +72,9 @@ def test_sizes_the_layouts_state() -> None:
     assert groups.GROUPS_FORMAT_VERSION == groups.HANDLE_VERSION == 1
     assert files.segment_name(4096) == "00000000000000004096.log"
     assert files.cq_file_name(7) == "00000000000000000007.cq"
+    assert trace.SEGMENT_HEADER_SIZE == 24 == len(trace.encode_segment_header(0))
+    assert (trace.SEGMENT_MAGIC, trace.TRACE_VERSION) == (b"CHRONOQT", 2)
+    assert files.trace_segment_name(3) == "00000000000000000003.trace"
 
 
 DOC = Path(chronoq.__file__).resolve().parents[1] / "docs" / "disk-format.md"
@@ -87,6 +90,7 @@ DOC_STATES = [  # (what docs/disk-format.md says, with the size as group 1; the 
     (r"deliver_at_ms u64 · position u64 \((\d+) bytes\)", index_codec.TIME_KEY.size),
     (r"\(a (\d+)-byte\s+head\)\s+\|\s+topic\s+UTF-8", recall.RECALL_HEAD.size),
     (r"each a (\d+)-byte\s+head\s+\|\s+topic\s+UTF-8", trace.EVENT_HEAD.size),
+    (r"Segment header, (\d+) bytes: magic `b\"CHRONOQT\"`", trace.SEGMENT_HEADER_SIZE),
 ]
 
 
@@ -107,17 +111,28 @@ def test_every_name_in_the_data_directory_has_its_section() -> None:
     for name in names:
         assert name in tree, f"{name!r} (store/files.py) is missing from the directory tree in docs/disk-format.md"
     for heading in ("(`commitlog/*.log`)", "(`queues/<topic>/<qid>/*.cq`)", "(`checkpoint`)", "(`topics`)",
-                    "(`groups/`", "(`timer/`", "(`trace/events.bin`", "## Recall handle"):
+                    "(`groups/`", "(`timer/`", "(`trace/*.trace`", "## Recall handle"):
         assert heading in text, f"docs/disk-format.md has no section {heading}"
 
 
+def _journal(data_dir: Path, *, segment_size_bytes: int = 64 * 1024,
+             retention_bytes: int = 1024 * 1024) -> trace.TraceJournal:
+    return trace.TraceJournal(data_dir, segment_size_bytes=segment_size_bytes, retention_bytes=retention_bytes)
+
+
+def _trace_segment(data_dir: Path, number: int) -> Path:
+    return data_dir / "trace" / files.trace_segment_name(number)
+
+
 def test_trace_events_as_the_document_states(tmp_path: Path) -> None:
-    journal = trace.TraceJournal(tmp_path)
+    journal = _journal(tmp_path)
     journal.record(trace.FIRED, "tp", "M1", 7, 5)
     journal.close()
-    blob = (tmp_path / "trace" / "events.bin").read_bytes()
-    assert blob == bytes([2]) + struct.pack(">QQHH", 7, 5, 2, 2) + b"tpM1"
-    (tmp_path / "trace" / "events.bin").write_bytes(blob + blob[:-1])  # a torn last event
+    blob = _trace_segment(tmp_path, 0).read_bytes()
+    head = b"CHRONOQT" + struct.pack(">IQ", 2, 0)
+    assert blob[:24] == head + struct.pack(">I", crc32c.crc32c(head))
+    assert blob[24:] == bytes([2]) + struct.pack(">QQHH", 7, 5, 2, 2) + b"tpM1"
+    _trace_segment(tmp_path, 0).write_bytes(blob + blob[24:-1])  # a torn last event
     assert list(trace.read_events(tmp_path)) == [(2, 7, 5, "tp", "M1")]
 
 
@@ -126,13 +141,13 @@ def test_a_trace_cut_mid_event_is_trimmed_before_the_next_run_appends(tmp_path: 
     """A run that ended mid-event (a full disk, a power loss): the next run appended after the
     cut event, and every later event was misread from it (a UnicodeDecodeError, or the next run's
     events silently lost). The journal is cut back to its last whole event at open."""
-    journal = trace.TraceJournal(tmp_path)
+    journal = _journal(tmp_path)
     journal.record(trace.ACCEPTED, "tp", "M1", 1, 5)
     journal.record(trace.FIRED, "tp", "M1", 6, 5)
     journal.close()
-    path = tmp_path / "trace" / "events.bin"
+    path = _trace_segment(tmp_path, 0)
     path.write_bytes(path.read_bytes()[:-cut])  # the second event cut short
-    journal = trace.TraceJournal(tmp_path)
+    journal = _journal(tmp_path)
     for i in range(3):
         journal.record(trace.RECEIVED, "tp", f"N{i}", 10 + i, 5)
     journal.close()
@@ -390,7 +405,7 @@ def test_a_timer_sent_again_for_another_time_is_its_own_trace_row(tmp_path: Path
     """Cancelled and sent again under its id for another time: one row per id measured the new
     delivery against the cancelled one's due time (an hour "early", in a report whose early
     count must stay zero)."""
-    journal = trace.TraceJournal(tmp_path)
+    journal = _journal(tmp_path)
     journal.record(trace.ACCEPTED, "tp", "M1", 1, 3_600_000)  # cancelled later
     journal.record(trace.ACCEPTED, "tp", "M1", 2, 1_000)  # sent again, due in a second
     journal.record(trace.FIRED, "tp", "M1", 1_001, 1_000)
@@ -403,7 +418,7 @@ def test_a_timer_sent_again_for_another_time_is_its_own_trace_row(tmp_path: Path
 
 def test_the_trace_remembers_a_bounded_number_of_first_receives(tmp_path: Path, monkeypatch: Any) -> None:
     monkeypatch.setattr(trace, "RECEIVED_REMEMBERED", 3)
-    journal = trace.TraceJournal(tmp_path)
+    journal = _journal(tmp_path)
     for i in range(10):
         journal.received("tp", f"M{i}", 10 + i, 5)
     journal.received("tp", "M9", 30, 5)  # a second group's first receive: still remembered

@@ -728,3 +728,40 @@ def test_a_real_server_answers_disk_full_and_recovers(mount, tmp_path: Path) -> 
     finally:
         code = server.stop()
     assert code == 0, server.log()
+
+
+def test_a_full_trace_disk_stops_the_trace_never_a_send(mount, tmp_path: Path) -> None:
+    """The trace's own disk is full (a tmpfs on `DATA_DIR/trace`): the journal hits ENOSPC while
+    writing events and making its next segment; it stops for the run with one warning, and every
+    send, fire and receive goes on. What it wrote stays readable, and the next run traces again."""
+    data = tmp_path / "data"
+    trace_disk = mount(data / files.TRACE_DIR, 64 * 1024)
+    config = _config(data, trace_enable=True, trace_segment_size_bytes=4096, trace_retention_bytes=1 * MiB)
+
+    async def body() -> None:
+        clock = FakeClock(1_000_000)
+        broker = await Broker.open(config, clock=clock, background=False)
+        assert broker.trace is not None and broker.trace.stopped is None
+        trace_disk.fill()
+        for n in range(10):  # ~3 x 36 bytes per timer: past the 4 KiB buffer-free space at once
+            results = await broker.send_batch([OutgoingMessage("t", b"x", message_id=f"M{n}-{i}",
+                                                               deliver_at_ms=clock.now_ms() + 1000)
+                                               for i in range(50)])
+            assert len(results) == 50
+            clock.advance(1000)
+            assert await broker.run_due() == 50
+            assert len(await _receive_all(broker, "t")) == 50
+            broker.trace.flush()  # as the checkpoint tick does
+        assert broker.trace.stopped is not None and "No space left on device" in broker.trace.stopped
+        assert broker.fatal is None
+        await broker.close()
+        trace_disk.unfill()
+        from chronoq.trace import read_trace
+        assert read_trace(data).rows is not None  # readable, whatever it kept
+        broker = await Broker.open(config, clock=clock, background=False)
+        assert broker.trace is not None and broker.trace.stopped is None
+        await broker.send(OutgoingMessage("t", b"x", message_id="again", deliver_at_ms=clock.now_ms() + 1000))
+        await broker.close()
+        assert "again" in {r["message_id"] for r in read_trace(data).rows}
+
+    run_without_cycle_collector(body())
