@@ -1,4 +1,4 @@
-"""The delivery trace journal: when each timer message was accepted, fired and first received.
+"""The delivery trace journal: when each timer message was accepted, fired, first received or cancelled.
 
 Theory of operation: with `trace_enable`, the broker appends one binary event per milestone to
 the journal's active segment, `DATA_DIR/trace/<20-digit number>.trace` (buffered, flushed at
@@ -27,10 +27,12 @@ and a broker must not stall on it; what it wrote stays readable.
 
 Each segment is a 24-byte header (magic, version, number, CRC32C) and events, each a 21-byte
 head (kind, times, name lengths) and the names; `docs/disk-format.md` ("Delivery trace") gives
-the layout, once. Version 1, one unbounded `trace/events.bin` with no header, is still read (as
-segment 0, the first rotated away) and never appended to. A version this chronoq does not know
-is refused (`TraceFormatError`, naming the file and the versions); by the broker too, which then
-runs without the trace rather than mix versions.
+the layout, once. Older versions are read and never appended to: version 1, one unbounded
+`trace/events.bin` with no header (segment 0, the first rotated away), and version 2 segments,
+which cannot hold a cancel (kind 4, new in version 3: a version-2 reader would take it for the
+end of the readable part and cut the segment there at its next open), so a new segment follows
+them. A version this chronoq does not know is refused (`TraceFormatError`, naming the file and
+the versions); by the broker too, which then runs without the trace rather than mix versions.
 """
 
 from __future__ import annotations
@@ -57,17 +59,18 @@ from chronoq.model import (
 from chronoq.store import files
 from chronoq.timefmt import instant
 
-ACCEPTED, FIRED, RECEIVED = 1, 2, 3
+ACCEPTED, FIRED, RECEIVED, CANCELLED = 1, 2, 3, 4
 EVENT_HEAD = struct.Struct(">BQQHH")
 _EVENT = EVENT_HEAD
 SEGMENT_MAGIC = b"CHRONOQT"
 SEGMENT_HEADER = struct.Struct(">8sIQI")
 SEGMENT_HEADER_SIZE = SEGMENT_HEADER.size  # 24
-TRACE_VERSION = 2
-"""The version this chronoq writes."""
+TRACE_VERSION = 3
+"""The version this chronoq writes (3: cancels journaled; 2: segments, without cancels)."""
 LEGACY_VERSION = 1
 """`trace/events.bin`: one file, no header; read, never written."""
-KINDS_BY_VERSION: dict[int, tuple[int, ...]] = {1: (ACCEPTED, FIRED, RECEIVED), 2: (ACCEPTED, FIRED, RECEIVED)}
+KINDS_BY_VERSION: dict[int, tuple[int, ...]] = {
+    1: (ACCEPTED, FIRED, RECEIVED), 2: (ACCEPTED, FIRED, RECEIVED), 3: (ACCEPTED, FIRED, RECEIVED, CANCELLED)}
 """The event kinds each readable version holds (an unknown kind is where the readable part ends)."""
 log = logging.getLogger("chronoq.trace")
 RECEIVED_REMEMBERED = 100_000
@@ -169,6 +172,9 @@ class TraceJournal:
             # Version 1 is never appended to: its events follow in segment 1.
             self._start_segment(0 if last is None else 1)
             return
+        if last.damage is None and last.version != TRACE_VERSION:
+            self._start_segment(last.number + 1)  # an older version's: this one's events go in a new one
+            return
         if last.damage is not None:
             if last.size >= SEGMENT_HEADER_SIZE:
                 self._start_segment(last.number + 1)  # left as it is, for a person to look at
@@ -236,15 +242,18 @@ class TraceJournal:
             self._stop(e)
 
     def dispatched(self, msgs: list[StoredMessage]) -> None:
-        """A store dispatch listener: journal timers accepted (their timer records) and fired
-        (their fired copies); rolled copies and tombstones are neither."""
+        """A store dispatch listener: journal timers accepted (their timer records), fired (their
+        fired copies) and cancelled (their tombstones: dispatched once durable, before the cancel
+        is acknowledged); rolled copies are none of these."""
         for m in msgs:
             due = m.deliver_at_ms
             if due is None:
                 continue
             sp = m.system_properties
             if m.topic == TIMER_TOPIC:
-                if SYS_TIMER_ROLLED_FROM not in sp and SYS_TIMER_DEL_UNIQKEY not in sp:
+                if SYS_TIMER_DEL_UNIQKEY in sp:  # its due time is the cancelled timer's
+                    self.record(CANCELLED, sp[SYS_REAL_TOPIC], sp[SYS_TIMER_DEL_UNIQKEY], m.store_ms, due)
+                elif SYS_TIMER_ROLLED_FROM not in sp:
                     self.record(ACCEPTED, sp[SYS_REAL_TOPIC], m.message_id, m.store_ms, due)
             elif SYS_FIRED_FROM in sp:
                 self.record(FIRED, m.topic, m.message_id, m.store_ms, due)
@@ -354,10 +363,11 @@ def _whole_length(data: bytes, version: int) -> int:
 
 
 def read_trace(data_dir: Path) -> TraceRead:
-    """One row per timer message: accepted_ms, due_ms, fired_ms, first_received_ms. A row is a
-    (topic, message id, due time): a timer cancelled and sent again under its id for another
-    time is two rows (one key per id measured the new one against the cancelled one's due time:
-    an hour early). A cancelled one stays a row without fired_ms (cancels are not journaled).
+    """One row per timer message: accepted_ms, due_ms, fired_ms, first_received_ms, cancelled_ms.
+    A row is a (topic, message id, due time): a timer cancelled and sent again under its id for
+    another time is two rows (one key per id measured the new one against the cancelled one's due
+    time: an hour early), the first with its cancelled_ms. A trace written before version 3 has no
+    cancels: a timer cancelled then stays a row with neither fired_ms nor cancelled_ms.
     With segments rotated away, the rows are those of the events retained, and the result
     says how many segments went and how many timers were left out for it."""
     out = TraceRead()
@@ -372,13 +382,16 @@ def read_trace(data_dir: Path) -> TraceRead:
             if out.first_event_ms is None or ts < out.first_event_ms:
                 out.first_event_ms = ts
             row = rows.setdefault((topic, mid, due), {"message_id": mid, "topic": topic, "accepted_ms": None,
-                                                      "due_ms": due, "fired_ms": None, "first_received_ms": None})
+                                                      "due_ms": due, "fired_ms": None, "first_received_ms": None,
+                                                      "cancelled_ms": None})
             if kind == ACCEPTED and row["accepted_ms"] is None:
                 row["accepted_ms"] = ts
             elif kind == FIRED and row["fired_ms"] is None:
                 row["fired_ms"] = ts
             elif kind == RECEIVED and row["first_received_ms"] is None:
                 row["first_received_ms"] = ts
+            elif kind == CANCELLED and row["cancelled_ms"] is None:
+                row["cancelled_ms"] = ts
     out.rows = [r for r in rows.values() if r["accepted_ms"] is not None]
     if out.rotated_segments:
         out.without_acceptance = len(rows) - len(out.rows)

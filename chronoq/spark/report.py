@@ -85,12 +85,13 @@ def compute_report(spark: Any, trace_path: str, *, approx: bool = False) -> dict
     overall_row = df.agg(
         F.count(F.lit(1)).alias("messages"),
         F.count("fired_ms").alias("fired"),
+        F.count("cancelled_ms").alias("cancelled"),
         F.min("accepted_ms").alias("first_accepted_ms"),
         F.max("accepted_ms").alias("last_accepted_ms"),
         *_error_aggs(approx),
     ).first()
     overall = _flatten(overall_row.asDict())
-    overall["pending"] = overall["messages"] - overall["fired"]
+    overall["pending"] = overall["messages"] - overall["fired"] - overall["cancelled"]
     per_second = df.groupBy(F.floor(F.col("accepted_ms") / 1000).alias("s")).count()
     overall["accepted_per_s_peak"] = per_second.agg(F.max("count")).first()[0] or 0
     if overall["messages"]:
@@ -148,7 +149,8 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         "# chronoq delivery report",
         "",
         f"Trace: `{report['trace']}` ({report['percentile_method']} percentiles). "
-        f"Messages {o['messages']:,}, fired {o['fired']:,}, received {o['recv_count']:,}, pending {o['pending']:,}.",
+        f"Messages {o['messages']:,}, fired {o['fired']:,}, received {o['recv_count']:,}, "
+        f"cancelled {o.get('cancelled', 0):,}, pending {o['pending']:,}.",
         _accepted_line(o),
         *(f"Note: {note}." for note in report.get("notes", ())),
         "",

@@ -1,12 +1,14 @@
 """The delivery trace: one row per timer message, the input of `chronoq spark report`.
 
 Theory of operation: the broker knows, per timer message, when it accepted it, when it was due
-and when its timer fired; per consumer group it knows when a consumer first received it. The
-export keeps the earliest first-receive over all groups. This module owns the file format only
-(a Parquet schema and a writer built on pyarrow); it does not import Spark, so the broker can
-write a trace without a JVM. Times are int64 milliseconds since the epoch; a null means "not yet"
-(pending, or fired but never received). What the rows cannot show (older events rotated away
-by `trace_retention_bytes`) rides in the file's metadata as lines for people (`NOTES_KEY`).
+and when its timer fired or was cancelled; per consumer group it knows when a consumer first
+received it. The export keeps the earliest first-receive over all groups. This module owns the
+file format only (a Parquet schema and a writer built on pyarrow); it does not import Spark, so
+the broker can write a trace without a JVM. Times are int64 milliseconds since the epoch; a null
+means "not yet" (pending, or fired but never received) or "never" (cancelled_ms of a timer not
+cancelled). A trace written before `cancelled_ms` existed reads with it null (Spark fills a missing column).
+What the rows cannot show (older events rotated away by `trace_retention_bytes`) rides in the
+file's metadata as lines for people (`NOTES_KEY`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ TRACE_COLUMNS: tuple[tuple[str, str, bool], ...] = (
     ("due_ms", "int64", False),
     ("fired_ms", "int64", True),
     ("first_received_ms", "int64", True),
+    ("cancelled_ms", "int64", True),
 )
 """The trace's columns, in file order."""
 

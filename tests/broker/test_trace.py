@@ -1,7 +1,7 @@
 """The delivery trace of a real broker in simulated time: bounded by `trace_retention_bytes`,
-readable after a crash at any step of a rotation, and an export that tells "no events" from
-"events rotated away" (chronoq/trace.py). Real files throughout: cut segments are written, not
-simulated."""
+readable after a crash at any step of a rotation, an export that tells "no events" from
+"events rotated away", cancels journaled, older versions read (chronoq/trace.py). Real files
+throughout: cut segments are written, not simulated."""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def test_a_version_1_events_bin_is_read_then_rotated_away_first(data_dir: Path) 
     journal.record(trace.FIRED, "tp", "old", 9, 9)
     journal.close()
     assert trace.export_rows(data_dir) == [{"message_id": "old", "topic": "tp", "accepted_ms": 5, "due_ms": 9,
-                                            "fired_ms": 9, "first_received_ms": None}]
+                                            "fired_ms": 9, "first_received_ms": None, "cancelled_ms": None}]
     assert trace.read_trace(data_dir).rotated_segments == 0
     assert legacy.stat().st_size == 26  # never appended to
     legacy.write_bytes(legacy.read_bytes() * 1000)  # a version-1 file from months of tracing
@@ -145,7 +145,7 @@ def test_a_segment_of_a_newer_version_is_refused_naming_file_and_versions(data_d
     head = b"CHRONOQT" + struct.pack(">IQ", 99, 1)
     path.write_bytes(head + struct.pack(">I", crc32c.crc32c(head)))
     with pytest.raises(trace.TraceFormatError, match=r"00000000000000000001\.trace: delivery-trace format "
-                                                     r"version 99; this chronoq reads versions 1, 2"):
+                                                     r"version 99; this chronoq reads versions 1, 2, 3"):
         trace.read_trace(data_dir)
     journal = _journal(data_dir)  # the broker runs on without the trace, and says why
     assert journal.stopped is not None and "version 99" in journal.stopped
@@ -181,3 +181,59 @@ def test_export_tells_no_events_from_events_rotated_away(data_dir: Path, tmp_pat
     notes = read_trace_notes(out)
     assert any("rotated away" in n for n in notes) and any("left out" in n for n in notes)
     assert json.loads(json.dumps(notes)) == notes
+
+
+def test_a_cancel_is_journaled_once_durable_and_the_row_says_cancelled(run_broker: Callable,
+                                                                       data_dir: Path) -> None:
+    """A cancelled timer used to stay a row without fired_ms: pending, in the report, for good.
+    Its tombstone is journaled when dispatched (durable, before the cancel returns)."""
+    async def body(broker: Broker, clock: FakeClock) -> None:
+        due = clock.now_ms() + 60_000
+        by_handle = await broker.send(OutgoingMessage("tp", b"x", message_id="H", deliver_at_ms=due))
+        await broker.send(OutgoingMessage("tp", b"x", message_id="K", deliver_at_ms=due))
+        await broker.send(OutgoingMessage("tp", b"x", message_id="F", deliver_at_ms=due))
+        clock.advance(1_000)
+        await broker.cancel(recall_handle=by_handle.recall_handle)
+        clock.advance(1_000)
+        await broker.cancel(topic="tp", message_id="K")
+        broker.trace.flush()
+        rows = {r["message_id"]: r for r in trace.export_rows(data_dir)}
+        assert (rows["H"]["cancelled_ms"], rows["K"]["cancelled_ms"], rows["F"]["cancelled_ms"]) == (
+            due - 59_000, due - 58_000, None)
+        clock.set(due)
+        assert await broker.run_due() == 1
+        await broker.send(OutgoingMessage("tp", b"x", message_id="K", deliver_at_ms=due + 5_000))  # sent again
+        clock.set(due + 5_000)
+        assert await broker.run_due() == 1
+
+    run_broker(body, **TRACED)
+    rows = {(r["message_id"], r["due_ms"]): r for r in trace.export_rows(data_dir)}
+    assert len(rows) == 4
+    (fired,) = [r for (m, _), r in rows.items() if m == "F"]
+    assert fired["fired_ms"] == fired["due_ms"] and fired["cancelled_ms"] is None
+    cancelled = [r for r in rows.values() if r["cancelled_ms"] is not None]
+    assert sorted(r["message_id"] for r in cancelled) == ["H", "K"]
+    assert all(r["fired_ms"] is None for r in cancelled)
+    (again,) = [r for (m, _), r in rows.items() if m == "K" and r["cancelled_ms"] is None]
+    assert again["fired_ms"] == again["due_ms"]
+
+
+def test_a_version_2_segment_is_read_and_not_appended_to(data_dir: Path) -> None:
+    """Version 2 had no cancel kind: its reader takes a 4 for the end of what it can read (and
+    cut the segment there at its next open). This version reads a version-2 segment whole and
+    starts a version-3 one after it rather than append cancels to it."""
+    seg = data_dir / files.TRACE_DIR / files.trace_segment_name(0)
+    seg.parent.mkdir(parents=True)
+    head = b"CHRONOQT" + struct.pack(">IQ", 2, 0)
+    event = bytes([1]) + struct.pack(">QQHH", 5, 9, 2, 2) + b"tpM1"
+    seg.write_bytes(head + struct.pack(">I", crc32c.crc32c(head)) + event)
+    before = seg.read_bytes()
+    journal = _journal(data_dir)
+    journal.record(trace.CANCELLED, "tp", "M1", 7, 9)
+    journal.close()
+    assert seg.read_bytes() == before
+    assert _segments(data_dir) == [files.trace_segment_name(0), files.trace_segment_name(1)]
+    (row,) = trace.export_rows(data_dir)
+    assert (row["accepted_ms"], row["cancelled_ms"], row["fired_ms"]) == (5, 7, None)
+    seg.write_bytes(before + bytes([4]) + event[1:])  # a 4 in a version-2 segment is not an event
+    assert [e[0] for e in trace.read_events(data_dir)] == [trace.ACCEPTED, trace.CANCELLED]

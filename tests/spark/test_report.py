@@ -114,6 +114,28 @@ def test_report_synthetic_known_percentiles(spark, tmp_path):
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_report_counts_cancelled_apart_from_pending_and_prints_the_trace_notes(spark, tmp_path):
+    """A cancelled timer was counted pending for good; a trace missing rotated-away events read
+    like a whole one. Both are said now, and a Parquet trace from before cancelled_ms still reads."""
+    from chronoq.spark.report import compute_report, render_markdown
+
+    rows = [_row(0, T0_MS, T0_MS + 1000, T0_MS + 1000, T0_MS + 1001), _row(1, T0_MS, T0_MS + 5000, None, None),
+            {**_row(2, T0_MS, T0_MS + 5000, None, None), "cancelled_ms": T0_MS + 10}]
+    path = tmp_path / "trace.parquet"
+    write_trace(rows, path, notes=["3 older trace segment(s) were rotated away (trace_retention_bytes)"])
+    report = compute_report(spark, str(path))
+    assert (report["overall"]["cancelled"], report["overall"]["pending"]) == (1, 1)
+    md = render_markdown(report)
+    assert "cancelled 1, pending 1." in md and "Note: 3 older trace segment(s) were rotated away" in md
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    old = tmp_path / "old.parquet"  # written before cancelled_ms existed, no notes
+    pq.write_table(pa.table({k: [r[k] for r in rows[:2]] for k in rows[0]}), old)
+    report = compute_report(spark, str(old))
+    assert (report["overall"]["cancelled"], report["overall"]["pending"], report["notes"]) == (0, 1, [])
+
+
 def test_report_cli_100k_rows(spark, tmp_path):
     import argparse
 

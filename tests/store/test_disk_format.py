@@ -73,7 +73,7 @@ def test_sizes_the_layouts_state() -> None:
     assert files.segment_name(4096) == "00000000000000004096.log"
     assert files.cq_file_name(7) == "00000000000000000007.cq"
     assert trace.SEGMENT_HEADER_SIZE == 24 == len(trace.encode_segment_header(0))
-    assert (trace.SEGMENT_MAGIC, trace.TRACE_VERSION) == (b"CHRONOQT", 2)
+    assert (trace.SEGMENT_MAGIC, trace.TRACE_VERSION) == (b"CHRONOQT", 3)
     assert files.trace_segment_name(3) == "00000000000000000003.trace"
 
 
@@ -129,7 +129,7 @@ def test_trace_events_as_the_document_states(tmp_path: Path) -> None:
     journal.record(trace.FIRED, "tp", "M1", 7, 5)
     journal.close()
     blob = _trace_segment(tmp_path, 0).read_bytes()
-    head = b"CHRONOQT" + struct.pack(">IQ", 2, 0)
+    head = b"CHRONOQT" + struct.pack(">IQ", 3, 0)
     assert blob[:24] == head + struct.pack(">I", crc32c.crc32c(head))
     assert blob[24:] == bytes([2]) + struct.pack(">QQHH", 7, 5, 2, 2) + b"tpM1"
     _trace_segment(tmp_path, 0).write_bytes(blob + blob[24:-1])  # a torn last event
