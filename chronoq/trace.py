@@ -16,6 +16,8 @@ no log record, so nothing ties their lifetime to the log's. Segments are numbere
 gaps (1 when a version-1 `events.bin` is there: it is number 0), so the lowest number left says
 how many were rotated away, and `read_trace` says so: "no events" and "events rotated away" read
 differently. A timer whose acceptance was rotated away is left out of the rows and counted.
+An export may read a running broker's directory, whose rotation can delete a segment it listed:
+`read_trace` then reads again from the start, so its rows and notes agree.
 
 Crash safety: every step leaves a readable journal. A new segment is written with its header
 under a temporary name and renamed into place (a crash leaves a `.tmp`, removed at open); one
@@ -114,17 +116,19 @@ def list_segments(data_dir: Path) -> list[Segment]:
     no event to read); one of a version this chronoq does not know raises TraceFormatError."""
     trace_dir = data_dir / files.TRACE_DIR
     out: list[Segment] = []
-    legacy = trace_dir / files.TRACE_EVENTS
-    if legacy.exists():
-        out.append(Segment(0, legacy, LEGACY_VERSION, legacy.stat().st_size))
     if not trace_dir.is_dir():
         return out
+    legacy = trace_dir / files.TRACE_EVENTS
     numbered = sorted((n, p) for p in trace_dir.iterdir()
                       if (n := files.parse_numbered(p.name, files.TRACE_SEGMENT_SUFFIX)) is not None)
-    for number, path in numbered:
-        with open(path, "rb") as f:
-            head = f.read(SEGMENT_HEADER_SIZE)
-        out.append(_segment(number, path, head, path.stat().st_size))
+    for number, path in [(0, legacy), *numbered]:
+        try:
+            with open(path, "rb") as f:
+                head = b"" if path is legacy else f.read(SEGMENT_HEADER_SIZE)
+                size = os.fstat(f.fileno()).st_size
+        except FileNotFoundError:
+            continue  # never there (legacy), or rotated away by a running broker since the listing
+        out.append(Segment(0, legacy, LEGACY_VERSION, size) if path is legacy else _segment(number, path, head, size))
     return out
 
 
@@ -322,17 +326,25 @@ class TraceRead:
         return out
 
 
+READ_ATTEMPTS = 3
+"""`read_trace` reads again from the start when a running broker rotated a segment away under it."""
+
+
 def read_events(data_dir: Path) -> Iterator[tuple[int, int, int, str, str]]:
     """(kind, ts_ms, due_ms, topic, message_id) for every whole event in the journal, oldest
-    segment first. TraceFormatError for a segment of a version this chronoq does not read."""
+    segment first; a segment a running broker rotated away meanwhile is passed over.
+    TraceFormatError for a segment of a version this chronoq does not read."""
     for seg in list_segments(data_dir):
-        yield from _segment_events(seg)
+        try:
+            yield from _segment_events(seg)
+        except FileNotFoundError:
+            continue
 
 
 def _segment_events(seg: Segment) -> Iterator[tuple[int, int, int, str, str]]:
     if seg.damage is not None:
         return
-    data = seg.path.read_bytes()
+    data = seg.path.read_bytes()  # FileNotFoundError: rotated away since it was listed
     for i, end in _events(data, seg.version, seg.data_start):
         kind, ts, due, tlen, _ = _EVENT.unpack_from(data, i)
         j = i + _EVENT.size
@@ -363,6 +375,17 @@ def _whole_length(data: bytes, version: int) -> int:
 
 
 def read_trace(data_dir: Path) -> TraceRead:
+    """`_read_trace`, again from the start (`READ_ATTEMPTS` in all) when a running broker
+    rotated a segment away while it was read: rows and notes then agree on what was retained."""
+    for _ in range(READ_ATTEMPTS - 1):
+        try:
+            return _read_trace(data_dir)
+        except FileNotFoundError:
+            continue
+    return _read_trace(data_dir)
+
+
+def _read_trace(data_dir: Path) -> TraceRead:
     """One row per timer message: accepted_ms, due_ms, fired_ms, first_received_ms, cancelled_ms.
     A row is a (topic, message id, due time): a timer cancelled and sent again under its id for
     another time is two rows (one key per id measured the new one against the cancelled one's due

@@ -45,6 +45,8 @@ def run_export(args: argparse.Namespace) -> int:
         trace = read_trace(data_dir)
     except TraceFormatError as e:
         raise CliError(str(e)) from None
+    except OSError as e:
+        raise CliError(f"cannot read the trace in {data_dir}: {e}") from None
     rows = trace.rows
     notes = trace.notes()
     if not rows:

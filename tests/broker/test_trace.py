@@ -237,3 +237,20 @@ def test_a_version_2_segment_is_read_and_not_appended_to(data_dir: Path) -> None
     assert (row["accepted_ms"], row["cancelled_ms"], row["fired_ms"]) == (5, 7, None)
     seg.write_bytes(before + bytes([4]) + event[1:])  # a 4 in a version-2 segment is not an event
     assert [e[0] for e in trace.read_events(data_dir)] == [trace.ACCEPTED, trace.CANCELLED]
+
+
+def test_a_segment_rotated_away_while_it_is_read_is_passed_over(data_dir: Path) -> None:
+    """`chronoq trace export` reads the data directory of a running broker, whose rotation can
+    delete a listed segment before the reader gets to it: that was a FileNotFoundError."""
+    journal = _journal(data_dir)
+    for i in range(300):
+        journal.record(trace.ACCEPTED, "tp", f"M{i:04d}", i, 10_000 + i)
+    journal.close()
+    names = _segments(data_dir)
+    assert len(names) >= 3 and len(list(trace.read_events(data_dir))) == 300
+    events = trace.read_events(data_dir)
+    first = next(events)  # the segments are listed, the first read
+    (data_dir / files.TRACE_DIR / names[1]).unlink()  # the broker rotates it away now
+    rest = list(events)
+    kept = list(trace.read_events(data_dir))
+    assert [first, *rest] == kept and 0 < len(kept) < 300
