@@ -130,17 +130,19 @@ def test_every_chronoq_variable_named_in_the_repository_is_a_setting_or_a_client
     known = {f"CHRONOQ_{f.name.upper()}" for f in FIELDS} | envvars.NOT_SETTINGS
     pattern = re.compile(r"(?<![A-Za-z0-9_])CHRONOQ_[A-Z0-9_]*[A-Z0-9]")
     found: dict[str, str] = {}
-    for top, dirs, names in os.walk(root):
-        dirs[:] = [d for d in dirs if d not in (".git", ".venv", "node_modules", "__pycache__")]
-        for path in (Path(top) / n for n in names):
-            if path.suffix not in (".py", ".sh", ".md", ".toml", ".json", ".txt", ".yml", ".yaml", "") \
-                    or path.resolve() == Path(__file__).resolve() or path.stat().st_size > 4 * 2**20:
-                continue
-            for name in pattern.findall(path.read_text(errors="replace")):
-                where = path.relative_to(root)
-                shown = path.suffix == ".md" or where.parts[0] == "tests"
-                if not (shown and name in DOCUMENTED_MISSPELLINGS):
-                    found.setdefault(name, str(where))
+    # The files the repository tracks: not what set-up or a run left beside them (an egg-info
+    # copy of the README, bench results, data directories).
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True).stdout
+    for where in (Path(n) for n in tracked.decode().split("\0") if n):
+        path = root / where
+        if path.suffix not in (".py", ".sh", ".md", ".toml", ".json", ".txt", ".yml", ".yaml", "") \
+                or path.resolve() == Path(__file__).resolve() or not path.is_file() \
+                or path.stat().st_size > 4 * 2**20:
+            continue
+        for name in pattern.findall(path.read_text(errors="replace")):
+            shown = path.suffix == ".md" or where.parts[0] == "tests"
+            if not (shown and name in DOCUMENTED_MISSPELLINGS):
+                found.setdefault(name, str(where))
     assert "CHRONOQ_SERVER" in found and "CHRONOQ_FLUSH" in found  # the scan reads the repository
     unknown = {name: where for name, where in found.items() if name not in known}
     assert not unknown, f"CHRONOQ_* names a broker would refuse: {unknown}"
