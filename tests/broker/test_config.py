@@ -11,7 +11,6 @@ line and exits 2.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import subprocess
 import sys
