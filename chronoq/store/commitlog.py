@@ -493,14 +493,17 @@ class CommitLog:
                 os.close(seg.fd)
                 seg.path.unlink()
                 removed = True
+            # The removal is made durable before the cut: a power loss between the two then
+            # leaves the old segment whole (refused records back, a chain that opens), never a
+            # removed segment back after a cut one (a broken chain: the log refuses to open).
+            if removed:
+                fsync.fsync_dir(self.directory)
             seg = self._segments[-1]
             if seg.end > position:
                 os.ftruncate(seg.fd, position - seg.base + SEGMENT_HEADER_SIZE)
                 seg.data_size = position - seg.base
                 fsync.fsync(seg.fd, seg.path)
                 self._unsynced_fds.discard(seg.fd)
-            if removed:
-                fsync.fsync_dir(self.directory)
         except (OSError, FsyncFailed) as e:
             reason = e.message if isinstance(e, FsyncFailed) else f"cannot take back a failed append: {e}"
             self.fail(reason)

@@ -430,6 +430,63 @@ def test_a_batch_whose_roll_runs_out_of_space_after_its_first_records_leaves_not
     asyncio.run(body())
 
 
+def test_a_batch_whose_write_into_a_new_segment_runs_out_of_space_removes_it_durably_first(
+        disk: Disk, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The roll succeeds (the new segment's header fits) and the write into it finds no space:
+    the batch is taken back, the new segment removed and the old one cut back. The removal is
+    made durable (the directory fsynced) *before* the cut: a power loss between the two must not
+    bring the removed segment back after a cut one, a broken chain the log refuses to open.
+    The real calls are recorded in order (they still run)."""
+    from chronoq.store import commitlog, fsync
+
+    data = disk.root / "data"
+    config = _config(data, disk_min_free_bytes=0, segment_size_bytes=128 * 1024, max_message_size_bytes=64 * 1024)
+    calls: list[str] = []
+    real_fsync_dir, real_ftruncate = fsync.fsync_dir, commitlog.os.ftruncate
+
+    def fsync_dir(path: Path) -> None:
+        calls.append("fsync_dir")
+        real_fsync_dir(path)
+
+    def ftruncate(fd: int, length: int) -> None:
+        calls.append("ftruncate")
+        real_ftruncate(fd, length)
+
+    async def body() -> None:
+        broker = await Broker.open(config, clock=FakeClock(1_000_000), background=False)
+        sent = [await broker.send(OutgoingMessage("t", b"a" * 10_000, message_id=f"a{i}")) for i in range(10)]
+        record = sent[1].position - sent[0].position
+        log = broker.store.log
+        segment = log.segments()[-1]
+        first = (128 * 1024 - 24 - segment.data_size) // record
+        assert 1 <= first < 4
+        size = segment.path.stat().st_size
+        disk.fill()
+        # Room for the first records' pages and a page for the new segment's header, not for the
+        # records the batch writes after it.
+        disk.give_back(-(-(size + first * record) // PAGE) * PAGE - -(-size // PAGE) * PAGE + PAGE)
+        monkeypatch.setattr(fsync, "fsync_dir", fsync_dir)
+        monkeypatch.setattr(commitlog.os, "ftruncate", ftruncate)
+        batch = [OutgoingMessage("t", b"b" * 10_000, message_id=f"b{i}") for i in range(4)]
+        with pytest.raises(DiskFull):
+            await broker.send_batch(batch)
+        monkeypatch.undo()
+        assert segment.path.stat().st_size == size, "the batch's first records were not taken back"
+        assert len(log.segments()) == 1 and len(list((data / files.COMMITLOG_DIR).glob("*.log"))) == 1
+        # Before them: the roll's directory fsync and the failed write cutting back its own
+        # partial bytes. The undo's two steps come last, the directory's fsync first.
+        assert calls[-2:] == ["fsync_dir", "ftruncate"], \
+            f"the new segment's removal was not made durable before the cut: {calls}"
+        assert log.failure is None and broker.fatal is None
+        disk.unfill()
+        retried = await broker.send_batch(batch)
+        assert not any(r.duplicate for r in retried)
+        assert await _receive_all(broker, "t") == [m.message_id for m in sent + batch]
+        await broker.close()
+
+    asyncio.run(body())
+
+
 def test_fired_copies_whose_roll_runs_out_of_space_fire_once_when_space_returns(disk: Disk) -> None:
     """The same for the timer side: a fire step's copies span two segments and the roll finds no
     space. The copies written before it used to stay in the log while their timers stayed
