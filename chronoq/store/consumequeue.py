@@ -296,7 +296,7 @@ class ConsumeQueue:
                     return report
                 report.truncated_entries += whole - count
             if len(body) != count * ENTRY_SIZE:
-                os.truncate(path, CQ_HEADER_SIZE + count * ENTRY_SIZE)
+                _cut_durably(path, CQ_HEADER_SIZE + count * ENTRY_SIZE)
             self._files.append(CQFile(first, path, -1, count))  # opened on first use
         del log_start  # entries below the log's start are expired, not damaged
         return report
@@ -501,6 +501,20 @@ class ConsumeQueue:
                 f.dirty = False
             self._files = []
             self.open_files.note_clean(self)
+
+
+def _cut_durably(path: Path, size: int) -> None:
+    """Cut a queue file back to `size` bytes (entries past the log's end dropped at recovery),
+    fdatasynced before anything is appended: the log goes on at its end, so other records take
+    the positions those entries named. A cut no fsync covered could come back with a power loss
+    after them (the queue need not be written again, so no checkpoint would sync it), its old
+    entries pointing at those records: consumers of this queue would receive them."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.ftruncate(fd, size)
+        fsync.fdatasync(fd, path)
+    finally:
+        os.close(fd)
 
 
 def _first_offset(f: CQFile) -> int:

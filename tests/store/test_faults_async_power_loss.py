@@ -12,13 +12,15 @@ P, and the copy is opened. What is asked (docs/design.md, "Faults"):
 - a checkpoint of version 1 (brokers before it was capped at the fsynced end wrote it past P)
   is walked from the segment's start;
 - sync: records below the checkpoint were fsynced and acknowledged; losing them is a disk's
-  fault, cut like any torn tail but reported as an error and a problem, never silently.
+  fault, cut like any torn tail but reported as an error and a problem, never silently;
+- a queue recovery cut back stays cut through a second power loss (the cut is fdatasynced).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -229,6 +231,84 @@ def test_zeros_the_log_still_spans_below_a_version_2_checkpoint_are_one_damaged_
             clock.advance(20_000)
             assert await broker.run_due() == 2  # "ta" fired, "tb" marked damaged: reported, not dropped
             assert broker.stats()["timer"]["damaged"] == 1
+        finally:
+            await broker.close()
+
+    asyncio.run(body())
+
+
+def test_a_queue_cut_back_by_recovery_stays_cut_after_a_second_power_loss(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Recovery drops a queue's entries that point past the log's end (cut by the first power
+    loss) and the log goes on at the cut: new records, of another queue, take those positions.
+    The queue's cut must be durable before then. Before, it was a truncate no fsync covered (the
+    queue got no new entry, so no checkpoint synced it): a second power loss brought its old
+    entries back, now pointing at the other queue's records, and its consumers received them
+    (same size: delivered whole, a message twice on two queues). The disk is modelled at the
+    system-call boundary: after the second loss a queue file holds what its last fsync since the
+    first open saw, or what it held before that open."""
+    real_fsync, real_fdatasync = os.fsync, os.fdatasync
+    durable: dict[str, bytes] = {}
+
+    def remember(fd: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if path.endswith(files.CQ_SUFFIX):
+            with open(path, "rb") as f:
+                durable[path] = f.read()
+
+    def recording_fsync(fd: int) -> None:
+        real_fsync(fd)
+        remember(fd)
+
+    def recording_fdatasync(fd: int) -> None:
+        real_fdatasync(fd)
+        remember(fd)
+
+    async def body() -> None:
+        clock = FakeClock(START_MS)
+        live, data, after = tmp_path / "live", tmp_path / "data", tmp_path / "after"
+        broker = await _open(live, "async", clock)
+        try:
+            broker.topics.create("two", 2)
+            kept = [await broker.send(OutgoingMessage("two", b"m" * 100, message_id=f"m{i}", queue_id=0))
+                    for i in range(3)]
+            await broker.store.log.flush_now()
+            fsynced = broker.store.log.flushed_position
+            lost = [await broker.send(OutgoingMessage("two", b"x" * 100, message_id=f"a{i}", queue_id=0))
+                    for i in range(3)]
+            broker.store.checkpoint()  # queue 0's entries for a0..a2 are durable, the log's tail is not
+            end = broker.store.log.end_position
+            shutil.copytree(live, data, ignore=shutil.ignore_patterns(files.LOCK))
+        finally:
+            await broker.close()
+        _lose_tail(data, fsynced, end, "zeros")
+        before_open = {str(p): p.read_bytes() for p in (data / files.QUEUES_DIR).rglob("*" + files.CQ_SUFFIX)}
+        monkeypatch.setattr(os, "fsync", recording_fsync)
+        monkeypatch.setattr(os, "fdatasync", recording_fdatasync)
+        broker = await _open(data, "async", clock)
+        try:
+            assert broker.open_report.truncated_cq_entries == 3
+            taken = [await broker.send(OutgoingMessage("two", b"x" * 100, message_id=f"b{i}", queue_id=1))
+                     for i in range(3)]
+            # The log goes on at the cut: queue 1's records where queue 0's lost ones were.
+            assert [m.position for m in taken] == [m.position for m in lost]
+            await broker.store.log.flush_now()
+            broker.store.checkpoint()
+            # The second power loss: every queue file as its last fsync left it.
+            shutil.copytree(data, after, ignore=shutil.ignore_patterns(files.LOCK))
+            for path, old in before_open.items():
+                (after / Path(path).relative_to(data)).write_bytes(durable.get(path, old))
+        finally:
+            await broker.close()
+        monkeypatch.undo()
+        broker = await _open(after, "async", clock)
+        try:
+            got0 = [m.message_id for m in await broker.read("two", 0, 0, 10)]
+            got1 = [m.message_id for m in await broker.read("two", 1, 0, 10)]
+            assert got1 == ["b0", "b1", "b2"]
+            assert got0 == [m.message_id for m in kept], \
+                f"queue 0's entries dropped at the first recovery came back, pointing at queue 1's records: {got0}"
+            assert sorted(await _drain(broker, "two")) == ["b0", "b1", "b2", "m0", "m1", "m2"]  # each once
         finally:
             await broker.close()
 
