@@ -28,7 +28,8 @@ finish in line and reports how far it got, so their senders stay unacknowledged;
 flusher retries it, sends are refused meanwhile (`check_room_for_send`), and it resumes when
 space returns. A checkpoint that finds no space raises `DiskFull` and leaves the old one valid.
 Recovery writes nothing that needs space: its checkpoint, or a topic table it had to rebuild,
-waits for a later checkpoint when the disk is full.
+waits for a later checkpoint when the disk is full (an old checkpoint past the log's end is
+removed instead: it names no boundary of the records written past it next).
 
 A checkpoint (the dispatched position, once every consume-queue write below it is fsynced, and
 never past the log's fsynced end, which `flush = "async"` dispatch runs ahead of) runs
@@ -350,6 +351,13 @@ class MessageStore:
             self.checkpoint()
         except DiskFull as e:  # the old checkpoint stays valid: replay starts there again
             self.disk.note_full("checkpoint", e)
+            if checkpoint is not None and checkpoint > self.log.end_position:
+                # Unless it is past the log's end (records below it were lost): new records will
+                # run past it, and it names no boundary of theirs; a recovery walking from it would
+                # take the record it lands in for a torn tail and cut it. Removed (no space
+                # needed): the next recovery replays the log from its start.
+                (self.dir / files.CHECKPOINT).unlink(missing_ok=True)
+                fsync.fsync_dir(self.dir)
         return report
 
     def _load_topics(self) -> str | None:

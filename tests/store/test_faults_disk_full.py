@@ -15,6 +15,7 @@ import asyncio
 import errno
 import logging
 import os
+import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -27,9 +28,11 @@ from chronoq.broker import Broker
 from chronoq.clock import FakeClock
 from chronoq.config import Config, ConfigError
 from chronoq.errors import ChronoqError, DiskFull, FlushFailed, FsyncFailed, Throttled, TopicNotFound
-from chronoq.model import OutgoingMessage
+from chronoq.model import MessageType, OutgoingMessage
 from chronoq.store import files
+from chronoq.store.commitlog import SEGMENT_HEADER_SIZE
 from chronoq.store.diskspace import free_bytes, is_disk_full
+from chronoq.store.messagestore import MessageStore, PreparedMessage
 from chronoq.store.meta import read_checkpoint
 
 MiB = 1024 * 1024
@@ -822,3 +825,56 @@ def test_a_full_trace_disk_stops_the_trace_never_a_send(mount, tmp_path: Path) -
         assert "again" in {r["message_id"] for r in read_trace(data).rows}
 
     run_without_cycle_collector(body())
+
+
+def test_a_checkpoint_past_the_log_end_that_recovery_cannot_replace_is_not_trusted_again(
+        disk: Disk, tmp_path: Path) -> None:
+    """Recovery found the log ending below the checkpoint (a disk that lost fsynced records: the
+    segment cut short) and could not write the new checkpoint: the disk is full (no reserve
+    file: a second start on a full disk has none left). The old one, past the log's end, must
+    not be trusted once new records run past it: it names no record boundary of theirs. Before,
+    it stayed; after new, acknowledged records and a crash, recovery walked the last segment from
+    it, mid-record, took the record it landed in for a torn tail and cut it: acknowledged, lost,
+    without a word."""
+    data = disk.root / "data"
+    config = _config(data, disk_reserve_file_bytes=0, disk_min_free_bytes=0)
+
+    def msg(mid: str, size: int) -> PreparedMessage:
+        return PreparedMessage("t", mid, MessageType.NORMAL, b"x" * size, 0, queue_id=0)
+
+    async def body() -> None:
+        store, _ = MessageStore.open(config)
+        try:
+            store.create_topic("t", 1, frozenset(MessageType), 0)
+            stored = store.append([msg(f"m{i}", 100) for i in range(6)], 1)
+            await store.log.flush_now()  # the group commit (no flusher task here)
+        finally:
+            store.close()
+        end = stored[-1].position + stored[-1].size
+        cut = stored[3].position
+        assert read_checkpoint(data / files.CHECKPOINT) == end
+        segment = next((data / files.COMMITLOG_DIR).glob("*.log"))
+        os.truncate(segment, SEGMENT_HEADER_SIZE + cut)  # the disk lost the last three
+        disk.fill()
+        store, report = MessageStore.open(config)
+        try:
+            assert report.log.lost_below_checkpoint == end - cut
+            assert store.log.end_position == cut
+            disk.unfill()
+            [late] = store.append([msg("late", 1000)], 2)
+            await store.log.flush_now()
+            await store.wait_durable(late.position + late.size)  # acknowledged
+            assert late.position == cut < end < late.position + late.size
+            # A crash: the directory as the page cache holds it (everything fsynced anyway).
+            shutil.copytree(data, tmp_path / "after", ignore=shutil.ignore_patterns(files.LOCK))
+        finally:
+            store.close()
+        store, _ = MessageStore.open(_config(tmp_path / "after"))
+        try:
+            got = [m.message_id for _, p, s, _ in store.queue("t", 0).read_range(0, 10)
+                   if (m := store.readable(p, s)) is not None]
+            assert got == ["m0", "m1", "m2", "late"], f"an acknowledged record was cut: {got}"
+        finally:
+            store.close()
+
+    asyncio.run(body())
