@@ -60,11 +60,14 @@ class TakenFlush:
     queue: ConsumeQueue | None = None
     owners: tuple[CQFile, ...] = ()
     """The files the descriptors duplicate, for `untake`."""
+    given_back: bool = False
+    """Set by `untake`: nothing is to be synced or recorded for it any more."""
 
     def untake(self) -> None:
         """Give the queue back what was taken (on the loop, before anything else ran): a
         checkpoint that fails while taking from a later queue must not leave these counted
         clean, or the next one would cover their entries without syncing them."""
+        self.given_back = True
         if self.queue is not None:
             for f in self.owners:
                 if f.fd >= 0:  # still open (nothing ran in between to close it)

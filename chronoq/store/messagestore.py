@@ -134,7 +134,11 @@ def _retrieve(done: asyncio.Future[None]) -> None:
 
 def _sync_and_record(taken: list[TakenFlush], path: Path, checkpoint: bytes) -> None:
     """A checkpoint's disk work (on a worker thread, or the caller's): make the taken queue
-    writes durable, then replace the checkpoint file. The descriptors are released either way."""
+    writes durable, then replace the checkpoint file. The descriptors are released either way.
+    A job whose checkpoint was given back (its worker could not start when it was queued) does
+    nothing: its queues count as dirty again, and a later checkpoint syncs and records them."""
+    if any(t.given_back for t in taken):
+        return
     try:
         for t in taken:
             t.sync()
@@ -700,8 +704,17 @@ class MessageStore:
             await _finished(self._checkpoint_thread)
             self._settle_background_checkpoint()
         position, taken = self._take_checkpoint()
-        job = self._checkpoint_pool.submit(_sync_and_record, taken, self.dir / files.CHECKPOINT,
-                                           encode_checkpoint(position, 0))
+        try:
+            job = self._checkpoint_pool.submit(_sync_and_record, taken, self.dir / files.CHECKPOINT,
+                                               encode_checkpoint(position, 0))
+        except BaseException:
+            # No worker thread (RuntimeError: a pids limit; it starts on first use): give back
+            # what was taken, or the next checkpoint would cover those queues' entries unsynced
+            # (and the duplicates leak). The job stays queued in the pool; a worker that starts
+            # later finds it given back and skips it (`_sync_and_record`).
+            for t in taken:
+                t.untake()
+            raise
         self._checkpoint_thread = job
         # Cancelled here, the thread runs on (its queues are counted clean already) and whoever
         # checkpoints next takes its outcome.

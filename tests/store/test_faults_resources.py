@@ -7,6 +7,9 @@ its open in turn. Before, RocksDB's errors there read as damage: the consumer-gr
 moved aside (every group would receive the whole retained log again), five times over; the timer
 index was called corrupt (destroyed and rebuilt); and an EMFILE on a RocksDB LOCK file was
 reported as another broker holding the directory.
+
+Also threads that cannot start (a real RLIMIT_NPROC): the group commit's fsync thread, and a
+background checkpoint's worker, which must give back the queue files it took.
 """
 
 from __future__ import annotations
@@ -144,3 +147,71 @@ def test_a_broker_that_cannot_start_its_fsync_thread_stops_and_closes(tmp_path: 
     assert out["send"] in ("FlushFailed", "BrokerClosed"), out
     assert "can't start new thread" in out["fatal"], out
     assert out["close"] == "closed", out
+
+
+_NO_CHECKPOINT_THREAD_CHILD = """
+import asyncio, json, os, resource, sys
+from pathlib import Path
+from chronoq.config import Config
+from chronoq.model import MessageType
+from chronoq.store.messagestore import MessageStore, PreparedMessage
+
+def fds():
+    return len(os.listdir("/proc/self/fd")) - 1  # the listing's own
+
+async def main():
+    store, _ = MessageStore.open(Config(data_dir=Path(sys.argv[1]), default_queue_count=1))
+    store.create_topic("t", 1, frozenset(MessageType), 0)
+    store.append([PreparedMessage("t", "m0", MessageType.NORMAL, b"x", 0)], 1)
+    await store.log.flush_now()  # the group commit's thread starts here, before the limit
+    store.checkpoint()
+    store.append([PreparedMessage("t", "m1", MessageType.NORMAL, b"x", 0)], 1)
+    await store.log.flush_now()  # dispatched: the queue's file is written, not yet synced
+    before = fds()
+    if os.getuid() == 0:  # root is exempt from RLIMIT_NPROC: count threads against "nobody"
+        os.setresuid(65534, 0, 0)  # (files are still opened as root: the effective uid stays)
+    resource.setrlimit(resource.RLIMIT_NPROC, (1, 1))  # this user may start no more threads
+    out = {}
+    try:
+        await store.checkpoint_in_background()  # its worker thread cannot start
+        out["background"] = "done"
+    except BaseException as e:
+        out["background"] = f"{type(e).__name__}: {e}"
+    out["leaked"] = fds() - before
+    out["dirty"] = len(store.queue_files.dirty_queues())
+    synced = []
+    real = os.fdatasync
+    def recording(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+    os.fdatasync = recording
+    store.checkpoint()  # on this thread: covers m1's entry
+    os.fdatasync = real
+    out["queue_synced"] = any(p.endswith(".cq") for p in synced)
+    store.close()
+    print(json.dumps(out))
+
+asyncio.run(main())
+"""
+
+
+def test_a_checkpoint_whose_thread_cannot_start_gives_back_what_it_took(tmp_path: Path) -> None:
+    """A background checkpoint takes the dirty queue files (duplicates, counted clean) and hands
+    them to its worker thread, started on first use. When no thread can be made (a real
+    RLIMIT_NPROC on an unprivileged user), the checkpoint fails and must give back what it took:
+    before, the duplicates leaked and the queues stayed counted clean, so the next checkpoint (the
+    broker's close, after this stopped it) recorded a position covering their entries without
+    syncing them: a power loss then could lose acknowledged messages below the checkpoint."""
+    data = tmp_path / "data"
+    drop = ["setpriv", "--bounding-set", "-sys_resource,-sys_admin"] if os.getuid() == 0 else []
+    if drop and shutil.which("setpriv") is None:
+        pytest.skip("running as root needs setpriv to drop the capabilities that lift RLIMIT_NPROC")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}  # this checkout's chronoq
+    done = subprocess.run([*drop, sys.executable, "-c", _NO_CHECKPOINT_THREAD_CHILD, str(data)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "can't start new thread" in out["background"], out
+    assert out["leaked"] == 0, out
+    assert out["dirty"] == 1, out
+    assert out["queue_synced"], f"the next checkpoint covered the queue's entry without syncing it: {out}"
