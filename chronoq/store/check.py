@@ -37,7 +37,7 @@ from chronoq.store.commitlog import SEGMENT_HEADER_SIZE, check_frame, decode_seg
 from chronoq.store.consumequeue import CQ_HEADER_SIZE, ENTRY_SIZE, decode_cq_header, decode_entry, tag_hash
 from chronoq.store.damage import DAMAGED, classify
 from chronoq.store.diskspace import resource_problem
-from chronoq.store.meta import decode_checkpoint, decode_topics
+from chronoq.store.meta import CHECKPOINT_VERSION, decode_checkpoint_versioned, decode_topics
 from chronoq.store.record import decode_record
 from chronoq.timer.index import FORMAT_VERSION as TIMER_INDEX_FORMAT_VERSION
 from chronoq.timer.index_codec import CF_META, META_FORMAT_VERSION, U32
@@ -105,9 +105,9 @@ def check_data_dir(data_dir: str | Path) -> CheckReport:
     _check_rocksdb(data_dir / files.GROUPS_DIR, "consumer-group store", report, derived=False)
     _check_rocksdb(data_dir / files.TIMER_DIR, "timer index", report, derived=True,
                    format_version=(CF_META, META_FORMAT_VERSION, TIMER_INDEX_FORMAT_VERSION))
-    checkpoint = _check_checkpoint(data_dir, report)
+    checkpoint, checkpoint_version = _check_checkpoint(data_dir, report)
     queues = _load_queues(data_dir, report)
-    _check_log(data_dir, report, queues, checkpoint)
+    _check_log(data_dir, report, queues, checkpoint, walked_from=checkpoint_version >= CHECKPOINT_VERSION)
     for (topic, qid), q in sorted(queues.items()):
         # Entries past the queue's last record in the log, ignoring ones retention left behind.
         extra = [position for j, (position, _, _) in enumerate(q.entries)
@@ -194,16 +194,17 @@ def _check_topics(data_dir: Path, report: CheckReport) -> None:
             "copy the file first if you want to inspect it")
 
 
-def _check_checkpoint(data_dir: Path, report: CheckReport) -> int | None:
+def _check_checkpoint(data_dir: Path, report: CheckReport) -> tuple[int | None, int]:
+    """(dispatched position, version), or (None, 0) when there is none to trust."""
     path = data_dir / files.CHECKPOINT
     if not path.exists():
         report.notes.append(f"{path}: missing (a restart replays the whole log)")
-        return None
+        return None, 0
     try:
-        return decode_checkpoint(path.read_bytes())
+        return decode_checkpoint_versioned(path.read_bytes())
     except CorruptRecord as e:
         report.repairs.append(f"{path}: {e.reason} (a restart replays the whole log)")
-        return None
+        return None, 0
 
 
 def _load_queues(data_dir: Path, report: CheckReport) -> dict[tuple[str, int], _Queue]:
@@ -259,7 +260,9 @@ def _load_queue(qdir: Path, report: CheckReport) -> _Queue | None:
 
 
 def _check_log(data_dir: Path, report: CheckReport, queues: dict[tuple[str, int], _Queue],
-               checkpoint: int | None) -> None:
+               checkpoint: int | None, *, walked_from: bool = False) -> None:
+    """`walked_from`: the checkpoint is of version 2, where recovery starts its walk of the last
+    segment (bytes below it that the segment still spans are not looked at: readers meet them)."""
     log_dir = data_dir / files.COMMITLOG_DIR
     if not log_dir.exists():
         report.notes.append(f"{log_dir}: missing (empty broker)")
@@ -293,7 +296,8 @@ def _check_log(data_dir: Path, report: CheckReport, queues: dict[tuple[str, int]
                 size = check_frame(data, offset, position)
                 msg = decode_record(data, offset, expected_position=position)
             except CorruptRecord as e:
-                resume = _bad_record(report, path, data, base, position, end, e.reason, is_last, checkpoint)
+                resume = _bad_record(report, path, data, base, position, end, e.reason, is_last, checkpoint,
+                                     walked_from)
                 if resume is None:  # a torn tail: the log a restart keeps ends here
                     end = position
                     break
@@ -320,11 +324,13 @@ _LOST_BELOW_CHECKPOINT = ('With flush = "async" and a checkpoint of version 1 a 
 
 
 def _bad_record(report: CheckReport, path: Path, data: bytes, base: int, position: int, end: int, reason: str,
-                is_last: bool, checkpoint: int | None) -> int | None:
+                is_last: bool, checkpoint: int | None, walked_from: bool = False) -> int | None:
     """Report the record at `position` that failed its checks; return where to read on (None:
     a torn tail, where the log ends once a restart has truncated it). A torn tail below the
     checkpoint is a problem, not a repair: the records there had been dispatched, so
-    acknowledged, in either flush mode (recovery: `CommitLog._lost_below_checkpoint`)."""
+    acknowledged, in either flush mode (recovery: `CommitLog._lost_below_checkpoint`). Below a
+    version-2 checkpoint the segment still spans (`walked_from`), recovery's walk never meets
+    it: a restart keeps those bytes, and readers quarantine them, as any damage."""
 
     def pread(at: int, size: int) -> bytes:
         offset = at - base + SEGMENT_HEADER_SIZE
@@ -338,6 +344,12 @@ def _bad_record(report: CheckReport, path: Path, data: bytes, base: int, positio
                                "(skips and reports them), it does not cut anything after them")
         return resume
     if is_last and checkpoint is not None and position < checkpoint:
+        if walked_from and checkpoint <= end:
+            report.problems.append(f"{path}: damaged bytes at positions [{position}, {checkpoint}) "
+                                   f"({checkpoint - position} bytes), below the checkpoint: {reason}; records the "
+                                   "consume queues were given (so acknowledged) are lost. A restart keeps them; "
+                                   "readers quarantine them (skip and report them)")
+            return checkpoint  # where recovery's walk starts
         return None  # the log's end is below the checkpoint: `_check_log` reports it, once
     if is_last:
         report.repairs.append(f"{path}: torn tail at position {position} ({end - position} bytes): {reason}; no valid "

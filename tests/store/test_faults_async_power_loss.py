@@ -222,6 +222,12 @@ def test_zeros_the_log_still_spans_below_a_version_2_checkpoint_are_one_damaged_
         live, data = tmp_path / "live", tmp_path / "data"
         fsynced, end, first = await _power_loss_copy(live, data, "sync", clock)
         _lose_tail(data, fsynced, end, "zeros")
+        # `chronoq check` says what a restart does with them: keeps them, as damage. Before, it
+        # said a restart cuts them and drops the queues' entries for them; it does neither.
+        checked = check_data_dir(data)
+        assert any(f"damaged bytes at positions [{fsynced}, {end})" in p for p in checked.problems), checked.problems
+        assert not any("restart cuts the tail" in p for p in checked.problems), checked.problems
+        assert not any("past the log's end" in r for r in checked.repairs), checked.repairs
         broker = await _open(data, "sync", clock)
         try:
             with caplog.at_level(logging.ERROR, logger="chronoq"):
