@@ -25,7 +25,8 @@ the retained log again from its start. At least once, so nothing is lost; the al
 broker that cannot start, serves nobody. And offsets can be ahead of the consume queues (the
 store restored from a later copy than the log, a log cut back by recovery): `clamp` brings each
 back to its queue's end and drops in-flight entries past it, so the group receives what is
-appended there next instead of skipping it.
+appended there next instead of skipping it. That write, alone, is fsynced: lost to a power loss
+after new records filled the queue past the old offset, nothing would bring it back again.
 
 A full disk. A write that finds no space raises `DiskFull` (retriable) and changes nothing (the
 mirror follows only a written batch). RocksDB then refuses every later write with the same error,
@@ -170,6 +171,9 @@ class GroupStore:
         """A write failed for space: RocksDB refuses writes until reopened (module docstring)."""
         self._wo = WriteOptions()
         self._wo.sync = False
+        self._wo_sync = WriteOptions()
+        self._wo_sync.sync = True
+        """For the one write whose loss costs more than a redelivery (`clamp`)."""
         self._offsets: dict[tuple[str, str, int], int] = {}
         self._inflight: dict[tuple[str, str], dict[tuple[int, int], InFlight]] = {}
         self._heaps: dict[tuple[str, str], list[tuple[int, int, int, int]]] = {}
@@ -198,13 +202,14 @@ class GroupStore:
                 raise self.disk.ran_out("opening the consumer-group store (RocksDB)", self.directory) from exc
             raise
 
-    def _write(self, wb: WriteBatch) -> None:
-        """The one place a batch reaches RocksDB: DiskFull when it found no space."""
+    def _write(self, wb: WriteBatch, *, sync: bool = False) -> None:
+        """The one place a batch reaches RocksDB: DiskFull when it found no space. `sync`: fsync
+        the write-ahead log before returning."""
         if self._stuck:
             self._reopen()
         assert self._db is not None
         try:
-            self._db.write(wb, self._wo)
+            self._db.write(wb, self._wo_sync if sync else self._wo)
         except Exception as exc:
             if not is_disk_full(exc):
                 raise
@@ -299,7 +304,10 @@ class GroupStore:
             log.warning("consumer-group offsets ahead of their queues (files restored from different times?): "
                         "%d offsets moved back to their queue's end, %d in-flight entries dropped",
                         len(offsets), len(remove))
-            self.commit(offsets=offsets, remove=remove)
+            # Durable at once, unlike other writes: lost to a power loss, an offset is ahead of
+            # its queue again once new records fill the queue back past it, and then nothing
+            # brings it back: the group would skip them (a lost ack or advance only redelivers).
+            self.commit(offsets=offsets, remove=remove, sync=True)
         if legacy:
             wb = WriteBatch(raw_mode=True)
             for group, topic, qid in legacy:
@@ -375,8 +383,9 @@ class GroupStore:
     # -- the one write path -----------------------------------------------------------------
 
     def commit(self, *, offsets: Iterable[tuple[str, str, int, int]] = (),
-               put: Iterable[InFlight] = (), remove: Iterable[InFlight] = ()) -> None:
-        """Atomically: set next offsets, add/replace in-flight entries, remove in-flight entries."""
+               put: Iterable[InFlight] = (), remove: Iterable[InFlight] = (), sync: bool = False) -> None:
+        """Atomically: set next offsets, add/replace in-flight entries, remove in-flight entries
+        (`sync`: durable before it returns; see `clamp`)."""
         offsets, put, remove = list(offsets), list(put), list(remove)
         wb = WriteBatch(raw_mode=True)
         for group, topic, qid, offset in offsets:
@@ -387,7 +396,7 @@ class GroupStore:
                 wb.delete(b"i" + _gt(e.group, e.topic) + _QO.pack(e.queue_id, e.offset))
         for e in put:
             wb.put(b"i" + _gt(e.group, e.topic) + _QO.pack(e.queue_id, e.offset), _encode_inflight(e))
-        self._write(wb)
+        self._write(wb, sync=sync)
         # The mirror follows only once the batch is written: a failed write changes nothing.
         for group, topic, qid, offset in offsets:
             self._offsets[(group, topic, qid)] = offset

@@ -13,7 +13,8 @@ P, and the copy is opened. What is asked (docs/design.md, "Faults"):
   is walked from the segment's start;
 - sync: records below the checkpoint were fsynced and acknowledged; losing them is a disk's
   fault, cut like any torn tail but reported as an error and a problem, never silently;
-- a queue recovery cut back stays cut through a second power loss (the cut is fdatasynced).
+- a queue recovery cut back stays cut through a second power loss (the cut is fdatasynced), and so
+  does a group offset brought back to its queue (fsynced; watched with strace).
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import crc32c
@@ -319,3 +323,72 @@ def test_a_queue_cut_back_by_recovery_stays_cut_after_a_second_power_loss(
             await broker.close()
 
     asyncio.run(body())
+
+
+_OPEN_CHILD = """
+import asyncio, os, sys
+from pathlib import Path
+from chronoq.broker import Broker
+from chronoq.clock import FakeClock
+from chronoq.config import Config
+
+async def main():
+    config = Config(data_dir=Path(sys.argv[1]), flush="async", flush_interval_ms=600_000,
+                    segment_size_bytes=1 << 20, max_message_size_bytes=2048, default_queue_count=1)
+    broker = await Broker.open(config, clock=FakeClock(int(sys.argv[2])), background=False)
+    print(broker.groups.offset("g", "t", 0), flush=True)
+    os._exit(0)  # a crash right after the open: whatever is not fsynced yet is at the mercy of power
+
+asyncio.run(main())
+"""
+
+
+def test_a_group_offset_brought_back_to_its_queue_is_fsynced(tmp_path: Path) -> None:
+    """After an async power loss, recovery brings a group's offset back from past the lost
+    records to its queue's end; new records then fill the queue back past the old offset. That
+    move back must be durable: lost to a second power loss (the group store writes without an
+    fsync: a lost write is usually a redelivery), the offset is ahead again, no longer past the
+    queue's end, so nothing moves it back, and the group skips the new, acknowledged messages.
+    Watched at the system-call boundary (strace): before, the move back's write to the group
+    store's write-ahead log was the open's last, and no fsync followed it."""
+    if shutil.which("strace") is None:
+        pytest.skip("needs strace to watch RocksDB's own system calls")
+
+    async def body() -> Path:
+        clock = FakeClock(START_MS)
+        live, data = tmp_path / "live", tmp_path / "data"
+        broker = await _open(live, "async", clock)
+        try:
+            for i in range(3):
+                await broker.send(OutgoingMessage("t", b"a" * 100, message_id=f"a{i}"))
+            await broker.store.log.flush_now()
+            fsynced = broker.store.log.flushed_position
+            for i in range(3):
+                await broker.send(OutgoingMessage("t", b"b" * 100, message_id=f"b{i}"))
+            assert len(await _drain(broker, "t")) == 6  # the group's offset: 6
+            broker.store.checkpoint()
+            end = broker.store.log.end_position
+            shutil.copytree(live, data, ignore=shutil.ignore_patterns(files.LOCK))
+        finally:
+            await broker.close()
+        _lose_tail(data, fsynced, end, "zeros")
+        return data
+
+    data = asyncio.run(body())
+    trace = tmp_path / "trace.txt"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}  # this checkout's chronoq
+    strace = ["strace", "-f", "-y", "--seccomp-bpf", "-e", "trace=write,pwrite64,writev,fsync,fdatasync",
+              "-o", str(trace)]
+    done = subprocess.run([*strace, sys.executable, "-c", _OPEN_CHILD, str(data), str(START_MS)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    if done.returncode != 0 and "ptrace" in done.stderr:
+        pytest.skip(f"strace cannot trace here: {done.stderr.strip()[:200]}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == "3"  # brought back from 6 to the queue's end
+    wal = re.compile(r"(?:write|pwrite64|writev)\(\d+<(" + re.escape(str(data / files.GROUPS_DIR)) + r"/\d+\.log)>")
+    calls = trace.read_text().splitlines()
+    writes = [(i, m.group(1)) for i, line in enumerate(calls) if (m := wal.search(line))]
+    assert writes, "no write to the group store's write-ahead log"
+    last, path = writes[-1]
+    assert any(re.search(r"f(?:data)?sync\(\d+<" + re.escape(path) + ">", line) for line in calls[last + 1:]), \
+        f"the group store's last write ({calls[last][:120]}) was not fsynced"
