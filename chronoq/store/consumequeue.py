@@ -10,7 +10,8 @@ log. Reads go through `os.pread` on the page cache; nothing is held in memory bu
 and not all of those: a broker may have tens of thousands of queues, one file each at least, so
 the files are opened on first use and the least recently used is closed once the store's
 `OpenFiles` holds `max_open_queue_files` (before, every queue file stayed open: a topic of
-65,000 queues ran out of descriptors at its creation). A file closed while it holds entries no
+65,000 queues ran out of descriptors at its creation); a process out of descriptors when one must
+be opened gives up another queue file first. A file closed while it holds entries no
 fsync has covered is fdatasynced first, on the calling thread, so a checkpoint never covers
 entries written through a descriptor it can no longer sync; a checkpoint syncs duplicates of
 the dirty files' descriptors (`take_dirty`), so closing the originals meanwhile is safe; while
@@ -189,7 +190,17 @@ class OpenFiles:
             self._open.move_to_end(f)
             return f.fd
         self._make_room()
-        f.fd = os.open(f.path, os.O_RDWR)
+        while True:
+            try:
+                f.fd = os.open(f.path, os.O_RDWR)
+                break
+            except OSError as e:
+                # The process is out of descriptors (connections, say) while this holds some:
+                # give one up and try again, rather than fail the caller (a dispatch that raises
+                # stops the broker). Only when none is left is the error the caller's.
+                if e.errno not in (errno.EMFILE, errno.ENFILE) or not self._open:
+                    raise
+                self._evict(next(iter(self._open)))
         self._open[f] = None
         return f.fd
 
@@ -211,20 +222,24 @@ class OpenFiles:
             victim = next(iter(self._open))
             if victim is keep:
                 return
-            del self._open[victim]
-            self.evictions += 1
-            fd, victim.fd = victim.fd, -1
-            try:
-                if victim.dirty:
-                    self.evicted_dirty += 1
-                    fsync.fdatasync(fd, victim.path)
-                    victim.dirty = False
-            except FsyncFailed as e:
-                if self.on_fsync_failed is not None:
-                    self.on_fsync_failed(e.message)
-                raise
-            finally:
-                os.close(fd)
+            self._evict(victim)
+
+    def _evict(self, victim: CQFile) -> None:
+        """Close `victim`, fdatasyncing it first if it is dirty."""
+        del self._open[victim]
+        self.evictions += 1
+        fd, victim.fd = victim.fd, -1
+        try:
+            if victim.dirty:
+                self.evicted_dirty += 1
+                fsync.fdatasync(fd, victim.path)
+                victim.dirty = False
+        except FsyncFailed as e:
+            if self.on_fsync_failed is not None:
+                self.on_fsync_failed(e.message)
+            raise
+        finally:
+            os.close(fd)
 
 
 @dataclass

@@ -282,3 +282,48 @@ def test_a_checkpoint_that_runs_out_of_descriptors_while_taking_gives_back_what_
             store.close()
 
     asyncio.run(body())
+
+
+def test_a_dispatch_out_of_descriptors_gives_up_a_queue_file_instead_of_failing(tmp_path: Path) -> None:
+    """Queue files are opened on use, so a group commit's dispatch may open one. When the process
+    has no descriptor left (connections took them; here a real RLIMIT_NOFILE lowered to the
+    descriptors in use) while the store holds other queue files open, it closes one and opens
+    the file it needs. Before, the EMFILE raised out of the group commit's dispatch: the
+    flusher, and with it the broker, stopped."""
+    config = Config(data_dir=tmp_path / "data", max_queue_count=2, default_queue_count=1)
+
+    async def body() -> None:
+        store, _ = MessageStore.open(config)
+        store.create_topic("t", 2, frozenset(MessageType), 0)
+        store.close()
+        store, _ = MessageStore.open(config)  # no queue file open: each opens on use
+        try:
+            store.append([PreparedMessage("t", "m0", MessageType.NORMAL, b"x", 0, queue_id=0)], 1)
+            await store.log.flush_now()  # queue 0's file is open now (and the fsync thread started)
+            [m1] = store.append([PreparedMessage("t", "m1", MessageType.NORMAL, b"x", 0, queue_id=1)], 1)
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            used = {int(n) for n in os.listdir("/proc/self/fd")}
+            # The limit: the listing's own descriptor, free again now (the lowest closed number).
+            limit = next(n for n in itertools.count() if n not in used or not _is_open(n))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+            try:
+                await store.log.flush_now()  # dispatch opens queue 1's file
+            finally:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            assert store.dispatched_position == m1.position + m1.size
+            entry = store.queue("t", 1).get(0)
+            assert entry is not None and entry[:2] == (m1.position, m1.size)
+            assert store.queue_files.evictions == 1  # queue 0's file, given up for it
+            assert store.queue("t", 0).get(0) is not None  # and opened again on use
+        finally:
+            store.close()
+
+    asyncio.run(body())
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
