@@ -20,11 +20,24 @@ record follows the bad one. Magic, version and checksum failures are named apart
 check does. The consume queues are checked against the log in one pass over the log: every
 record must have its entry (position, size, tag hash) at its queue offset, and no queue may hold
 entries past the last record of its queue. A hole entry (size 0) marks a record lost to damage.
+Check's memory does not grow with the store: a consume queue is read twice, never held. Loading
+validates each file (header, the chain of first offsets, every entry's CRC32C) in reads of
+`CHUNK_ENTRIES` entries and keeps only the file list; the pass over the log then reads the
+entries it compares in chunks of `CHUNK_ENTRIES`, holding at most `MAX_HELD_CHUNKS` of them
+(least recently used out first: one chunk per queue the log interleaves, usually), and the
+entries past a queue's last record are counted chunk by chunk. Before, every entry was a Python
+tuple in a list (about 160 bytes each: 1.5 GB for a store of 10 M messages, where the broker
+itself runs in less than 300 MB). A file a running broker's retention removes between the two
+reads is noted as removed while being checked, as a log segment is, and its entries compared
+with nothing.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
+import struct
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +47,7 @@ from chronoq.errors import CorruptRecord
 from chronoq.model import is_system_topic
 from chronoq.store import files
 from chronoq.store.commitlog import SEGMENT_HEADER_SIZE, check_frame, decode_segment_header
-from chronoq.store.consumequeue import CQ_HEADER_SIZE, ENTRY_SIZE, decode_cq_header, decode_entry, tag_hash
+from chronoq.store.consumequeue import CQ_HEADER_SIZE, ENTRY, ENTRY_SIZE, decode_cq_header, decode_entry, tag_hash
 from chronoq.store.damage import DAMAGED, classify
 from chronoq.store.diskspace import resource_problem
 from chronoq.store.meta import CHECKPOINT_VERSION, decode_checkpoint_versioned, decode_topics
@@ -45,6 +58,16 @@ from chronoq.timer.index_codec import CF_META, META_FORMAT_VERSION, U32
 DATA_DIR_MARKERS = (files.COMMITLOG_DIR, files.TOPICS, files.CHECKPOINT, files.QUEUES_DIR, files.TIMER_DIR,
                     files.GROUPS_DIR, files.LOCK)
 """A chronoq data directory holds at least one of these (a broker that opened it once made them all)."""
+
+CHUNK_ENTRIES = 256
+"""Consume-queue entries read at a time (5 KiB of file), and held as one chunk."""
+MAX_HELD_CHUNKS = 512
+"""The most chunks of consume-queue entries check holds at once (least recently used out first)."""
+MAX_HELD_ENTRIES = CHUNK_ENTRIES * MAX_HELD_CHUNKS
+"""Check's bound on consume-queue entries in memory, whatever the store holds: 131,072 (2.5 MiB
+of raw entries), where it used to hold every entry of every queue as a tuple."""
+
+_ENTRY_WHOLE = struct.Struct(">QIII")  # an entry with its CRC32C
 
 
 @dataclass
@@ -83,9 +106,71 @@ class CheckReport:
 @dataclass
 class _Queue:
     path: Path
-    entries: list[tuple[int, int, int]]
+    files: list[tuple[int, int, Path]]
+    """(index of its first entry in the queue, whole entries, path) of each file, as loaded: the
+    entries themselves are read again when the log is checked against them."""
     first_offset: int
+    count: int
+    """Whole entries in the files, from `first_offset`."""
     seen_max: int = -1
+
+
+class _Entries:
+    """Consume-queue entries read back from their files in chunks of `CHUNK_ENTRIES`, at most
+    `MAX_HELD_CHUNKS` of them held (least recently used out first). `held_peak` is the most
+    entries held at once."""
+
+    def __init__(self, report: CheckReport) -> None:
+        self.report = report
+        self.chunks: OrderedDict[tuple[Path, int], bytes | None] = OrderedDict()
+        self.held = 0
+        self.held_peak = 0
+        self.gone: set[Path] = set()
+
+    def get(self, q: _Queue, index: int) -> tuple[int, int, int] | None:
+        """Entry `index` (from the queue's first offset); None when its file is gone."""
+        number, k = divmod(index, CHUNK_ENTRIES)
+        key = (q.path, number)
+        if key in self.chunks:
+            self.chunks.move_to_end(key)
+            raw = self.chunks[key]
+        else:
+            raw = self.read(q, number)
+            if len(self.chunks) >= MAX_HELD_CHUNKS:
+                _, dropped = self.chunks.popitem(last=False)
+                self.held -= 0 if dropped is None else len(dropped) // ENTRY_SIZE
+            self.chunks[key] = raw
+            self.held += 0 if raw is None else len(raw) // ENTRY_SIZE
+            self.held_peak = max(self.held_peak, self.held)
+        if raw is None:
+            return None
+        return ENTRY.unpack_from(raw, k * ENTRY_SIZE)  # type: ignore[return-value]
+
+    def read(self, q: _Queue, number: int) -> bytes | None:
+        """Chunk `number` of the queue's entries (raw, CHUNK_ENTRIES of them or the last ones); None
+        if a file it lies in was removed since it was loaded (or no longer holds them)."""
+        start = number * CHUNK_ENTRIES
+        stop = min(start + CHUNK_ENTRIES, q.count)
+        parts: list[bytes] = []
+        i = bisect.bisect_right(q.files, start, key=lambda f: f[0]) - 1
+        while start < stop:
+            first, count, path = q.files[i]
+            n = min(stop, first + count) - start
+            if path in self.gone:
+                return None
+            try:
+                with open(path, "rb") as f:
+                    part = os.pread(f.fileno(), n * ENTRY_SIZE, CQ_HEADER_SIZE + (start - first) * ENTRY_SIZE)
+            except FileNotFoundError:
+                part = b""
+            if len(part) != n * ENTRY_SIZE:
+                self.gone.add(path)
+                self.report.notes.append(f"{path}: removed by retention while being checked")
+                return None
+            parts.append(part)
+            start += n
+            i += 1
+        return b"".join(parts)
 
 
 def check_data_dir(data_dir: str | Path) -> CheckReport:
@@ -107,17 +192,25 @@ def check_data_dir(data_dir: str | Path) -> CheckReport:
                    format_version=(CF_META, META_FORMAT_VERSION, TIMER_INDEX_FORMAT_VERSION))
     checkpoint, checkpoint_version = _check_checkpoint(data_dir, report)
     queues = _load_queues(data_dir, report)
-    _check_log(data_dir, report, queues, checkpoint, walked_from=checkpoint_version >= CHECKPOINT_VERSION)
+    entries = _Entries(report)
+    _check_log(data_dir, report, queues, entries, checkpoint, walked_from=checkpoint_version >= CHECKPOINT_VERSION)
     for (topic, qid), q in sorted(queues.items()):
         # Entries past the queue's last record in the log, ignoring ones retention left behind.
-        extra = [position for j, (position, _, _) in enumerate(q.entries)
-                 if q.first_offset + j > q.seen_max and position >= report.log_start]
-        past_end = sum(1 for position in extra if position >= report.log_end)
+        extra = past_end = 0
+        start = max(0, q.seen_max + 1 - q.first_offset)
+        for number in range(start // CHUNK_ENTRIES, -(-q.count // CHUNK_ENTRIES)):
+            raw = entries.read(q, number)
+            if raw is None:
+                continue
+            for j, (position, _, _, _) in enumerate(_ENTRY_WHOLE.iter_unpack(raw), number * CHUNK_ENTRIES):
+                if j >= start and position >= report.log_start:
+                    extra += 1
+                    past_end += position >= report.log_end
         if past_end:
             report.repairs.append(f"{q.path}: {past_end} entries point past the log's end {report.log_end} "
                                   f"(a restart drops them)")
-        if len(extra) > past_end:
-            report.problems.append(f"{q.path}: {len(extra) - past_end} entries past the last record of "
+        if extra > past_end:
+            report.problems.append(f"{q.path}: {extra - past_end} entries past the last record of "
                                    f"{topic}/{qid} in the log")
     return report
 
@@ -226,40 +319,56 @@ def _load_queues(data_dir: Path, report: CheckReport) -> dict[tuple[str, int], _
 
 
 def _load_queue(qdir: Path, report: CheckReport) -> _Queue | None:
+    """Validate a queue's files (header, first offsets, every entry) in reads of `CHUNK_ENTRIES`
+    entries; None (and a repair) if a restart rebuilds it."""
     names = sorted(n for n in os.listdir(qdir) if files.parse_numbered(n, files.CQ_SUFFIX) is not None)
-    entries: list[tuple[int, int, int]] = []
+    cq_files: list[tuple[int, int, Path]] = []
+    count = 0
     first_offset: int | None = None
     for name in names:
         path = qdir / name
-        data = _read(path, report)
-        if data is None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            report.notes.append(f"{path}: removed by retention while being checked")
             continue
         try:
-            first = decode_cq_header(data)
-        except CorruptRecord as e:
-            report.repairs.append(f"{path}: {e.reason} (a restart rebuilds this queue)")
-            return None
-        if first_offset is None:
-            first_offset = first
-        elif first != first_offset + len(entries):
-            report.repairs.append(f"{path}: starts at {first}, expected {first_offset + len(entries)} "
-                                  "(a restart rebuilds this queue)")
-            return None
-        body = data[CQ_HEADER_SIZE:]
-        if len(body) % ENTRY_SIZE:
-            report.repairs.append(f"{path}: {len(body) % ENTRY_SIZE} trailing bytes after the last whole entry "
-                                  "(a restart rebuilds this queue)")
-        for j in range(len(body) // ENTRY_SIZE):
+            size = os.fstat(fd).st_size
             try:
-                entries.append(decode_entry(body, j * ENTRY_SIZE))
+                first = decode_cq_header(os.pread(fd, CQ_HEADER_SIZE, 0))
             except CorruptRecord as e:
-                report.repairs.append(f"{path}: entry {j}: {e.reason} (a restart rebuilds this queue)")
+                report.repairs.append(f"{path}: {e.reason} (a restart rebuilds this queue)")
                 return None
-    report.cq_entries += len(entries)
-    return _Queue(qdir, entries, first_offset or 0)
+            if first_offset is None:
+                first_offset = first
+            elif first != first_offset + count:
+                report.repairs.append(f"{path}: starts at {first}, expected {first_offset + count} "
+                                      "(a restart rebuilds this queue)")
+                return None
+            body_size = size - CQ_HEADER_SIZE
+            if body_size % ENTRY_SIZE:
+                report.repairs.append(f"{path}: {body_size % ENTRY_SIZE} trailing bytes after the last whole entry "
+                                      "(a restart rebuilds this queue)")
+            whole = body_size // ENTRY_SIZE
+            for chunk_start in range(0, whole, CHUNK_ENTRIES):
+                n = min(CHUNK_ENTRIES, whole - chunk_start)
+                body = os.pread(fd, n * ENTRY_SIZE, CQ_HEADER_SIZE + chunk_start * ENTRY_SIZE)
+                for k in range(n):
+                    try:
+                        decode_entry(body, k * ENTRY_SIZE)
+                    except CorruptRecord as e:
+                        report.repairs.append(f"{path}: entry {chunk_start + k}: {e.reason} "
+                                              "(a restart rebuilds this queue)")
+                        return None
+        finally:
+            os.close(fd)
+        cq_files.append((count, whole, path))
+        count += whole
+    report.cq_entries += count
+    return _Queue(qdir, cq_files, first_offset or 0, count)
 
 
-def _check_log(data_dir: Path, report: CheckReport, queues: dict[tuple[str, int], _Queue],
+def _check_log(data_dir: Path, report: CheckReport, queues: dict[tuple[str, int], _Queue], entries: _Entries,
                checkpoint: int | None, *, walked_from: bool = False) -> None:
     """`walked_from`: the checkpoint is of version 2, where recovery starts its walk of the last
     segment (bytes below it that the segment still spans are not looked at: readers meet them)."""
@@ -304,7 +413,7 @@ def _check_log(data_dir: Path, report: CheckReport, queues: dict[tuple[str, int]
                 position = resume
                 continue
             report.records += 1
-            _check_entry(report, queues, msg.topic, msg.queue_id, msg.queue_offset, position, size,
+            _check_entry(report, queues, entries, msg.topic, msg.queue_id, msg.queue_offset, position, size,
                          tag_hash(msg.tag), checkpoint)
             position += size
         expected_base = end
@@ -361,13 +470,13 @@ def _bad_record(report: CheckReport, path: Path, data: bytes, base: int, positio
     return end
 
 
-def _check_entry(report: CheckReport, queues: dict[tuple[str, int], _Queue], topic: str, qid: int, qoff: int,
-                 position: int, size: int, th: int, checkpoint: int | None) -> None:
+def _check_entry(report: CheckReport, queues: dict[tuple[str, int], _Queue], entries: _Entries, topic: str,
+                 qid: int, qoff: int, position: int, size: int, th: int, checkpoint: int | None) -> None:
     q = queues.get((topic, qid))
     where = f"{topic}/{qid} offset {qoff}"
     if q is not None:
         q.seen_max = max(q.seen_max, qoff)
-    if q is None or not q.first_offset <= qoff < q.first_offset + len(q.entries):
+    if q is None or not q.first_offset <= qoff < q.first_offset + q.count:
         if q is not None and qoff < q.first_offset:
             return  # the queue's older files were removed by retention
         if checkpoint is not None and position >= checkpoint:
@@ -376,7 +485,9 @@ def _check_entry(report: CheckReport, queues: dict[tuple[str, int], _Queue], top
         else:
             report.problems.append(f"record at {position} ({where}) is missing from its consume queue")
         return
-    entry = q.entries[qoff - q.first_offset]
+    entry = entries.get(q, qoff - q.first_offset)
+    if entry is None:
+        return  # its file was removed by retention since it was loaded (noted)
     if entry != (position, size, th):
         report.problems.append(f"consume queue {where} says {entry}, the log has {(position, size, th)}")
 
