@@ -20,16 +20,19 @@ record follows the bad one. Magic, version and checksum failures are named apart
 check does. The consume queues are checked against the log in one pass over the log: every
 record must have its entry (position, size, tag hash) at its queue offset, and no queue may hold
 entries past the last record of its queue. A hole entry (size 0) marks a record lost to damage.
-Check's memory does not grow with the store: a consume queue is read twice, never held. Loading
-validates each file (header, the chain of first offsets, every entry's CRC32C) in reads of
-`CHUNK_ENTRIES` entries and keeps only the file list; the pass over the log then reads the
-entries it compares in chunks of `CHUNK_ENTRIES`, holding at most `MAX_HELD_CHUNKS` of them
+Check's memory does not grow with the store. The log is read through a window of
+`SEGMENT_WINDOW_BYTES` (a larger record is read whole; a size that runs past the segment's end is
+judged from the header, as `check_frame` would, not read). A consume queue is read twice, never
+held: loading validates each file (header, the chain of first offsets, every entry's CRC32C) in
+reads of `CHUNK_ENTRIES` entries and keeps only the file list; the pass over the log then reads
+the entries it compares in chunks of `CHUNK_ENTRIES`, holding at most `MAX_HELD_CHUNKS` of them
 (least recently used out first: one chunk per queue the log interleaves, usually), and the
 entries past a queue's last record are counted chunk by chunk. Before, every entry was a Python
 tuple in a list (about 160 bytes each: 1.5 GB for a store of 10 M messages, where the broker
-itself runs in less than 300 MB). A file a running broker's retention removes between the two
-reads is noted as removed while being checked, as a log segment is, and its entries compared
-with nothing.
+itself runs in less than 300 MB) and each segment was read whole. A queue file a running
+broker's retention removes between the two reads is noted as removed while being checked, as a
+log segment is, and its entries compared with nothing. Findings (not memory) still grow with the
+damage: a store whose queues are all lost lists each record missing from its queue.
 """
 
 from __future__ import annotations
@@ -48,10 +51,10 @@ from chronoq.model import is_system_topic
 from chronoq.store import files
 from chronoq.store.commitlog import SEGMENT_HEADER_SIZE, check_frame, decode_segment_header
 from chronoq.store.consumequeue import CQ_HEADER_SIZE, ENTRY, ENTRY_SIZE, decode_cq_header, decode_entry, tag_hash
-from chronoq.store.damage import DAMAGED, classify
+from chronoq.store.damage import DAMAGED, Pread, classify
 from chronoq.store.diskspace import resource_problem
 from chronoq.store.meta import CHECKPOINT_VERSION, decode_checkpoint_versioned, decode_topics
-from chronoq.store.record import decode_record
+from chronoq.store.record import HEADER, HEADER_SIZE, RECORD_MAGIC, RECORD_VERSION, decode_record
 from chronoq.timer.index import FORMAT_VERSION as TIMER_INDEX_FORMAT_VERSION
 from chronoq.timer.index_codec import CF_META, META_FORMAT_VERSION, U32
 
@@ -66,6 +69,10 @@ MAX_HELD_CHUNKS = 512
 MAX_HELD_ENTRIES = CHUNK_ENTRIES * MAX_HELD_CHUNKS
 """Check's bound on consume-queue entries in memory, whatever the store holds: 131,072 (2.5 MiB
 of raw entries), where it used to hold every entry of every queue as a tuple."""
+
+SEGMENT_WINDOW_BYTES = 4 * 1024 * 1024
+"""Commit-log bytes check reads (and holds) at a time; a larger record is read whole. Before, it
+read each segment whole (256 MiB by default), and the next one before letting the last go."""
 
 _ENTRY_WHOLE = struct.Struct(">QIII")  # an entry with its CRC32C
 
@@ -126,12 +133,16 @@ class _Entries:
         self.held = 0
         self.held_peak = 0
         self.gone: set[Path] = set()
+        self.last_key: tuple[Path, int] | None = None
+        self.last_raw: bytes | None = None
 
     def get(self, q: _Queue, index: int) -> tuple[int, int, int] | None:
         """Entry `index` (from the queue's first offset); None when its file is gone."""
         number, k = divmod(index, CHUNK_ENTRIES)
         key = (q.path, number)
-        if key in self.chunks:
+        if key == self.last_key:  # the usual case: the entry after the last one
+            raw = self.last_raw
+        elif key in self.chunks:
             self.chunks.move_to_end(key)
             raw = self.chunks[key]
         else:
@@ -142,6 +153,7 @@ class _Entries:
             self.chunks[key] = raw
             self.held += 0 if raw is None else len(raw) // ENTRY_SIZE
             self.held_peak = max(self.held_peak, self.held)
+        self.last_key, self.last_raw = key, raw
         if raw is None:
             return None
         return ENTRY.unpack_from(raw, k * ENTRY_SIZE)  # type: ignore[return-value]
@@ -215,11 +227,11 @@ def check_data_dir(data_dir: str | Path) -> CheckReport:
     return report
 
 
-def _read(path: Path, report: CheckReport) -> bytes | None:
-    """A file's bytes; None (and a note) when a running broker's retention removed it after the
-    directory was listed: not damage."""
+def _open(path: Path, report: CheckReport) -> int | None:
+    """A file descriptor to read `path`; None (and a note) when a running broker's retention
+    removed it after the directory was listed: not damage."""
     try:
-        return path.read_bytes()
+        return os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         report.notes.append(f"{path}: removed by retention while being checked")
         return None
@@ -327,10 +339,7 @@ def _load_queue(qdir: Path, report: CheckReport) -> _Queue | None:
     first_offset: int | None = None
     for name in names:
         path = qdir / name
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            report.notes.append(f"{path}: removed by retention while being checked")
+        if (fd := _open(path, report)) is None:
             continue
         try:
             size = os.fstat(fd).st_size
@@ -381,42 +390,13 @@ def _check_log(data_dir: Path, report: CheckReport, queues: dict[tuple[str, int]
     for i, name in enumerate(names):
         path = log_dir / name
         is_last = i == len(names) - 1
-        data = _read(path, report)
-        if data is None:
+        if (fd := _open(path, report)) is None:
             continue
-        report.segments += 1
-        base = files.parse_numbered(name, files.SEGMENT_SUFFIX) or 0
         try:
-            if decode_segment_header(data) != base:
-                raise CorruptRecord("the base in the header differs from the file name")
-        except CorruptRecord as e:
-            report.problems.append(f"{path}: damaged segment header: {e.reason} (the records are read by the "
-                                   "base the file name gives)")
-        if expected_base is None:
-            report.log_start = base
-        elif base != expected_base:
-            report.problems.append(f"{path}: base {base}, but the previous segment ends at {expected_base}: "
-                                   "a segment is missing or misnamed; the broker refuses to start")
-        end = base + max(0, len(data) - SEGMENT_HEADER_SIZE)
-        position = base
-        while position < end:
-            offset = position - base + SEGMENT_HEADER_SIZE
-            try:
-                size = check_frame(data, offset, position)
-                msg = decode_record(data, offset, expected_position=position)
-            except CorruptRecord as e:
-                resume = _bad_record(report, path, data, base, position, end, e.reason, is_last, checkpoint,
-                                     walked_from)
-                if resume is None:  # a torn tail: the log a restart keeps ends here
-                    end = position
-                    break
-                position = resume
-                continue
-            report.records += 1
-            _check_entry(report, queues, entries, msg.topic, msg.queue_id, msg.queue_offset, position, size,
-                         tag_hash(msg.tag), checkpoint)
-            position += size
-        expected_base = end
+            expected_base = _check_segment(report, queues, entries, path, fd, name, expected_base, is_last,
+                                           checkpoint, walked_from)
+        finally:
+            os.close(fd)
     report.log_end = expected_base or 0
     if checkpoint is not None and report.log_end < checkpoint:
         # A torn tail (or a file cut short) below the checkpoint: a problem, not a repair.
@@ -426,13 +406,92 @@ def _check_log(data_dir: Path, report: CheckReport, queues: dict[tuple[str, int]
             f"gone. {_LOST_BELOW_CHECKPOINT}")
 
 
+def _check_segment(report: CheckReport, queues: dict[tuple[str, int], _Queue], entries: _Entries, path: Path,
+                   fd: int, name: str, expected_base: int | None, is_last: bool, checkpoint: int | None,
+                   walked_from: bool = False) -> int:
+    """Check one segment's records (read through a `_Window`); return where it ends.
+    `walked_from`: as `_bad_record`'s."""
+    report.segments += 1
+    base = files.parse_numbered(name, files.SEGMENT_SUFFIX) or 0
+    try:
+        if decode_segment_header(os.pread(fd, SEGMENT_HEADER_SIZE, 0)) != base:
+            raise CorruptRecord("the base in the header differs from the file name")
+    except CorruptRecord as e:
+        report.problems.append(f"{path}: damaged segment header: {e.reason} (the records are read by the "
+                               "base the file name gives)")
+    if expected_base is None:
+        report.log_start = base
+    elif base != expected_base:
+        report.problems.append(f"{path}: base {base}, but the previous segment ends at {expected_base}: "
+                               "a segment is missing or misnamed; the broker refuses to start")
+    end = base + max(0, os.fstat(fd).st_size - SEGMENT_HEADER_SIZE)
+    window = _Window(fd, base, end)
+    position = base
+    while position < end:
+        try:
+            buf, offset = window.at(position, HEADER_SIZE)
+            if len(buf) - offset >= HEADER_SIZE:
+                total = U32.unpack_from(buf, offset)[0]  # a record's first field is its size
+                if total > end - position > SEGMENT_WINDOW_BYTES:
+                    raise _past_the_end(buf[offset:offset + HEADER_SIZE], position, total, end - position)
+                if offset + total > len(buf):
+                    buf, offset = window.at(position, total)
+            size = check_frame(buf, offset, position)
+            msg = decode_record(buf, offset, expected_position=position)
+        except CorruptRecord as e:
+            resume = _bad_record(report, path, window.pread, position, end, e.reason, is_last, checkpoint,
+                                 walked_from)
+            if resume is None:  # a torn tail: the log a restart keeps ends here
+                end = position
+                break
+            position = resume
+            continue
+        report.records += 1
+        _check_entry(report, queues, entries, msg.topic, msg.queue_id, msg.queue_offset, position, size,
+                     tag_hash(msg.tag), checkpoint)
+        position += size
+    return end
+
+
+class _Window:
+    """A segment's records from position `base` to `end` (its size when opened), read
+    `SEGMENT_WINDOW_BYTES` at a time, or one record whole when it is larger."""
+
+    def __init__(self, fd: int, base: int, end: int) -> None:
+        self.fd, self.base, self.end = fd, base, end
+        self.start = base
+        self.buf = b""
+
+    def pread(self, at: int, size: int) -> bytes:
+        """Up to `size` bytes from position `at`, none past `end`."""
+        return os.pread(self.fd, max(0, min(size, self.end - at)), at - self.base + SEGMENT_HEADER_SIZE)
+
+    def at(self, position: int, need: int) -> tuple[bytes, int]:
+        """A buffer that holds the `need` bytes from `position` (up to `end`) and reaches `end` or
+        beyond them, and the offset of `position` in it."""
+        if not self.start <= position or position + min(need, self.end - position) > self.start + len(self.buf):
+            self.buf = b""  # let it go before reading the next
+            self.start = position
+            self.buf = self.pread(position, max(need, SEGMENT_WINDOW_BYTES))
+        return self.buf, position - self.start
+
+
+def _past_the_end(head: bytes, position: int, total: int, avail: int) -> CorruptRecord:
+    """What `check_frame` finds in a record whose size runs past the segment's end, from its
+    header alone (not reading the bytes the size claims): its magic and version, then the size."""
+    magic, version = HEADER.unpack_from(head)[2:4]
+    if magic != RECORD_MAGIC or version != RECORD_VERSION:
+        check_frame(head, 0, position)  # raises, in its own words
+    return CorruptRecord(f"record size {total} does not fit the {avail} bytes available", position)
+
+
 _LOST_BELOW_CHECKPOINT = ('With flush = "async" and a checkpoint of version 1 a power loss took them before '
                           "their fsync, the price of that option; otherwise the disk lost fsynced records. A "
                           "restart cuts the tail, says how much was lost, and brings the consume queues and the "
                           "timer index back to the log's end")
 
 
-def _bad_record(report: CheckReport, path: Path, data: bytes, base: int, position: int, end: int, reason: str,
+def _bad_record(report: CheckReport, path: Path, pread: Pread, position: int, end: int, reason: str,
                 is_last: bool, checkpoint: int | None, walked_from: bool = False) -> int | None:
     """Report the record at `position` that failed its checks; return where to read on (None:
     a torn tail, where the log ends once a restart has truncated it). A torn tail below the
@@ -440,11 +499,6 @@ def _bad_record(report: CheckReport, path: Path, data: bytes, base: int, positio
     acknowledged, in either flush mode (recovery: `CommitLog._lost_below_checkpoint`). Below a
     version-2 checkpoint the segment still spans (`walked_from`), recovery's walk never meets
     it: a restart keeps those bytes, and readers quarantine them, as any damage."""
-
-    def pread(at: int, size: int) -> bytes:
-        offset = at - base + SEGMENT_HEADER_SIZE
-        return data[offset:offset + size]
-
     verdict, resume = classify(pread, check_frame, position, end)
     if verdict == DAMAGED:
         after = "valid records follow and are kept" if resume < end else "it is whole, so it may have been acknowledged"
