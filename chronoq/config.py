@@ -24,9 +24,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import itertools
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
@@ -370,18 +372,40 @@ def _from_env(name: str, raw: str, key: str) -> Any:
     return raw
 
 
-_UNITS_MS = {"ms": 1, "s": SECOND_MS, "m": MINUTE_MS, "h": HOUR_MS, "d": DAY_MS}
+_UNITS_MS = {"d": DAY_MS, "h": HOUR_MS, "m": MINUTE_MS, "s": SECOND_MS, "ms": 1}
+"""Largest first: the order the parts of a compound duration ('1h30m') must come in."""
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|d|h|m|s)")
+_DAYS = re.compile(r"(\d{1,3}(?:,\d{3})+|\d+) days?")
+"""How `chronoq.timefmt.duration` writes 10 days and more: '30 days', '2,520 days'."""
 
 
 def parse_duration_ms(text: str) -> int:
-    """'1500ms', '5s', '10m', '2h', '3d' -> milliseconds."""
+    """'1500ms', '5s', '10m', '2h', '3d', or several units largest first as `chronoq.timefmt`
+    prints them ('1h30m', '2d03h', '4m03s', '1.25s', '30 days') -> milliseconds. A fraction is
+    allowed where it comes to whole milliseconds ('1.5h'); a sign is not."""
     text = text.strip()
-    for unit in ("ms", "s", "m", "h", "d"):
-        if text.endswith(unit):
-            number = text[: -len(unit)]
-            if number.isdigit():
-                return int(number) * _UNITS_MS[unit]
-    raise ConfigError(f"cannot read duration {text!r}: use a whole number with ms, s, m, h or d")
+    usage = "use a number with ms, s, m, h or d, or several largest first (30s, 5m, 1h30m, 2d03h)"
+    if text.startswith("-"):
+        raise ConfigError(f"cannot read duration {text!r}: a duration cannot be negative; {usage}")
+    if text.replace(".", "", 1).isdigit():
+        raise ConfigError(f"cannot read duration {text!r}: a number needs its unit ({text}s, {text}m, {text}h, "
+                          f"{text}d or {text}ms)")
+    if days := _DAYS.fullmatch(text):
+        return int(days.group(1).replace(",", "")) * DAY_MS
+    total, pos, units = Fraction(0), 0, list(_UNITS_MS)
+    last = -1
+    while pos < len(text):
+        part = _DURATION_PART.match(text, pos)
+        if part is None or units.index(part.group(2)) <= last:
+            raise ConfigError(f"cannot read duration {text!r}: {usage}")
+        last = units.index(part.group(2))
+        total += Fraction(part.group(1)) * _UNITS_MS[part.group(2)]
+        pos = part.end()
+    if not text:
+        raise ConfigError(f"cannot read duration {text!r}: {usage}")
+    if total.denominator != 1:
+        raise ConfigError(f"cannot read duration {text!r}: it is not a whole number of milliseconds")
+    return int(total)
 
 
 def parse_delay_levels(text: str) -> tuple[int, ...]:

@@ -76,7 +76,7 @@ from __future__ import annotations
 from os import PathLike
 from typing import Any
 
-from chronoq.timefmt import duration, duration_against, instant
+from chronoq.timefmt import byte_size, duration, duration_against, instant
 
 
 class ChronoqError(Exception):
@@ -276,7 +276,7 @@ class MessageTooLarge(BadRequest):
 
     def __init__(self, size_bytes: int, limit_bytes: int) -> None:
         super().__init__(
-            f"message is {size_bytes} bytes; the limit (max_message_size_bytes) is {limit_bytes}",
+            f"message is {byte_size(size_bytes)}; the limit (max_message_size_bytes) is {byte_size(limit_bytes)}",
             size_bytes=size_bytes, limit_bytes=limit_bytes,
         )
 
@@ -287,7 +287,7 @@ class PropertiesTooLarge(BadRequest):
     code = 43101
 
     def __init__(self, reason: str, value: int, limit: int) -> None:
-        super().__init__(f"message properties too large: {reason} is {value}, limit {limit}",
+        super().__init__(f"message properties too large: {reason} is {value:,}, limit {limit:,}",
                          reason=reason, value=value, limit=limit)
 
 
@@ -599,12 +599,13 @@ class DiskFull(Throttled):
 
     def __init__(self, path: str, free_bytes: int, min_free_bytes: int, during: str | None = None) -> None:
         if during is None:
-            text = (f"disk full: {path} has {free_bytes} bytes free, below disk_min_free_bytes = {min_free_bytes}; "
+            text = (f"disk full: {path} has {byte_size(free_bytes)} free, below disk_min_free_bytes = "
+                    f"{byte_size(min_free_bytes)}; "
                     "sends are refused until space is freed (reads and acks go on)")
         else:
-            text = (f"disk full: {during} in {path} ran out of space ({free_bytes} bytes free, "
-                    f"disk_min_free_bytes = {min_free_bytes}); nothing was acknowledged by it; retry once space "
-                    "is freed")
+            text = (f"disk full: {during} in {path} ran out of space ({byte_size(free_bytes)} free, "
+                    f"disk_min_free_bytes = {byte_size(min_free_bytes)}); nothing was acknowledged by it; retry "
+                    "once space is freed")
         super().__init__(text, path=path, free_bytes=free_bytes, min_free_bytes=min_free_bytes, during=during)
 
 

@@ -1,4 +1,4 @@
-"""Times and durations for people: the one formatter behind every error message, CLI table and report.
+"""Times, durations and sizes for people: the one formatter behind every error message, CLI table and report.
 
 Theory of operation: chronoq keeps time as integer milliseconds everywhere a program reads it
 (errors' `details`, the admin JSON, the disk): ms since the epoch for instants, plain ms for
@@ -11,8 +11,14 @@ reader's zone, and ISO 8601 can be pasted back into `chronoq send --at`. The CLI
 its reader's zone, shows local time with the offset (`local_instant`).
 
 Durations keep the two largest units a person uses, truncated toward zero: 12ms, 1.25s, 4m03s,
-3h12m, 2d03h, 400 days. Truncation can make two different durations read the same (30 days and
-30 days 1 s); where a message compares a value with a limit, `exact` says the difference.
+3h12m, 2d03h, 400 days, 2,520 days. Truncation can make two different durations read the same
+(30 days and 30 days 1 s); where a message compares a value with a limit, `exact` says the
+difference. Every duration written here reads back with `chronoq.config.parse_duration_ms`
+(what `chronoq send --in` and `consume --invisible` take): a value copied from a message can be
+pasted into a flag.
+
+Sizes (`byte_size`) are exact bytes with thousands separators, and binary units beside them from
+1 KiB on: "5,000,368 bytes (4.8 MiB)", comparable with a setting in bytes and read at a glance.
 """
 
 from __future__ import annotations
@@ -49,7 +55,23 @@ def duration(ms: int | float) -> str:
     hours = rest // HOUR_MS
     if hours and days < DAYS_ALONE_FROM:
         return f"{sign}{days}d{hours:02d}h"
-    return f"{sign}{days} day{'s' if days != 1 else ''}"
+    return f"{sign}{days:,} day{'s' if days != 1 else ''}"
+
+
+def byte_size(n: int) -> str:
+    """'512 bytes', '4,194,304 bytes (4 MiB)', '5,000,368 bytes (4.8 MiB)'."""
+    n = int(n)
+    text = f"{n:,} byte{'s' if n != 1 else ''}"
+    if abs(n) < 1024:
+        return text
+    value = float(abs(n))
+    units = ("KiB", "MiB", "GiB", "TiB")
+    for unit in units:
+        value /= 1024
+        if value < 1024 or unit == units[-1]:
+            break
+    short = f"{value:.1f}".removesuffix(".0")
+    return f"{text} ({'-' if n < 0 else ''}{short} {unit})"
 
 
 def exact(ms: int) -> str:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from chronoq import timefmt
+from chronoq.config import ConfigError, parse_duration_ms
 from chronoq.errors import (
     DeliveryTimeTooFar,
     InvalidDelayLevel,
     InvalidInvisibleDuration,
+    MessageTooLarge,
     NegativeDelay,
     TimerAlreadyFired,
     TopicNotFound,
@@ -70,3 +74,29 @@ def test_topic_not_found_says_only_what_is_true() -> None:
     off = TopicNotFound("x", auto_create=False).message
     assert "auto-create is off" in off and "send to it" not in off
     assert "auto-create is off" not in TopicNotFound("x", auto_create=True).message
+
+
+@pytest.mark.parametrize("ms", [0, 12, 1250, 59_999, 60_000, 243_000, 3_600_000, 11_520_000, DAY_MS,
+                                2 * DAY_MS + 3 * 3_600_000, 30 * DAY_MS, 2520 * DAY_MS])
+def test_every_duration_shown_reads_back_as_a_flag_value(ms: int) -> None:
+    """What a message or a table says ('1h30m', '12h00m', '2,520 days') can be pasted into
+    `send --in` or `consume --invisible`."""
+    assert parse_duration_ms(timefmt.duration(ms)) == ms
+
+
+def test_durations_compound_fractional_and_refused() -> None:
+    assert parse_duration_ms("1h30m") == 5_400_000 and parse_duration_ms("1.5h") == 5_400_000
+    assert parse_duration_ms("2d03h") == 2 * DAY_MS + 3 * 3_600_000 and parse_duration_ms("1s500ms") == 1500
+    for text, says in [("-5s", "a duration cannot be negative"), ("5", "a number needs its unit (5s, 5m"),
+                       ("1m1h", "several largest first"), ("1h 30m", "several largest first"),
+                       ("0.5ms", "not a whole number of milliseconds"), ("", "use a number with")]:
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            parse_duration_ms(text)
+
+
+def test_sizes_are_exact_with_thousands_and_a_binary_unit_beside() -> None:
+    assert timefmt.byte_size(512) == "512 bytes" and timefmt.byte_size(1) == "1 byte"
+    assert timefmt.byte_size(4 * 1024 * 1024) == "4,194,304 bytes (4 MiB)"
+    assert MessageTooLarge(5_000_368, 4_194_304).message == (
+        "message is 5,000,368 bytes (4.8 MiB); the limit (max_message_size_bytes) is 4,194,304 bytes (4 MiB)")
+    assert timefmt.duration(2520 * DAY_MS) == "2,520 days"
