@@ -4,7 +4,10 @@ Theory of operation: each module in `COMMAND_MODULES` has `register(subparsers)`
 subcommands and sets `func(args) -> int` (the exit status) on each. `main` parses and
 dispatches; nothing here knows what a subcommand does. It is also the one place a failure
 becomes an exit status: a `CliError` (usage, a missing optional part) is printed as one line,
-Ctrl-C is 130 (`chronoq.cli.common` lists the statuses).
+Ctrl-C is 130 (`chronoq.cli.common` lists the statuses). Every parser is a `Parser`, argparse's
+with a newcomer's mistakes answered: a misspelled flag is reported by its command's parser with
+the flag it resembles, a misspelled command with the command it resembles, and `--in -5s` reaches
+the flag's own check.
 
 gRPC's C core logs to stderr on its own ("E1123 ... add_port.cc:83] Failed to add port"), beside
 the one-line messages chronoq prints for the same failures; `main` silences it unless the user
@@ -15,9 +18,13 @@ any command module is.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
+import re
 import sys
+from collections.abc import Sequence
+from typing import Any
 
 from chronoq import __version__
 
@@ -34,8 +41,56 @@ COMMAND_MODULES = [  # in the order `chronoq --help` lists them: run it, use it,
 ]
 
 
+_INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)$")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, with three changes a newcomer notices (subcommands' parsers are of this
+    class too, as argparse makes them of their parent's):
+
+    - a value that starts with a minus and a digit (`--in -5s`) is a value, not an unknown flag,
+      so it reaches the flag's own check ("a duration cannot be negative") instead of argparse's
+      "expected one argument" (argparse does this for plain negative numbers only);
+    - a mistyped command gets "did you mean 'send'?";
+    - the innermost parser that left arguments over is kept, so `main` reports a misspelled flag
+      with that command's usage and the flag it resembles (`--tyme`: did you mean --in?).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\d")  # argparse's own: r'^-\d+$|^-\d*\.\d+$'
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extra = super().parse_known_args(args, namespace)
+        if extra and not hasattr(parsed, "_parser_with_extra"):
+            parsed._parser_with_extra = self
+        return parsed, extra
+
+    def error(self, message: str) -> Any:  # argparse's signature: NoReturn
+        choice = _INVALID_CHOICE.search(message)
+        if choice:
+            close = difflib.get_close_matches(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)), n=1)
+            if close:
+                message += f"; did you mean {close[0]!r}?"
+        super().error(message)
+
+    def unrecognized(self, extra: Sequence[str]) -> None:
+        """Exit with usage status naming each unknown flag and, if one is close, the flag meant."""
+        known = [flag[2:] for action in self._actions for flag in action.option_strings if flag.startswith("--")]
+        hints = []
+        for arg in extra:
+            name = arg.split("=", 1)[0]
+            # Compared without the dashes, which every flag shares and which would make any short
+            # flag look close ('--tyme' is not '--at').
+            close = difflib.get_close_matches(name.lstrip("-"), known, n=1, cutoff=0.7) if name.startswith("-") else []
+            if close:
+                hints.append(f"{name}: did you mean --{close[0]}?")
+        self.error(f"unrecognized arguments: {' '.join(extra)}" + (f" ({'; '.join(hints)})" if hints else ""))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="chronoq", description="chronoq: a durable broker for scheduled and delayed messages.",
         epilog="Run `chronoq COMMAND --help` for a command's flags and examples. Client commands take "
                "--server, --tls and --ca-cert, or $CHRONOQ_SERVER, $CHRONOQ_TLS and $CHRONOQ_CA_CERT; with auth on, "
@@ -80,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:
         if not getattr(args, "passthrough", False):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            getattr(args, "_parser_with_extra", parser).unrecognized(extra)
         args.args = [*extra, *args.args]  # a pass-through command hands its arguments on whole
     _apply_global_flags(args)
     try:

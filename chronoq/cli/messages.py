@@ -75,6 +75,18 @@ def parse_in(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def parse_count(text: str) -> int:
+    """`consume --count`: how many messages to stop after, at least one."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of messages, 1 or more, not {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {n} (without --count, consume takes "
+                                         "what is there)")
+    return n
+
+
 def parse_prop(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -243,7 +255,7 @@ def register(subparsers: Any) -> None:
                       help="deliver at this time: ISO 8601 (local time without a zone) or ms since the epoch; "
                            "a time in the past is delivered at once")
     when.add_argument("--in", dest="delay_ms", type=parse_in, metavar="DURATION",
-                      help="deliver after this delay (30s, 5m, 2h, 3d, 1500ms), measured by the server's clock")
+                      help="deliver after this delay (30s, 5m, 1h30m, 3d, 1500ms), measured by the server's clock")
     when.add_argument("--level", type=int, metavar="N",
                       help="RocketMQ 4 delay level, 1..18 with the default table (1s 5s 10s 30s 1m..10m 20m 30m 1h "
                            "2h); a level above the server's table is refused; such a message cannot be recalled "
@@ -262,7 +274,7 @@ def register(subparsers: Any) -> None:
          "chronoq consume orders --group audit --filter 'created||paid' --no-ack"])
     consume.add_argument("topic")
     consume.add_argument("--group", required=True, help="consumer group")
-    consume.add_argument("--count", type=int, default=None, metavar="N", help="stop after N messages")
+    consume.add_argument("--count", type=parse_count, default=None, metavar="N", help="stop after N messages")
     consume.add_argument("--wait", action="store_true",
                          help="long-poll until --count messages arrived (or forever without --count)")
     consume.add_argument("--filter", default="*", help="tag filter, e.g. 'a||b' (default *)")

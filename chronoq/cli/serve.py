@@ -20,7 +20,7 @@ import sys
 
 from chronoq.cli.common import add_command
 from chronoq.config import Config, ConfigError
-from chronoq.errors import ChronoqError
+from chronoq.errors import ChronoqError, DataDirLocked
 from chronoq.server.auth import AuthConfig, load_auth
 
 
@@ -67,7 +67,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args)
         auth = load_auth_config(args)
-    except (ConfigError, OSError, ValueError) as exc:
+    except OSError as exc:  # the --config file: missing, a directory, not readable
+        print(f"chronoq serve: cannot read --config {args.config}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except (ConfigError, ValueError) as exc:
         print(f"chronoq serve: {exc}", file=sys.stderr)
         return 2
 
@@ -82,7 +85,10 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"chronoq serve: {exc}", file=sys.stderr)
         return 2
-    except ChronoqError as exc:  # e.g. DataDirLocked: another broker owns the directory
+    except DataDirLocked as exc:
+        print(f"chronoq serve: {exc}: stop that broker first, or give this one another --data-dir", file=sys.stderr)
+        return 1
+    except ChronoqError as exc:
         print(f"chronoq serve: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:  # e.g. no permission to create or write the data directory

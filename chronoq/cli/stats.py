@@ -1,9 +1,10 @@
-"""`chronoq stats`: pending timers by due time, delivery error, the log, the disk, in one screen.
+"""`chronoq stats`: pending timers by due time, delivery error, the log, the disk, consumer groups, in one screen.
 
 Theory of operation: the server's `Stats` admin call returns `Broker.stats()` as JSON; `--json`
 prints it whole for programs. For a person, `render` lays the sections a person watches out as
 lines of at most 80 columns, most watched first (pending timers by due time, then latency
-percentiles), about 15 lines in all, so `--watch` fits an 80x24 terminal with room to spare.
+percentiles), about 15 lines in all, so `--watch` fits an 80x24 terminal with room to spare; the
+last line names the consumer groups, furthest behind first, as many as fit.
 Counts are shortened to fit a column (12,345 / 340k / 1.2M), durations and times go through
 `chronoq.timefmt`, bytes are binary units. The broker may grow the object: a field this module
 does not know is shown as a `name: value` line at the end, never dropped (internal positions,
@@ -48,7 +49,7 @@ DUE_LABELS = (("overdue", "overdue"), ("5s", "<5s"), ("1m", "<1m"), ("5m", "<5m"
 """`pending_by_due` keys (see `timer/metrics.py`: each bucket runs from the previous edge) and their headers."""
 LATENCIES = (("delivery_error_ms", "delivery error"), ("fire_lag_ms", "fire lag"), ("enqueue_lag_ms", "enqueue lag"))
 PERCENTILES = ("p50", "p90", "p99", "p999", "max")
-KNOWN_TOP = frozenset({"now_ms", "topics", "commitlog", "timer", "clock", "disk"})
+KNOWN_TOP = frozenset({"now_ms", "topics", "commitlog", "timer", "clock", "disk", "groups"})
 KNOWN_TIMER = frozenset({"now_ms", "pending_total", "pending_by_topic", "pending_by_due", "next_deadline_ms",
                          "oldest_overdue_ms", "indexed_position", "latencies", "pending_by_delay_level", "damaged"})
 KNOWN_COMMITLOG = frozenset({"start_position", "end_position", "segments", "fsyncs", "damaged_ranges", "damaged",
@@ -177,6 +178,27 @@ def _clock_line(clock: Mapping[str, Any]) -> str:
     return f"{'clock':<{LABEL}}{state}"
 
 
+def _groups_line(groups: Any) -> str:
+    """'billing on orders: lag 1,200, 3 in flight · audit on orders: lag 0 · and 2 more', the
+    furthest behind first, cut to the line; 'none' before any group has received."""
+    head = f"{'groups':<{LABEL}}"
+    if not isinstance(groups, list) or not groups:
+        return head + "none"
+    rows = sorted((g for g in groups if isinstance(g, Mapping)),
+                  key=lambda g: (-int(g.get("lag") or 0), -int(g.get("inflight") or 0), str(g.get("group"))))
+    parts: list[str] = []
+    for i, g in enumerate(rows):
+        part = f"{g.get('group')} on {g.get('topic')}: lag {count(g.get('lag'))}"
+        if g.get("inflight"):
+            part += f", {count(g['inflight'])} in flight"
+        rest = len(rows) - i - 1
+        tail = f" · and {rest} more" if rest else ""
+        if parts and len(head + " · ".join([*parts, part]) + tail) > WIDTH:
+            return head + " · ".join(parts) + f" · and {len(rows) - i} more"
+        parts.append(part)
+    return head + " · ".join(parts)
+
+
 def _extra_lines(prefix: str, doc: Mapping[str, Any], known: frozenset[str]) -> list[str]:
     return [f"{prefix}{k}: {json.dumps(v, separators=(',', ':'))}" for k, v in doc.items() if k not in known]
 
@@ -191,6 +213,8 @@ def render(stats: Mapping[str, Any]) -> list[str]:
     lines.append(_disk_line(stats.get("disk") or {}))
     lines.append(_clock_line(stats.get("clock") or {}))
     lines.append(f"{'topics':<{LABEL}}{count(stats.get('topics'))}")
+    if "groups" in stats:
+        lines.append(_groups_line(stats["groups"]))
     lines += _extra_lines("", stats, KNOWN_TOP)
     lines += _extra_lines("timer.", timer, KNOWN_TIMER)
     lines += _extra_lines("commitlog.", stats.get("commitlog") or {}, KNOWN_COMMITLOG)

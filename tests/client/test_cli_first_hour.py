@@ -466,3 +466,105 @@ def test_connection_flags_may_come_before_the_command(server: str) -> None:
     got = chronoq_cmd("--server", "127.0.0.1:1", "consume", topic, "--group", "g", "--count", "1",
                       "--server", server)
     assert got.returncode == 0 and "first" in got.stdout, got.stderr
+
+
+# -- mistakes in the arguments: named, with what is allowed (no server needed) -------------------------
+
+
+def test_a_misspelled_flag_or_command_is_named_with_the_one_meant() -> None:
+    proc = chronoq_cmd("send", "t", "x", "--levle", "3")
+    assert proc.returncode == 2
+    err = _one_line_error(proc)
+    assert "usage: chronoq send" in err, err  # the command's own usage, not `chronoq COMMAND ...`
+    assert "chronoq send: error: unrecognized arguments: --levle 3 (--levle: did you mean --level?)" in err, err
+    proc = chronoq_cmd("topics", "create", "t", "--queus", "3")
+    assert proc.returncode == 2 and "did you mean --queues?" in _one_line_error(proc)
+    proc = chronoq_cmd("sned", "t", "x")
+    assert proc.returncode == 2 and "invalid choice: 'sned'" in proc.stderr and "did you mean 'send'?" in proc.stderr
+
+
+def test_a_negative_or_unit_less_duration_and_a_zero_count_are_refused_by_value() -> None:
+    proc = chronoq_cmd("send", "t", "x", "--in", "-5s")  # argparse took '-5s' for an unknown flag
+    assert proc.returncode == 2
+    err = _one_line_error(proc)
+    assert "expected one argument" not in err and "cannot read duration '-5s': a duration cannot be negative" in err
+    proc = chronoq_cmd("send", "t", "x", "--in", "5")
+    assert proc.returncode == 2 and "'5': a number needs its unit (5s, 5m" in _one_line_error(proc)
+    for count in ("0", "-1"):  # used to consume nothing and exit 0
+        proc = chronoq_cmd("consume", "t", "--group", "g", "--count", count)
+        assert proc.returncode == 2, proc.stderr
+        assert f"argument --count: must be 1 or more, not {count}" in _one_line_error(proc)
+
+
+def test_serve_with_a_missing_config_file_names_it_without_errno(tmp_path: Path) -> None:
+    proc = chronoq_cmd("serve", "--data-dir", str(tmp_path / "d"), "--port", str(_free_port()),
+                       "--config", str(tmp_path / "chronoq.toml"))
+    assert proc.returncode == 2
+    err = _one_line_error(proc)
+    assert f"cannot read --config {tmp_path / 'chronoq.toml'}: No such file or directory" in err, err
+    assert "[Errno" not in err
+
+
+def test_stats_names_consumer_groups_in_80_columns_furthest_behind_first() -> None:
+    from chronoq.cli.stats import render
+
+    groups = [{"group": f"g{i}", "topic": "t", "lag": i * 100, "inflight": i % 2} for i in range(40)]
+    lines = render({"now_ms": 0, "topics": 1, "groups": groups})
+    line = next(x for x in lines if x.startswith("groups"))
+    assert line.startswith("groups      g39 on t: lag 3,900, 1 in flight · g38 on t: lag 3,800 · and 38 more"), line
+    assert re.search(r"· and \d+ more$", line) and len(line) <= 80, line
+    assert not any('{"group"' in x for x in lines), lines
+    assert "groups      none" in render({"now_ms": 0, "groups": []})
+
+
+# -- durations as chronoq prints them, read back -----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_durations_as_chronoq_prints_them_are_taken_back(server: str) -> None:
+    """A person copies '1h30m' or '12h00m' from chronoq's own output (the invisible-duration
+    refusal says '[1s, 12h00m]') into --in or --invisible."""
+    env = {"CHRONOQ_SERVER": server}
+    topic = fresh("compound")
+    proc = chronoq_cmd("send", topic, "x", "--in", "1h30m", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"due at \S+ \(in 1h(29|30)m\)", proc.stdout), proc.stdout
+    chronoq_cmd("send", topic, "now", env=env)
+    proc = chronoq_cmd("consume", topic, "--group", "g", "--invisible", "12h00m", "--count", "1", env=env)
+    assert proc.returncode == 0 and "now" in proc.stdout, proc.stderr
+
+
+@pytest.mark.slow
+def test_stats_shows_consumer_groups_as_a_line_not_json(server: str) -> None:
+    env = {"CHRONOQ_SERVER": server}
+    topic = fresh("grouped")
+    for body in ("a", "b"):
+        chronoq_cmd("send", topic, body, env=env)
+    chronoq_cmd("consume", topic, "--group", "readers", "--count", "1", env=env)
+    proc = chronoq_cmd("stats", env=env)
+    assert proc.returncode == 0
+    assert '{"group"' not in proc.stdout, proc.stdout
+    assert re.search(rf"^groups .*readers on {topic}: lag 1", proc.stdout, re.MULTILINE), proc.stdout
+
+
+@pytest.mark.slow
+def test_a_message_too_large_gives_sizes_a_person_reads(server: str, tmp_path: Path) -> None:
+    body = tmp_path / "body"
+    body.write_bytes(b"a" * 5_000_000)
+    with body.open("rb") as stdin:
+        proc = subprocess.run([sys.executable, "-m", "chronoq", "send", fresh("big"), "-"], stdin=stdin,
+                              capture_output=True, text=True, env=_env({"CHRONOQ_SERVER": server}), timeout=60)
+    assert proc.returncode == 1
+    err = _one_line_error(proc)
+    assert re.search(r"message is 5,000,\d{3} bytes \(4\.8 MiB\); the limit \(max_message_size_bytes\) is "
+                     r"4,194,304 bytes \(4 MiB\)", err), err
+
+
+@pytest.mark.slow
+def test_a_second_broker_on_the_same_data_dir_says_what_to_do(tmp_path: Path) -> None:
+    with ServerProcess(tmp_path / "data"):
+        proc = chronoq_cmd("serve", "--data-dir", str(tmp_path / "data"), "--port", str(_free_port()))
+    assert proc.returncode == 1
+    err = _one_line_error(proc)
+    assert f"data directory {tmp_path / 'data'} is in use by another broker: stop that broker first, or give this " \
+           "one another --data-dir" in err, err
