@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -49,6 +49,13 @@ def _now_ms() -> int:
 # -- argument types -------------------------------------------------------------------------
 
 
+def _nine_tomorrow() -> str:
+    """09:00 tomorrow here, in ISO 8601 with that day's offset: an `--at` example made now, so it is
+    not in the past when pasted (a fixed date in a help text would be, soon)."""
+    tomorrow = datetime.now().date() + timedelta(days=1)
+    return datetime(tomorrow.year, tomorrow.month, tomorrow.day, 9).astimezone().isoformat(timespec="seconds")
+
+
 def parse_at(text: str) -> int:
     """`--at`: ms since the epoch (digits) or ISO 8601; without a zone it means local time."""
     if text.isdigit():
@@ -62,7 +69,8 @@ def parse_at(text: str) -> int:
         when = datetime.fromisoformat(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"cannot read time {text!r}: give ISO 8601 (2026-11-22T14:00:00+01:00) or ms since the epoch") from None
+            f"cannot read time {text!r}: give a date and time in ISO 8601, e.g. {_nine_tomorrow()} for 09:00 "
+            "tomorrow in this machine's zone (without a zone: local time), or ms since the epoch") from None
     if when.tzinfo is None:
         when = when.astimezone()
     return int(when.timestamp() * 1000)
@@ -109,9 +117,12 @@ def _cmd_send(args: argparse.Namespace) -> int:
                 # The server's clock fixed the due time; ask it rather than guess.
                 statuses = await p.query(r.message_id, r.topic)
                 due_ms = statuses[0].deliver_at_ms if statuses else None
-        console.print(f"sent {r.message_id} to {r.topic} (offset {r.offset})")
+        now_ms = _now_ms()
+        if due_ms is None:
+            console.print(f"sent {r.message_id} to {r.topic} (offset {r.offset})")
+        else:  # its offset is in chronoq's timer topic, not in r.topic: a number that would mislead
+            console.print(f"sent {r.message_id} to {r.topic}{', held until due' if due_ms > now_ms else ''}")
         if due_ms is not None:
-            now_ms = _now_ms()
             level = f"; delay level {args.level}" if args.level is not None else ""
             past = ": delivered at once" if due_ms <= now_ms else ""
             console.print(f"due at {local_instant(due_ms)} ({relative(due_ms, now_ms)}{level}{past})")
@@ -245,7 +256,7 @@ def register(subparsers: Any) -> None:
         "after --in, or after a RocketMQ 4 delay level; send prints its due time and the recall handle "
         "`chronoq cancel --handle` takes.",
         ["chronoq send orders 'ship it'", "chronoq send orders 'cancel if unpaid' --in 30m --key order-7",
-         "chronoq send reminders 'stand-up' --at 2026-11-23T09:00:00+01:00",
+         f"chronoq send reminders 'stand-up' --at {_nine_tomorrow()}",
          "chronoq send orders 'retry' --level 3",
          "echo '{\"id\": 7}' | chronoq send orders - --tag created"])
     send.add_argument("topic")

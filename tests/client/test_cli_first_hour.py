@@ -568,3 +568,33 @@ def test_a_second_broker_on_the_same_data_dir_says_what_to_do(tmp_path: Path) ->
     err = _one_line_error(proc)
     assert f"data directory {tmp_path / 'data'} is in use by another broker: stop that broker first, or give this " \
            "one another --data-dir" in err, err
+
+
+def test_an_unreadable_at_time_gets_an_example_that_is_not_in_the_past() -> None:
+    """'09:00 tomorrow' is what a person types; the example in the refusal (and in --help) is
+    09:00 tomorrow in ISO 8601, made now, not a fixed date that has since gone by."""
+    from datetime import date, datetime, timedelta
+
+    tomorrow = date.today() + timedelta(days=1)
+    nine = datetime(tomorrow.year, tomorrow.month, tomorrow.day, 9).astimezone().isoformat(timespec="seconds")
+    proc = chronoq_cmd("send", "t", "x", "--at", "09:00 tomorrow")
+    assert proc.returncode == 2
+    assert f"cannot read time '09:00 tomorrow': give a date and time in ISO 8601, e.g. {nine}" in \
+        _one_line_error(proc), proc.stderr
+    assert f"--at {nine}" in chronoq_cmd("send", "--help").stdout
+
+
+@pytest.mark.slow
+def test_a_timer_send_does_not_print_the_timer_topics_offset(server: str) -> None:
+    """A timer message's receipt offset is in chronoq's own timer topic: 'offset 12' for the first
+    message of a new topic, whose queues show none."""
+    env = {"CHRONOQ_SERVER": server}
+    for _ in range(3):
+        chronoq_cmd("send", fresh("other"), "x", "--in", "1h", env=env)
+    topic = fresh("reminders")
+    proc = chronoq_cmd("send", topic, "x", "--in", "1h", env=env)
+    assert proc.returncode == 0
+    assert re.match(rf"sent \S+ to {topic}, held until due\n", proc.stdout) and "offset" not in proc.stdout, \
+        proc.stdout
+    proc = chronoq_cmd("send", topic, "now", env=env)
+    assert re.match(rf"sent \S+ to {topic} \(offset 0\)\n", proc.stdout), proc.stdout
