@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from chronoq import envvars
+from chronoq.timefmt import byte_size, duration
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -330,8 +331,20 @@ def check_setting(name: str, value: Any, *, source: str = "") -> Any:
     else:  # Mapping
         ok = isinstance(value, Mapping)
     if not ok:
-        raise ConfigError(f"{source}{name} = {value!r}: expected {expected}")
+        raise ConfigError(f"{source}{name} = {value!r}: expected {expected}{_as_milliseconds(name, value)}")
     return value
+
+
+def _as_milliseconds(name: str, value: Any) -> str:
+    """For a `_ms` setting given a duration ('90d'), the number it means: the setting's unit is
+    in its name, and a duration is what a person has in mind."""
+    if not (name.endswith("_ms") and isinstance(value, str)):
+        return ""
+    try:
+        ms = parse_duration_ms(value)
+    except ConfigError:
+        return ""
+    return f"; in milliseconds, {value.strip()} is {ms}"
 
 
 def _expectation(f: dataclasses.Field[Any], kind: Any) -> str:
@@ -340,7 +353,11 @@ def _expectation(f: dataclasses.Field[Any], kind: Any) -> str:
     if kind is int:
         low, high = f.metadata.get("minimum", 1), f.metadata.get("maximum")
         if high is not None:
-            return f"an integer in {low}..{high}"
+            if f.name.endswith("_ms"):
+                return f"an integer in {low:,}..{high:,} ({duration(low)}..{duration(high)})"
+            if f.name.endswith("_bytes"):
+                return f"an integer in {low:,}..{high:,} ({byte_size(high).partition('(')[2].rstrip(')')} at most)"
+            return f"an integer in {low}..{high}" if high < 100_000 else f"an integer in {low:,}..{high:,}"
         return f"an integer >= {low}" + (" (0 turns it off)" if low == 0 else "")
     if kind is Path:
         return "a path (a non-empty string)"

@@ -226,3 +226,16 @@ def test_limits_that_would_overflow_are_out_of_range(name: str, value: int) -> N
     gRPC's 32-bit request limit at start-up."""
     with pytest.raises(ConfigError, match=f"{name} = {value}: expected an integer in 1.."):
         Config.load(None, segment_size_bytes=2**31, **{name: value})
+
+
+def test_a_limit_in_ms_or_bytes_reads_as_a_duration_or_a_size_and_a_duration_given_is_converted_for_you() -> None:
+    """CHRONOQ_TIMER_MAX_DELAY_MS=90d was refused with 'expected an integer in 1..3153600000000'."""
+    with pytest.raises(ConfigError) as info:
+        Config.load(env={"CHRONOQ_TIMER_MAX_DELAY_MS": "90d"})
+    assert str(info.value) == ("environment CHRONOQ_TIMER_MAX_DELAY_MS: timer_max_delay_ms = '90d': expected an "
+                               "integer in 1..3,153,600,000,000 (1ms..36,500 days); in milliseconds, 90d is "
+                               "7776000000")
+    with pytest.raises(ConfigError, match=re.escape("expected an integer in 1..536,870,912 (512 MiB at most)")):
+        Config.load(env={"CHRONOQ_MAX_MESSAGE_SIZE_BYTES": "1G"})
+    with pytest.raises(ConfigError, match=re.escape("expected an integer in 0..1,000,000") + "$"):
+        Config.load(env={"CHRONOQ_CLOCK_CATCHUP_PPM": "-1"})
