@@ -45,7 +45,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-cert", metavar="FILE",
                    help="PEM certificate chain; enables TLS with --tls-key (clients then need --ca-cert or --tls)")
     p.add_argument("--tls-key", metavar="FILE", help="PEM private key")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="what the log on stderr shows, in either case (default INFO)")
     p.set_defaults(func=run)
 
 

@@ -84,11 +84,14 @@ def server_credentials(config: Config) -> grpc.ServerCredentials | None:
         return None
     if not (config.tls_cert_file and config.tls_key_file):
         raise ConfigError("TLS needs both tls_cert_file and tls_key_file (--tls-cert and --tls-key)")
-    try:
-        cert = Path(config.tls_cert_file).read_bytes()
-        key = Path(config.tls_key_file).read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read TLS file: {exc}") from None
+    files = {}
+    for what, path in (("certificate (tls_cert_file, --tls-cert)", config.tls_cert_file),
+                       ("private key (tls_key_file, --tls-key)", config.tls_key_file)):
+        try:
+            files[what] = Path(path).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the TLS {what} {path}: {exc.strerror or exc}") from None
+    cert, key = files.values()
     check_tls_pair(config.tls_cert_file, cert, config.tls_key_file, key)
     return grpc.ssl_server_credentials([(key, cert)])
 

@@ -598,3 +598,11 @@ def test_a_timer_send_does_not_print_the_timer_topics_offset(server: str) -> Non
         proc.stdout
     proc = chronoq_cmd("send", topic, "now", env=env)
     assert re.match(rf"sent \S+ to {topic} \(offset 0\)\n", proc.stdout), proc.stdout
+
+
+def test_serve_takes_its_log_level_in_either_case(tmp_path: Path) -> None:
+    """`--log-level debug` was refused: invalid choice (choose from 'DEBUG', ...)."""
+    proc = chronoq_cmd("serve", "--data-dir", str(tmp_path / "d"), "--port", "70000", "--log-level", "debug")
+    assert proc.returncode == 2
+    err = _one_line_error(proc)
+    assert "--log-level" not in err and "port = 70000" in err, err  # got past the flags, to the port's check
