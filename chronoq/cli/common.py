@@ -40,7 +40,7 @@ from rich.console import Console
 from chronoq import envvars
 from chronoq.client import InvalidArgument, default_server
 from chronoq.client.aio import parse_server
-from chronoq.errors import ChronoqError
+from chronoq.errors import ChronoqError, Unauthorized
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -87,7 +87,10 @@ def describe_error(e: ChronoqError) -> str:
     """'error (TopicNotFound, code 40402): ...': the class, code and retriable flag a script or a
     person needs to decide what next, then the message."""
     details = [type(e).__name__] + ([f"code {e.code}"] if e.code else []) + (["retriable"] if e.retriable else [])
-    return f"error ({', '.join(details)}): {e.message}"
+    hint = ""
+    if isinstance(e, Unauthorized):  # the server's words are for any client; say where this one takes keys
+        hint = f"; the CLI takes keys as --access-key and --secret-key, or ${ACCESS_KEY_ENV} and ${SECRET_KEY_ENV}"
+    return f"error ({', '.join(details)}): {e.message}{hint}"
 
 
 def run_remote(body: Callable[[], Awaitable[int]]) -> int:

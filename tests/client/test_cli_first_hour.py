@@ -606,3 +606,29 @@ def test_serve_takes_its_log_level_in_either_case(tmp_path: Path) -> None:
     assert proc.returncode == 2
     err = _one_line_error(proc)
     assert "--log-level" not in err and "port = 70000" in err, err  # got past the flags, to the port's check
+
+
+@pytest.mark.slow
+def test_a_refusal_for_missing_or_wrong_keys_says_where_the_cli_takes_them(tmp_path: Path) -> None:
+    config = tmp_path / "chronoq.toml"
+    config.write_text('[auth]\nenabled = true\n\n[[auth.users]]\naccess_key = "ops"\nsecret_key = "s3cret"\n'
+                      "admin = true\n")
+    port = _free_port()
+    serve = subprocess.Popen([sys.executable, "-m", "chronoq", "serve", "--data-dir", str(tmp_path / "data"),
+                              "--port", str(port), "--config", str(config)], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True, env=_env())
+    try:
+        assert serve.stdout is not None and "chronoq serving on" in serve.stdout.readline()
+        env = {"CHRONOQ_SERVER": f"127.0.0.1:{port}"}
+        for keys in ({}, {"CHRONOQ_ACCESS_KEY": "ops", "CHRONOQ_SECRET_KEY": "wrong"}):
+            proc = chronoq_cmd("send", "orders", "x", env={**env, **keys})
+            assert proc.returncode == 1
+            err = _one_line_error(proc)
+            assert "code 40100" in err and "the CLI takes keys as --access-key and --secret-key, or " \
+                   "$CHRONOQ_ACCESS_KEY and $CHRONOQ_SECRET_KEY" in err, err
+        proc = chronoq_cmd("send", "orders", "x",
+                           env={**env, "CHRONOQ_ACCESS_KEY": "ops", "CHRONOQ_SECRET_KEY": "s3cret"})
+        assert proc.returncode == 0, proc.stderr
+    finally:
+        serve.send_signal(signal.SIGINT)
+        serve.wait(30)
