@@ -443,10 +443,18 @@ class TimerIdAmbiguous(BadRequest):
 
 
 class InvalidRecallHandle(BadRequest):
+    """A recall handle that does not decode (`handle` given: the text is named, cut to 40
+    characters, with where a good one comes from) or names no timer of its id."""
+
     code = 40000
 
-    def __init__(self, reason: str) -> None:
-        super().__init__(f"invalid recall handle: {reason}", reason=reason)
+    def __init__(self, reason: str, handle: str | None = None) -> None:
+        if handle is None:
+            super().__init__(f"invalid recall handle: {reason}", reason=reason)
+            return
+        shown = handle if len(handle) <= 40 else handle[:40] + "..."
+        super().__init__(f"invalid recall handle {shown!r}: {reason}; a recall handle is a send receipt's "
+                         "recall_handle (`chronoq send` prints it), copied whole", reason=reason)
 
 
 # --- who may do what (chronoq/server/auth.py) -------------------------------------------------

@@ -37,21 +37,23 @@ def encode_recall_handle(topic: str, deliver_at_ms: int, message_id: str) -> str
 
 def decode_recall_handle(handle: str) -> tuple[str, int, str]:
     """(topic, deliver_at_ms, message_id) or InvalidRecallHandle."""
-    if not isinstance(handle, str) or not handle or len(handle) > MAX_HANDLE_CHARS:
+    if not isinstance(handle, str):
         raise InvalidRecallHandle("not a chronoq recall handle")
+    if not handle or len(handle) > MAX_HANDLE_CHARS:
+        raise InvalidRecallHandle("not a chronoq recall handle", handle)
     try:
         raw = base64.urlsafe_b64decode(handle + "=" * (-len(handle) % 4))
     except (ValueError, TypeError):
-        raise InvalidRecallHandle("not base64") from None
+        raise InvalidRecallHandle("not base64", handle) from None
     if len(raw) < RECALL_HEAD.size + 6 or crc32c.crc32c(raw[:-4]) != _CRC.unpack(raw[-4:])[0]:
-        raise InvalidRecallHandle("checksum mismatch")
+        raise InvalidRecallHandle("checksum mismatch", handle)
     version, deliver_at_ms = RECALL_HEAD.unpack_from(raw)
     if version != RECALL_VERSION:
-        raise InvalidRecallHandle(f"unknown version {version}")
+        raise InvalidRecallHandle(f"unknown version {version}", handle)
     try:
         topic, _, message_id = raw[RECALL_HEAD.size:-4].decode().partition("\x00")
     except UnicodeDecodeError:
-        raise InvalidRecallHandle("not UTF-8") from None
+        raise InvalidRecallHandle("not UTF-8", handle) from None
     if not topic or not message_id:
-        raise InvalidRecallHandle("missing topic or message id")
+        raise InvalidRecallHandle("missing topic or message id", handle)
     return topic, deliver_at_ms, message_id

@@ -632,3 +632,17 @@ def test_a_refusal_for_missing_or_wrong_keys_says_where_the_cli_takes_them(tmp_p
     finally:
         serve.send_signal(signal.SIGINT)
         serve.wait(30)
+
+
+@pytest.mark.slow
+def test_a_mangled_recall_handle_is_named_with_where_a_good_one_comes_from(server: str) -> None:
+    """`cancel --handle` with a handle cut short in copying said only 'checksum mismatch'."""
+    env = {"CHRONOQ_SERVER": server}
+    sent = chronoq_cmd("send", fresh("recall"), "x", "--in", "1h", env=env)
+    handle = re.search(r"recall handle: (\S+)", sent.stdout).group(1)
+    for bad in ("garbage", handle[:-6]):
+        proc = chronoq_cmd("cancel", "--handle", bad, env=env)
+        assert proc.returncode == 1
+        err = _one_line_error(proc)
+        assert f"invalid recall handle '{bad[:40]}" in err and "`chronoq send` prints it), copied whole" in err, err
+    assert chronoq_cmd("cancel", "--handle", handle, env=env).returncode == 0
