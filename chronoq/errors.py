@@ -351,8 +351,10 @@ class InvalidDelayLevel(InvalidDeliveryTime):
 
 class ConflictingDelivery(InvalidDeliveryTime):
     def __init__(self, given: list[str]) -> None:
-        ChronoqError.__init__(self, f"give at most one of deliver_at_ms, delay_ms, delay_level; got {given}",
-                              given=given)
+        # `given` names the fields as the caller spelt them (the SDK's deliver_at and delay, the
+        # broker's deliver_at_ms and delay_ms), so the message names those, not one layer's.
+        ChronoqError.__init__(self, f"a message is delayed one way at most (a delivery time, a delay or a delay "
+                                    f"level); got {' and '.join(given)}", given=given)
 
 
 class Forbidden(BadRequest):

@@ -42,6 +42,9 @@ def test_outgoing_converts_times_and_keeps_one_timer_field() -> None:
     with pytest.raises(core.ConflictingDelivery) as e:
         outgoing("t", b"x", delay=1, delay_level=2)
     assert e.value.details["given"] == ["delay", "delay_level"]
+    # The SDK's own argument names, not the broker's (it said 'deliver_at_ms, delay_ms' to an SDK caller).
+    assert e.value.message == ("a message is delayed one way at most (a delivery time, a delay or a delay level); "
+                               "got delay and delay_level")
 
 
 @pytest.mark.parametrize(("kwargs", "name"), [
