@@ -138,6 +138,13 @@ def _text(name: str, value: Any) -> None:
         raise InvalidArgument(name, value, "a str is required")
 
 
+def _name(name: str, value: Any) -> None:
+    """A topic or group name: the server judges its characters, but an empty one is a mistake
+    the client can name (the server would say only that a protobuf field is missing)."""
+    if not isinstance(value, str) or not value:
+        raise InvalidArgument(name, value, "a non-empty string is required")
+
+
 def default_server() -> str:
     return os.environ.get(SERVER_ENV) or DEFAULT_SERVER
 
@@ -537,7 +544,7 @@ class AsyncConsumer(AsyncAdmin):
     """A RocketMQ 5 simple consumer of one topic in one group: receive, ack, change_invisible."""
 
     SETTINGS: ClassVar[frozenset[str]] = AsyncAdmin.SETTINGS | {"group", "filter_expression"}
-    group = _Setting(_text)
+    group = _Setting(_name)
     filter_expression = _Setting(_text)
 
     def __init__(self, group: str, topic: str, *, filter_expression: str = "*", server: str | None = None,
@@ -547,6 +554,7 @@ class AsyncConsumer(AsyncAdmin):
         super().__init__(server, timeout_ms=timeout_ms, tls=tls, root_certificates=root_certificates,
                          tls_server_name=tls_server_name, access_key=access_key, secret_key=secret_key)
         self.group = group
+        _name("topic", topic)
         self.topic = topic
         self.filter_expression = filter_expression
         self._queues: list[pb.MessageQueue] = []

@@ -425,3 +425,13 @@ def test_send_batch_learns_a_servers_smaller_batch_limit(tmp_path: Path) -> None
         asyncio.run(body())
     finally:
         server.stop()
+
+
+def test_an_empty_group_or_topic_is_named_by_the_consumer_not_the_wire() -> None:
+    """AsyncConsumer('', 'orders') went to the server, which said only "ReceiveMessage: field
+    'group.name' is required"."""
+    for group, topic, name in (("", "orders", "group"), ("billing", "", "topic")):
+        with pytest.raises(InvalidArgument) as e:
+            AsyncConsumer(group, topic, server="127.0.0.1:1")
+        assert e.value.details["name"] == name
+        assert e.value.message == f"invalid {name} '': a non-empty string is required"
