@@ -243,6 +243,9 @@ class Config:
             raise ConfigError(f"trace_retention_bytes = {self.trace_retention_bytes} must be at least twice "
                               f"trace_segment_size_bytes = {self.trace_segment_size_bytes} (one full segment "
                               "beside the one being written)")
+        if self.http_port == self.port:
+            raise ConfigError(f"http_port = {self.http_port} is also the gRPC port (port); the console and /metrics "
+                              "need a port of their own (--http-port)")
         parse_delay_levels(self.delay_levels)
 
     def replace(self, **changes: Any) -> Config:

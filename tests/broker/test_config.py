@@ -176,6 +176,10 @@ def test_settings_tied_together_name_both_values() -> None:
     with pytest.raises(ConfigError, match="trace_retention_bytes = 12288 must be at least twice "
                                           "trace_segment_size_bytes = 8192"):
         Config(trace_segment_size_bytes=8192, trace_retention_bytes=12288)
+    # `serve --port 8081 --http-port 8081` said "port 8081 is in use (another chronoq serve, or
+    # another program)": it was this serve's own gRPC port.
+    with pytest.raises(ConfigError, match=re.escape("http_port = 8081 is also the gRPC port (port); the console")):
+        Config(port=8081, http_port=8081)
 
 
 def test_the_declared_defaults_are_valid() -> None:
