@@ -183,7 +183,10 @@ def _cmd_consume(args: argparse.Namespace) -> int:
                             await c.ack(msg)
                         got += 1
                         progress.advance(task)
-        err_console.print(f"{got} message(s) {'received' if args.no_ack else 'consumed'}")
+        done = f"{got} message(s) {'received' if args.no_ack else 'consumed'}"
+        if got == 0 and not args.wait:  # a newcomer's first consume often comes before the timer is due
+            done += ": none ready now (a timer message can be consumed once it is due; --wait waits for it)"
+        err_console.print(done)
         return 0
 
     return run_remote(go)

@@ -646,3 +646,14 @@ def test_a_mangled_recall_handle_is_named_with_where_a_good_one_comes_from(serve
         err = _one_line_error(proc)
         assert f"invalid recall handle '{bad[:40]}" in err and "`chronoq send` prints it), copied whole" in err, err
     assert chronoq_cmd("cancel", "--handle", handle, env=env).returncode == 0
+
+
+@pytest.mark.slow
+def test_a_consume_before_the_timer_is_due_says_why_nothing_came(server: str) -> None:
+    env = {"CHRONOQ_SERVER": server}
+    topic = fresh("early")
+    chronoq_cmd("send", topic, "later", "--in", "10s", env=env)
+    proc = chronoq_cmd("consume", topic, "--group", "g", env=env)
+    assert proc.returncode == 0 and "later" not in proc.stdout
+    assert "0 message(s) consumed: none ready now (a timer message can be consumed once it is due; --wait waits " \
+           "for it)" in proc.stderr, proc.stderr
