@@ -106,6 +106,8 @@ def parse_prop(text: str) -> tuple[str, str]:
 
 
 def _cmd_send(args: argparse.Namespace) -> int:
+    if args.body == "-" and sys.stdin.isatty():  # else it waits on the terminal with no word of why
+        err_console.print("reading the message body from the terminal; end it with Ctrl-D (Ctrl-C to give up)")
     body = sys.stdin.buffer.read() if args.body == "-" else args.body.encode()
 
     async def go() -> int:

@@ -657,3 +657,10 @@ def test_a_consume_before_the_timer_is_due_says_why_nothing_came(server: str) ->
     assert proc.returncode == 0 and "later" not in proc.stdout
     assert "0 message(s) consumed: none ready now (a timer message can be consumed once it is due; --wait waits " \
            "for it)" in proc.stderr, proc.stderr
+
+
+def test_send_dash_on_a_terminal_says_it_reads_the_body_until_ctrl_d() -> None:
+    """`chronoq send orders -` typed at a terminal waited for stdin without a word."""
+    drawn = _pty_run([sys.executable, "-m", "chronoq", "send", "t", "-"], {"CHRONOQ_SERVER": "127.0.0.1:1"}, 3)
+    assert "reading the message body from the terminal; end it with Ctrl-D" in drawn, drawn
+    assert "Traceback" not in drawn, drawn  # Ctrl-C gives up quietly
