@@ -51,7 +51,7 @@ class Parser(argparse.ArgumentParser):
     - a value that starts with a minus and a digit (`--in -5s`) is a value, not an unknown flag,
       so it reaches the flag's own check ("a duration cannot be negative") instead of argparse's
       "expected one argument" (argparse does this for plain negative numbers only);
-    - a mistyped command gets "did you mean 'send'?";
+    - a mistyped command gets "did you mean 'send'?", and a missing one the help that lists them;
     - the innermost parser that left arguments over is kept, so `main` reports a misspelled flag
       with that command's usage and the flag it resembles (`--tyme`: did you mean --in?).
     """
@@ -68,6 +68,10 @@ class Parser(argparse.ArgumentParser):
         return parsed, extra
 
     def error(self, message: str) -> Any:  # argparse's signature: NoReturn
+        sub = next((a for a in self._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if sub is not None and message == f"the following arguments are required: {sub.metavar or sub.dest}":
+            self.print_help(sys.stderr)  # `chronoq` or `chronoq topics` alone: the list to choose from
+            self.exit(2, f"{self.prog}: error: {message}\n")
         choice = _INVALID_CHOICE.search(message)
         if choice:
             close = difflib.get_close_matches(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)), n=1)

@@ -664,3 +664,13 @@ def test_send_dash_on_a_terminal_says_it_reads_the_body_until_ctrl_d() -> None:
     drawn = _pty_run([sys.executable, "-m", "chronoq", "send", "t", "-"], {"CHRONOQ_SERVER": "127.0.0.1:1"}, 3)
     assert "reading the message body from the terminal; end it with Ctrl-D" in drawn, drawn
     assert "Traceback" not in drawn, drawn  # Ctrl-C gives up quietly
+
+
+def test_a_missing_command_or_action_shows_the_list_to_choose_from() -> None:
+    """`chronoq` alone said only 'the following arguments are required: COMMAND'."""
+    proc = chronoq_cmd()
+    assert proc.returncode == 2
+    assert all(f"    {name} " in proc.stderr for name in ("serve", "send", "consume", "stats")), proc.stderr
+    assert proc.stderr.rstrip().endswith("chronoq: error: the following arguments are required: COMMAND")
+    proc = chronoq_cmd("topics")
+    assert proc.returncode == 2 and "    create " in proc.stderr and "    describe " in proc.stderr, proc.stderr
