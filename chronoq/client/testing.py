@@ -2,7 +2,9 @@
 
 Theory of operation: `ServerProcess` picks a free loopback port, starts `python -m chronoq serve
 --data-dir DIR --port PORT` with extra settings passed as `CHRONOQ_<FIELD>` environment
-variables (the way `Config.load` reads them), and waits until an admin call succeeds. It owns
+variables (the way `Config.load` reads them), and waits until the child has said it serves
+("chronoq serving on", `chronoq serve`'s ready line) and an admin call succeeds: an answer alone
+could come from another server already on a port the caller chose. It owns
 the child: `stop()` sends SIGTERM (the server's clean shutdown), waits, and kills only if the
 child does not exit in time. Its stderr goes to a file in the data directory, shown in the
 error when the server fails to come up.
@@ -11,6 +13,7 @@ error when the server fails to come up.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -26,6 +29,8 @@ from chronoq.client.aio import AsyncAdmin
 from chronoq.client.errors import ServerUnavailable
 
 START_TIMEOUT_S = 60.0
+READY_LINE = b"chronoq serving on "
+"""What `chronoq serve` prints once it accepts calls (`chronoq.cli.serve`)."""
 STOP_TIMEOUT_S = 20.0
 
 
@@ -90,14 +95,20 @@ class ServerProcess:
                 assert self._proc is not None
                 if self._proc.poll() is not None:
                     raise ServerFailedToStart(f"chronoq serve exited with {self._proc.returncode}:\n{self.log()}")
-                try:
-                    await admin.ping()
-                    return
-                except ServerUnavailable:
-                    if time.monotonic() > deadline:
-                        raise ServerFailedToStart(f"no answer on {self.address} after {START_TIMEOUT_S} s:\n"
-                                                  f"{self.log()}") from None
-                    await asyncio.sleep(0.1)
+                if self._said_ready():
+                    with contextlib.suppress(ServerUnavailable):
+                        await admin.ping()
+                        return
+                if time.monotonic() > deadline:
+                    raise ServerFailedToStart(f"no answer on {self.address} after {START_TIMEOUT_S} s:\n{self.log()}")
+                await asyncio.sleep(0.1)
+
+    def _said_ready(self) -> bool:
+        try:
+            with open(self._log_path, "rb") as log:
+                return READY_LINE in log.read()
+        except OSError:
+            return False
 
     def log(self) -> str:
         try:

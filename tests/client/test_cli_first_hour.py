@@ -674,3 +674,15 @@ def test_a_missing_command_or_action_shows_the_list_to_choose_from() -> None:
     assert proc.stderr.rstrip().endswith("chronoq: error: the following arguments are required: COMMAND")
     proc = chronoq_cmd("topics")
     assert proc.returncode == 2 and "    create " in proc.stderr and "    describe " in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_demo_on_a_port_another_broker_holds_stops_and_sends_nothing_there(tmp_path: Path, server: str) -> None:
+    """`chronoq demo --port P` with a broker already on P: its own serve failed to bind, but the
+    other broker answered the readiness check, so the demo ran against it ('demo OK'), creating
+    its topic and sending its messages into that broker's data."""
+    port = server.rsplit(":", 1)[1]
+    proc = chronoq_cmd("demo", "--data-dir", str(tmp_path / "data"), "--port", port, timeout=120)
+    assert proc.returncode == 1, proc.stdout
+    assert f"port {port} is in use" in _one_line_error(proc) and "demo OK" not in proc.stdout
+    assert "demo-orders" not in chronoq_cmd("topics", "list", env={"CHRONOQ_SERVER": server}).stdout
