@@ -14,13 +14,14 @@ covers everything the SDK raises.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from chronoq import errors as core
 from chronoq.client.types import BatchOutcome
 from chronoq.protocol import errors as protocol_errors
-from chronoq.timefmt import duration
+from chronoq.timefmt import byte_size, duration
 
 OK_CODES = frozenset({20000, 30000})
 """RocketMQ v2: OK and MULTIPLE_RESULTS both mean success."""
@@ -69,9 +70,16 @@ class RequestTooLarge(ClientError):
     the producer's `max_batch_bytes`; lower that for a server with a smaller limit."""
 
     def __init__(self, method: str, detail: str) -> None:
-        super().__init__(f"{method} refused: the request is larger than the server accepts ({detail}); "
-                         "send fewer or smaller messages per request (AsyncProducer(max_batch_bytes=...))",
+        sizes = _GRPC_SIZES.search(detail)  # gRPC's own "(20000086 vs. 9437184)", said in bytes here
+        said = f"{byte_size(int(sizes[1]))}, above its limit of {byte_size(int(sizes[2]))}" if sizes else detail
+        advice = ("one message may be at most the server's max_message_size_bytes (4 MiB unless set)"
+                  if method == "SendMessage" else
+                  "send fewer or smaller messages per request (AsyncProducer(max_batch_bytes=...))")
+        super().__init__(f"{method} refused: the request is larger than the server accepts ({said}); {advice}",
                          method=method, detail=detail)
+
+
+_GRPC_SIZES = re.compile(r"\((\d+) vs\. (\d+)\)")
 
 
 class ClientClosed(ClientError, RuntimeError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import re
 import subprocess
 import threading
 import time
@@ -343,6 +344,11 @@ def test_a_request_over_the_servers_size_limit_is_not_retried(server: str) -> No
                 await p.send(topic, b"z" * (10 * 1024 * 1024))
             assert not e.value.retriable and e.value.details["method"] == "SendMessage"
             assert "larger than max" in e.value.details["detail"]
+            # The sizes in bytes a person reads, and the limit a single message meets (it advised
+            # max_batch_bytes, which a single send does not use).
+            assert re.search(r"\(10,485,\d{3} bytes \(10 MiB\), above its limit of [\d,]+ bytes \(\d+ MiB\)\); one "
+                             r"message may be at most the server's max_message_size_bytes", e.value.message), \
+                e.value.message
 
     asyncio.run(body())
 
