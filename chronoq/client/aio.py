@@ -151,7 +151,12 @@ def default_server() -> str:
 
 def parse_server(server: str) -> tuple[str, int]:
     """(host, port) of a `host:port` address, or `InvalidArgument` naming it: a port must be
-    decimal digits in 1-65535 (gRPC would otherwise take 84267 modulo 65536, another port)."""
+    decimal digits in 1-65535 (gRPC would otherwise take 84267 modulo 65536, another port). A URL's
+    scheme ('http://') is refused by name: gRPC would look the whole of it up as a host name."""
+    scheme, slashes, rest = server.partition("://")
+    if slashes:
+        raise InvalidArgument("server", server, f"drop {scheme + slashes!r}: give {rest.rstrip('/')}; TLS is set "
+                              "apart: tls=True, or the CLI's --tls")
     host, sep, port = server.rpartition(":")
     if not sep or not host or not (port.isascii() and port.isdigit()):
         raise InvalidArgument("server", server, "use host:port")

@@ -686,3 +686,12 @@ def test_demo_on_a_port_another_broker_holds_stops_and_sends_nothing_there(tmp_p
     assert proc.returncode == 1, proc.stdout
     assert f"port {port} is in use" in _one_line_error(proc) and "demo OK" not in proc.stdout
     assert "demo-orders" not in chronoq_cmd("topics", "list", env={"CHRONOQ_SERVER": server}).stdout
+
+
+def test_a_server_given_as_a_url_is_refused_naming_what_to_give() -> None:
+    """CHRONOQ_SERVER=http://127.0.0.1:8081 went to gRPC whole: a retriable 'Misformatted domain
+    name' lookup failure, exit 1."""
+    proc = chronoq_cmd("topics", "list", env={"CHRONOQ_SERVER": "http://127.0.0.1:8081"})
+    assert proc.returncode == 2
+    assert "(drop 'http://': give 127.0.0.1:8081; TLS is set apart: tls=True, or the CLI's --tls)" in \
+        _one_line_error(proc), proc.stderr
