@@ -53,7 +53,7 @@ class Parser(argparse.ArgumentParser):
       "expected one argument" (argparse does this for plain negative numbers only);
     - a mistyped command gets "did you mean 'send'?", and a missing one the help that lists them;
     - the innermost parser that left arguments over is kept, so `main` reports a misspelled flag
-      with that command's usage and the flag it resembles (`--tyme`: did you mean --in?).
+      with that command's usage and the flag it resembles (`--levle`: did you mean --level?).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -69,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args)
         auth = load_auth_config(args)
     except OSError as exc:  # the --config file: missing, a directory, not readable
-        print(f"chronoq serve: cannot read --config {args.config}: {exc.strerror or exc}", file=sys.stderr)
+        what = f"--config {args.config}" if args.config else (exc.filename or "a configuration file")
+        print(f"chronoq serve: cannot read {what}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     except (ConfigError, ValueError) as exc:
         print(f"chronoq serve: {exc}", file=sys.stderr)
