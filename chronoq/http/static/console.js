@@ -7,6 +7,24 @@ let horizon = "1h";
 
 function $(id) { return document.getElementById(id); }
 
+// Numbers as chronoq.timefmt writes them for the CLI: counts with thousands separators, and
+// milliseconds as a duration in its two largest units (12ms, 1.25s, 4m03s, 3h12m, 2d03h, 30 days).
+function count(n) { return n === null || n === undefined ? "-" : Number(n).toLocaleString("en-US"); }
+
+function duration(ms) {
+  ms = Math.trunc(Number(ms));
+  const sign = ms < 0 ? "-" : "";
+  ms = Math.abs(ms);
+  const pad = (n) => String(n).padStart(2, "0");
+  if (ms < 1000) return sign + ms + "ms";
+  if (ms < 60000) return sign + (ms / 1000).toFixed(3).replace(/0+$/, "").replace(/\.$/, "") + "s";
+  if (ms < 3600000) return sign + Math.floor(ms / 60000) + "m" + pad(Math.floor((ms % 60000) / 1000)) + "s";
+  if (ms < 86400000) return sign + Math.floor(ms / 3600000) + "h" + pad(Math.floor((ms % 3600000) / 60000)) + "m";
+  const days = Math.floor(ms / 86400000), hours = Math.floor((ms % 86400000) / 3600000);
+  if (hours && days < 10) return sign + days + "d" + pad(hours) + "h";
+  return sign + days.toLocaleString("en-US") + " day" + (days !== 1 ? "s" : "");
+}
+
 function cell(row, text, cls) {
   const td = row.insertCell();
   td.textContent = text === null || text === undefined ? "-" : String(text);
@@ -47,9 +65,9 @@ async function refreshOverview() {
     row.dataset.topic = t.name;
     cell(row, t.name);
     cell(row, t.queues, "num");
-    cell(row, t.pending, "num");
-    cell(row, t.accepted, "num");
-    cell(row, t.delivered, "num");
+    cell(row, count(t.pending), "num");
+    cell(row, count(t.accepted), "num");
+    cell(row, count(t.delivered), "num");
     const b = document.createElement("button");
     b.textContent = "pending timers";
     b.onclick = () => { select.value = t.name; search(); };
@@ -57,16 +75,17 @@ async function refreshOverview() {
     select.add(new Option(t.name, t.name));
   }
   select.value = chosen;
-  $("timer-summary").textContent = o.pending_total + " timers pending; next due " + o.next_deadline +
-    (o.oldest_overdue_ms ? "; firing is " + o.oldest_overdue_ms + " ms behind" : "");
+  $("timer-summary").textContent = count(o.pending_total) + " timers pending; next due " + o.next_deadline +
+    (o.oldest_overdue_ms ? "; firing is " + duration(o.oldest_overdue_ms) + " behind" : "");
   const e = o.delivery_error_ms;
-  $("error-summary").textContent = e.count ? ("since start: " + e.count + " fired, fired minus due p50 " + e.p50 +
-    " ms, p99 " + e.p99 + " ms, max " + e.max + " ms") : "no timer has fired since the broker started";
+  $("error-summary").textContent = e.count ? ("since start: " + count(e.count) + " fired, fired minus due p50 " +
+    duration(e.p50) + ", p99 " + duration(e.p99) + ", max " + duration(e.max))
+    : "no timer has fired since the broker started";
   const gbody = $("groups").tBodies[0];
   gbody.replaceChildren();
   for (const g of o.groups) {
     const row = gbody.insertRow();
-    cell(row, g.group); cell(row, g.topic); cell(row, g.lag, "num"); cell(row, g.inflight, "num");
+    cell(row, g.group); cell(row, g.topic); cell(row, count(g.lag), "num"); cell(row, count(g.inflight), "num");
   }
   const hs = $("horizons");
   if (!hs.childElementCount) {
@@ -118,7 +137,7 @@ async function search(quiet) {
       cell(row, t.keys.join(" ")); cell(row, t.accepted);
       row.insertCell().append(cancelButton(t.topic, t.message_id, t.deliver_at));
     }
-    $("search-note").textContent = r.timers.length + " pending due " + r.from + " .. " + r.to +
+    $("search-note").textContent = count(r.timers.length) + " pending due " + r.from + " .. " + r.to +
       (r.truncated ? " (stopped at a limit: narrow the range to see the rest)" : "");
     if (!quiet) $("status").hidden = true;
   } catch (err) {
