@@ -69,7 +69,8 @@ def _cmd_describe(args: argparse.Namespace) -> int:
         for col in ("queue", "min offset", "max offset", "messages"):
             table.add_column(col, justify="right")
         for q in d.queues:
-            table.add_row(str(q.queue_id), str(q.min_offset), str(q.max_offset), str(q.max_offset - q.min_offset))
+            # Offsets are positions, written whole (they are pasted into reads); the count is a quantity.
+            table.add_row(str(q.queue_id), str(q.min_offset), str(q.max_offset), f"{q.max_offset - q.min_offset:,}")
         console.print(table)
         return 0
 

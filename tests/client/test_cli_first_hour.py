@@ -695,3 +695,16 @@ def test_a_server_given_as_a_url_is_refused_naming_what_to_give() -> None:
     assert proc.returncode == 2
     assert "(drop 'http://': give 127.0.0.1:8081; TLS is set apart: tls=True, or the CLI's --tls)" in \
         _one_line_error(proc), proc.stderr
+
+
+@pytest.mark.slow
+def test_topics_describe_counts_messages_with_thousands_separators(server: str) -> None:
+    from chronoq.client import Producer, outgoing
+
+    topic = fresh("many")
+    with Producer(server) as p:
+        p.create_topic(topic, queue_count=1)
+        p.send_batch([outgoing(topic, b"x") for _ in range(1200)])
+    proc = chronoq_cmd("topics", "describe", topic, env={"CHRONOQ_SERVER": server})
+    assert proc.returncode == 0
+    assert re.search(r"│\s+0 │\s+0 │\s+1200 │\s+1,200 │", proc.stdout), proc.stdout
