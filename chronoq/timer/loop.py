@@ -203,7 +203,9 @@ def open_timer_service(config: Config, store: MessageStore, append: Append) -> T
         timer.recover()
         return timer
     except TimerIndexCorrupt as e:
-        log.warning("%s: rebuilding it from the commit log", e.message)
+        # The error's own advice ("rebuild it from the commit log") is what happens next: say so once.
+        log.warning("timer index at %s cannot be used: %s; rebuilding it from the commit log (derived state: "
+                    "nothing acknowledged is lost)", e.details.get("path", path), e.details.get("reason", e.message))
         if index is not None:
             index.close()
     except BaseException:

@@ -902,6 +902,31 @@ def test_index_ahead_of_the_log_is_rebuilt(tmp_path: Path) -> None:
     run(body())
 
 
+def test_an_index_of_another_format_is_rebuilt_with_one_line_that_says_so(tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """An upgrade's first start logged "... cannot be used: format version 2; this chronoq reads
+    3; rebuild it from the commit log: rebuilding it from the commit log"."""
+
+    async def body() -> None:
+        clock = FakeClock(START_MS)
+        b = await open_broker(tmp_path, clock)
+        await b.send(OutgoingMessage("orders", b"x", delay_ms=1000))
+        await b.close()
+        with RocksTimerIndex.open(timer_dir(tmp_path)) as index:
+            index._cf[CF_META][META_FORMAT_VERSION] = struct.pack(">I", 2)
+        with caplog.at_level("WARNING", logger="chronoq.timer"):
+            b = await open_broker(tmp_path, clock)
+        try:
+            assert pending_total(b) == 1
+        finally:
+            await b.close()
+
+    run(body())
+    [line] = [r.getMessage() for r in caplog.records if "cannot be used" in r.getMessage()]
+    assert line == (f"timer index at {timer_dir(tmp_path)} cannot be used: format version 2; this chronoq reads 3; "
+                    "rebuilding it from the commit log (derived state: nothing acknowledged is lost)")
+
+
 @pytest.mark.parametrize("engine", ["rocksdb", "spark"])
 def test_concurrent_fires_do_not_deliver_a_timer_twice(tmp_path: Path, engine: str) -> None:
     """Two fire calls overlapping in time (the timer loop and `run_due`, or a Spark `FireTimers`
