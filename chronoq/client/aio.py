@@ -174,6 +174,8 @@ def unavailable_hint(detail: str, tls: bool) -> str | None:
     if "CERTIFICATE_VERIFY_FAILED" in detail:
         return ("the server's certificate is not trusted: give the CA certificate that signed it "
                 "(CLI: --ca-cert FILE or $CHRONOQ_CA_CERT; SDK: root_certificates=)")
+    if "Cancelling all calls" in detail:  # the server's own shutdown ended the call (a long poll, say)
+        return "the server shut down while this call was waiting: is it restarting? (the call may be retried)"
     if "WRONG_VERSION_NUMBER" in detail:
         return "the server does not seem to use TLS: connect without TLS"
     if not tls and "Socket closed" in detail:

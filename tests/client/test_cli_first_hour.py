@@ -708,3 +708,27 @@ def test_topics_describe_counts_messages_with_thousands_separators(server: str) 
     proc = chronoq_cmd("topics", "describe", topic, env={"CHRONOQ_SERVER": server})
     assert proc.returncode == 0
     assert re.search(r"│\s+0 │\s+0 │\s+1200 │\s+1,200 │", proc.stdout), proc.stdout
+
+
+@pytest.mark.slow
+def test_a_long_poll_ended_by_the_servers_shutdown_says_so(tmp_path: Path) -> None:
+    """Ctrl-C on `chronoq serve` while `consume --wait` polled: the consumer said only 'cannot
+    reach chronoq server at ...: Cancelling all calls'."""
+    port = _free_port()
+    serve = subprocess.Popen([sys.executable, "-m", "chronoq", "serve", "--data-dir", str(tmp_path / "data"),
+                              "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             env=_env())
+    try:
+        assert serve.stdout is not None and "chronoq serving on" in serve.stdout.readline()
+        env = {"CHRONOQ_SERVER": f"127.0.0.1:{port}"}
+        assert chronoq_cmd("topics", "create", "orders", env=env).returncode == 0
+        consumer = subprocess.Popen([sys.executable, "-m", "chronoq", "consume", "orders", "--group", "g", "--wait"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(env))
+        time.sleep(4)  # started, routed, and waiting in its long poll
+        serve.send_signal(signal.SIGINT)
+        _, err = consumer.communicate(timeout=60)
+    finally:
+        serve.send_signal(signal.SIGINT)
+        serve.wait(30)
+    assert consumer.returncode == 1 and "Traceback" not in err, err
+    assert "the server shut down while this call was waiting: is it restarting?" in err, err
