@@ -55,11 +55,29 @@ def _snapshot(child: subprocess.Popen[bytes], data: Path, journal: Path, to: Pat
     """Stop the driver, copy its data directory, note the journal's length, let it go on."""
     os.kill(child.pid, signal.SIGSTOP)
     try:
+        _wait_stopped(child.pid)
         journaled = journal.stat().st_size if journal.exists() else 0
         shutil.copytree(data, to, ignore=shutil.ignore_patterns(files.LOCK))
     finally:
         os.kill(child.pid, signal.SIGCONT)
     return journaled
+
+
+def _wait_stopped(pid: int) -> None:
+    """Until every thread of `pid` is stopped: SIGSTOP returns before a thread running on the other
+    core has stopped, and a background checkpoint could still rename its file under the copy."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                continue  # a thread that exited
+        if all(state in ("T", "t", "Z", "X") for state in states):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} did not stop within 10 s of SIGSTOP")
 
 
 def _assemble(snaps: list[Path], j: int, i: int, k: int, to: Path) -> None:
