@@ -247,18 +247,7 @@ def test_a_timer_indexed_at_its_roll_copy_while_its_fire_is_unwritten_is_not_fir
     and made durable first moves a timer to its new position while the fire from its old record
     still waits for its own fsync: for that moment the timer is pending at the new position and
     firing at the old one. A FireTimers naming the new position fired it a second time."""
-    held, release = threading.Event(), threading.Event()
-    hold = [False]
-    real = os.fdatasync
-
-    def fdatasync(fd: int) -> None:
-        if hold[0] and os.readlink(f"/proc/self/fd/{fd}").endswith(files.SEGMENT_SUFFIX):
-            hold[0] = False
-            held.set()
-            assert release.wait(10)
-        real(fd)
-
-    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    hold, held, release = _hold_segment_fdatasync(monkeypatch)
 
     async def body() -> None:
         clock = FakeClock(START_MS)
@@ -395,18 +384,7 @@ def test_a_fire_timers_call_cancelled_while_its_fire_is_made_durable_is_not_fire
     fired copy waits for its group commit, and the engine retries. The copy becomes durable all
     the same, but the cancellation had already let the timer go from the firing set, and the
     index still called it pending until the copy's dispatch: the retry fired it a second time."""
-    held, release = threading.Event(), threading.Event()
-    hold = [False]
-    real = os.fdatasync
-
-    def fdatasync(fd: int) -> None:
-        if hold[0] and os.readlink(f"/proc/self/fd/{fd}").endswith(files.SEGMENT_SUFFIX):
-            hold[0] = False
-            held.set()
-            assert release.wait(10)
-        real(fd)
-
-    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    hold, held, release = _hold_segment_fdatasync(monkeypatch)
 
     async def body() -> None:
         clock = FakeClock(START_MS)
