@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import struct
 from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import Any
@@ -58,6 +59,7 @@ from chronoq.http.console import (
 from chronoq.http.metrics import make_registry
 from chronoq.protocol.admin import details_json
 from chronoq.server.admin_service import AdminService
+from chronoq.timer.recall import encode_recall_handle
 
 log = logging.getLogger(__name__)
 
@@ -238,8 +240,20 @@ class HttpServer:
                 from None
         if not isinstance(doc, dict) or not doc.get("topic") or not doc.get("message_id"):
             raise ConsoleInputError("a cancel names the topic and the message id")
-        reply = await self.call(request, "admin", "CancelMessage",
-                                {"topic": doc["topic"], "message_id": doc["message_id"]})
+        args: dict[str, Any] = {"topic": doc["topic"], "message_id": doc["message_id"]}
+        due_ms = doc.get("deliver_at_ms")
+        if due_ms is not None and isinstance(doc["topic"], str) and isinstance(doc["message_id"], str):
+            # A row names one timer: an id reused after the dedupe window names several, and a
+            # cancel by id alone is refused for it (TimerIdAmbiguous). Its recall handle names it.
+            try:
+                if type(due_ms) is not int:
+                    raise TypeError
+                args = {"topic": doc["topic"],
+                        "recall_handle": encode_recall_handle(doc["topic"], due_ms, doc["message_id"])}
+            except (TypeError, struct.error, UnicodeEncodeError):
+                raise ConsoleInputError("deliver_at_ms, when given, must be the timer's due time in epoch ms "
+                                        "(an integer)") from None
+        reply = await self.call(request, "admin", "CancelMessage", args)
         log.info("console: cancelled %s on %s", reply["message_id"], doc["topic"])
         return _json({"cancelled": reply["message_id"], "topic": doc["topic"]})
 

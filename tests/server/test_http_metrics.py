@@ -15,6 +15,7 @@ import re
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +193,38 @@ def test_console_api_search_lookup_cancel(tmp_path: Path) -> None:
             status, ctype, svg = await get(base + "/chart/pending.svg?horizon=10m")
             assert status == 200 and ctype.startswith("image/svg+xml") and svg.count('class="bar"') == 2
             clock.advance(30_000)
+    arun(main())
+
+
+def test_console_cancel_of_one_timer_of_a_reused_id_cancels_that_timer(tmp_path: Path) -> None:
+    """An id sent again after the dedupe window names two pending timers; the console lists each
+    with its own cancel button. The button sent only (topic, id), which the broker refuses for
+    such an id (TimerIdAmbiguous), so neither timer could be cancelled from the console. The
+    button sends the row's due time too, and cancels that timer only."""
+    async def main() -> None:
+        async with http_broker(tmp_path, dedupe_window_ms=60_000) as (broker, clock, base):
+            await broker.create_topic(TOPIC)
+            first = await broker.send(OutgoingMessage(TOPIC, b"one", message_id="X", deliver_at_ms=T0 + 7_200_000))
+            clock.advance(60_001)
+            second = await broker.send(OutgoingMessage(TOPIC, b"two", message_id="X", deliver_at_ms=T0 + 10_800_000))
+            assert not second.duplicate
+            status, _, body = await get(base + "/api/search?topic=orders&from=now&to=%2B4h")
+            rows = json.loads(body)["timers"]
+            assert [(t["message_id"], t["deliver_at_ms"]) for t in rows] == [
+                ("X", first.deliver_at_ms), ("X", second.deliver_at_ms)]
+            # What the console's cancel button posts for the first row.
+            script = (resources.files("chronoq.http") / "static" / "console.js").read_text()
+            assert "deliver_at_ms: due_ms" in script
+            status, reply = await post_json(base + "/api/cancel", {"topic": TOPIC, "message_id": "X",
+                                                                  "deliver_at_ms": rows[0]["deliver_at_ms"]})
+            assert status == 200 and reply["cancelled"] == "X", reply
+            states = [(s.deliver_at_ms, s.state.value) for s in broker.query("X", TOPIC)]
+            assert states == [(first.deliver_at_ms, "cancelled"), (second.deliver_at_ms, "pending")]
+            # Without a due time the broker still guesses nothing; a due time that is not an
+            # integer is refused as bad input.
+            status, reply = await post_json(base + "/api/cancel", {"topic": TOPIC, "message_id": "X",
+                                                                  "deliver_at_ms": "soon"})
+            assert status == 400 and reply["error"] == "ConsoleInputError"
     arun(main())
 
 

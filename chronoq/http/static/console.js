@@ -106,7 +106,7 @@ function refreshCharts() {
   for (const b of $("horizons").children) b.classList.toggle("active", b.dataset.horizon === horizon);
 }
 
-function cancelButton(topic, id, due) {
+function cancelButton(topic, id, due, due_ms) {
   const b = document.createElement("button");
   b.textContent = "cancel";
   b.className = "cancel";
@@ -114,7 +114,9 @@ function cancelButton(topic, id, due) {
     if (!window.confirm("Cancel timer " + id + " on " + topic + " (due " + due + ")? It will not be delivered.")) return;
     try {
       await call("/api/cancel", { method: "POST", headers: { "Content-Type": "application/json" },
-                                  body: JSON.stringify({ topic: topic, message_id: id }) });
+                                  // The due time names this row's timer: an id reused after the dedupe
+                                  // window names several, and a cancel by id alone is refused for it.
+                                  body: JSON.stringify({ topic: topic, message_id: id, deliver_at_ms: due_ms }) });
       showStatus("cancelled " + id + " on " + topic, false);
       await search(true);
       await refreshOverview();
@@ -135,7 +137,7 @@ async function search(quiet) {
       row.dataset.messageId = t.message_id;
       cell(row, t.deliver_at); cell(row, t.topic); cell(row, t.message_id);
       cell(row, t.keys.join(" ")); cell(row, t.accepted);
-      row.insertCell().append(cancelButton(t.topic, t.message_id, t.deliver_at));
+      row.insertCell().append(cancelButton(t.topic, t.message_id, t.deliver_at, t.deliver_at_ms));
     }
     $("search-note").textContent = count(r.timers.length) + " pending due " + r.from + " .. " + r.to +
       (r.truncated ? " (stopped at a limit: narrow the range to see the rest)" : "");
@@ -160,7 +162,7 @@ async function lookup() {
       cell(row, s.message_id); cell(row, s.topic); cell(row, s.state, "state"); cell(row, s.deliver_at);
       cell(row, s.accepted); cell(row, s.fired); cell(row, s.cancelled);
       const c = row.insertCell();
-      if (s.state === "pending") c.append(cancelButton(s.topic, s.message_id, s.deliver_at));
+      if (s.state === "pending") c.append(cancelButton(s.topic, s.message_id, s.deliver_at, s.deliver_at_ms));
     }
     $("status").hidden = true;
   } catch (err) { showStatus("look up: " + err.message, true); }
