@@ -58,6 +58,10 @@ SYS_FIRED_OFFSET = "TIMER_FIRED_OFFSET"
 """On a message delivered from a delay-level queue: the schedule queue offset it came from."""
 SYS_TIMER_DEL_UNIQKEY = "TIMER_DEL_UNIQKEY"
 """On a tombstone in the timer topic: the id of the timer message it cancels (RocketMQ 5's delete)."""
+SYS_TIMER_DEL_AT_DUE = "TIMER_DEL_AT_DUE"
+"""On a tombstone (timer index format version 3 on): it cancels only the timers of its id due at its
+TIMER_OUT_MS. A tombstone without it was written under the old rule, every timer of its id, and
+keeps that meaning in every replay and rebuild (its cancel was acknowledged as such)."""
 SYS_FIRED_FROM = "TIMER_FIRED_FROM"
 """On a delivered timer message: the commit-log position of the timer-topic record it came from."""
 SYS_DLQ_ORIGIN_TOPIC = "DLQ_ORIGIN_TOPIC"

@@ -28,8 +28,9 @@ a cancel, in the same batch, is a new timer the cancel must not touch. It also c
 time of the timer it cancels (the tombstone's TIMER_OUT_MS, as RocketMQ 5 places its delete
 record at the timer's delivery time) and reaches only timers due then: one id reused on a topic
 after the dedupe window names several timers, and a cancel of one must not cancel the others.
-Only a tombstone written without a due time (none since the Spark engine came) reaches every
-timer of its (topic, id).
+Only a tombstone marked TIMER_DEL_AT_DUE (written since index format version 3) names a due
+time here; an older one reaches every timer of its (topic, id), the rule its cancel was
+acknowledged under (a rebuild must not deliver what it cancelled).
 
 Delay-level progress (the next offset of each level's queue to fire) is derived state too, and
 lives in the engine with `indexed_position`, written in the same atomic batch: the fired copies
@@ -76,7 +77,8 @@ class IndexBatch:
     cancels: Sequence[tuple[str, str, int, int, int | None]] = ()
     """(topic, message_id, cancelled_ms, tombstone position, deliver_at_ms). Cancels the pending
     timers with that id on that topic, due at `deliver_at_ms`, recorded before the tombstone
-    (`deliver_at_ms` None: a tombstone without a due time, which reaches every due time)."""
+    (`deliver_at_ms` None: a tombstone written before the due-time rule, which reaches every due
+    time)."""
     fired: Sequence[tuple[int, int]] = ()
     """(timer record position, fired_ms): the fired copy became visible at fired_ms."""
     rolled: Sequence[tuple[int, TimerEntry]] = ()

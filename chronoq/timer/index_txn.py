@@ -240,7 +240,7 @@ class IndexTxn:
     def cancel(self, topic: str, message_id: str, cancelled_ms: int, tombstone_position: int,
                due_ms: int | None) -> None:
         """Cancel the pending timers with this id on this topic, due at `due_ms` (None: at any
-        time, a tombstone written without a due time), recorded before the tombstone (a rolled
+        time, a tombstone written before the due-time rule), recorded before the tombstone (a rolled
         copy counts from its original). The due time is in the `pos` row read anyway: no read
         more than before."""
         prefix = id_prefix(message_id, topic)

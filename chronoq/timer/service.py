@@ -63,6 +63,7 @@ from chronoq.model import (
     SYS_MESSAGE_GROUP,
     SYS_REAL_QUEUE_ID,
     SYS_REAL_TOPIC,
+    SYS_TIMER_DEL_AT_DUE,
     SYS_TIMER_DEL_UNIQKEY,
     SYS_TIMER_ENQUEUE_MS,
     SYS_TIMER_OUT_MS,
@@ -198,9 +199,11 @@ class TimerService:
             sp = m.system_properties
             if m.topic == TIMER_TOPIC:
                 if SYS_TIMER_DEL_UNIQKEY in sp:
-                    # The due time names which timer of the id (tombstones written before the
-                    # Spark engine came carry none, and reach every timer of the id, as then).
-                    due_ms = sp.get(SYS_TIMER_OUT_MS)
+                    # The due time names which timer of the id, on tombstones marked so. Older ones
+                    # (index format version 2 and before) reach every timer of the id, as then:
+                    # that cancel was acknowledged for the id (a cancel by id alone, or the first
+                    # timer's own handle refused), and a rebuild must not deliver what it cancelled.
+                    due_ms = sp.get(SYS_TIMER_OUT_MS) if SYS_TIMER_DEL_AT_DUE in sp else None
                     cancels.append((sp[SYS_REAL_TOPIC], sp[SYS_TIMER_DEL_UNIQKEY], m.store_ms, m.position,
                                     None if due_ms is None else int(due_ms)))
                     continue
@@ -450,7 +453,7 @@ class TimerService:
             # The due time names which timer of the id this cancels (the index's rule, and the
             # Spark job's, which also finds the pending entry's state key by it).
             system_properties={SYS_REAL_TOPIC: topic, SYS_TIMER_DEL_UNIQKEY: message_id,
-                               SYS_TIMER_OUT_MS: str(deliver_at_ms)},
+                               SYS_TIMER_OUT_MS: str(deliver_at_ms), SYS_TIMER_DEL_AT_DUE: "1"},
             queue_id=0)
         self._holding.add(key)
         try:

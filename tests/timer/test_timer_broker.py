@@ -41,12 +41,15 @@ from chronoq.model import (
     SCHEDULE_TOPIC,
     SYS_FIRED_FROM,
     SYS_REAL_TOPIC,
+    SYS_TIMER_DEL_UNIQKEY,
     SYS_TIMER_OUT_MS,
     TIMER_TOPIC,
+    MessageType,
     OutgoingMessage,
     TimerState,
 )
 from chronoq.store.check import check_data_dir
+from chronoq.store.messagestore import PreparedMessage
 from chronoq.timer.engine import IndexBatch
 from chronoq.timer.index import RocksTimerIndex
 from chronoq.timer.index_codec import CF_META, META_FORMAT_VERSION
@@ -389,10 +392,12 @@ def test_a_cancel_by_id_alone_of_several_pending_timers_is_refused_with_their_du
 
 
 def test_an_index_of_format_version_2_is_rebuilt_under_the_due_time_rule(tmp_path: Path) -> None:
-    """Version 2 applied a tombstone to every timer of its (topic, id): an index it built may hold
-    the first timer of a reused id cancelled by the second's tombstone. Version 3 reads none of
-    it: the broker rebuilds the index from the log, where the tombstone names the second's due
-    time, so the first (acknowledged, never cancelled by its own handle) is pending again."""
+    """Version 2 applied a tombstone to every timer of its (topic, id). An index of version 2 that
+    applied so a tombstone written under the due-time rule (marked TIMER_DEL_AT_DUE: the second
+    timer's own handle) holds the first timer cancelled. Version 3 reads none of it: the broker
+    rebuilds the index from the log, where the marked tombstone names the second's due time, so
+    the first (acknowledged, never cancelled) is pending. (An unmarked tombstone, written by
+    version 2, keeps its rule: the test after this one.)"""
 
     async def body() -> None:
         clock = FakeClock(START_MS)
@@ -418,6 +423,52 @@ def test_an_index_of_format_version_2_is_rebuilt_under_the_due_time_rule(tmp_pat
         finally:
             await b.close()
         assert check_data_dir(tmp_path).ok
+
+    run(body())
+
+
+@pytest.mark.parametrize("after", ["live", "replay", "rebuild"])
+def test_a_tombstone_written_before_the_due_time_rule_keeps_cancelling_every_timer_of_its_id(
+        tmp_path: Path, after: str) -> None:
+    """Before version 3 a reused id's first timer could not be cancelled by its own handle ("due
+    time mismatch"), so a person cancelled by id, was told the id was cancelled, and the tombstone
+    (carrying the newest timer's due time) cancelled both timers. Read under the due-time rule,
+    that tombstone cancelled only the second: the upgrade's rebuild made the first pending again
+    and delivered the very message the person had cancelled. A tombstone keeps the rule it was
+    written under: only tombstones marked TIMER_DEL_AT_DUE name one due time."""
+
+    async def body() -> None:
+        clock = FakeClock(START_MS)
+        b = await open_broker(tmp_path, clock, dedupe_window_ms=WINDOW_MS)
+        try:
+            t1, t2 = await _reused_id(b, clock)
+        finally:
+            await b.close()
+        snapshot_index(tmp_path, tmp_path / "index-before")
+        b = await open_broker(tmp_path, clock, dedupe_window_ms=WINDOW_MS)
+        try:
+            # The tombstone version 2 wrote for a cancel by id: the newest timer's due time, no mark.
+            await b.timer._append([PreparedMessage(
+                topic=TIMER_TOPIC, message_id="X", message_type=MessageType.DELAY, body=b"", born_ms=clock.now_ms(),
+                system_properties={SYS_REAL_TOPIC: "orders", SYS_TIMER_DEL_UNIQKEY: "X",
+                                   SYS_TIMER_OUT_MS: str(t2.deliver_at_ms)},
+                queue_id=0)])
+            assert _states(b) == [(t1.deliver_at_ms, TimerState.CANCELLED), (t2.deliver_at_ms, TimerState.CANCELLED)]
+            live = b.query("X")
+        finally:
+            await b.close()
+        if after == "rebuild":
+            shutil.rmtree(timer_dir(tmp_path))
+        elif after == "replay":
+            restore_index(tmp_path, tmp_path / "index-before")
+        b = await open_broker(tmp_path, clock, dedupe_window_ms=WINDOW_MS)
+        try:
+            assert b.query("X") == live
+            clock.advance(4 * HOUR_MS)
+            await b.run_due()
+            assert await drain(b, "orders") == []
+        finally:
+            await b.close()
 
     run(body())
 
