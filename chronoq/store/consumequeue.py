@@ -11,7 +11,9 @@ and not all of those: a broker may have tens of thousands of queues, one file ea
 the files are opened on first use and the least recently used is closed once the store's
 `OpenFiles` holds `max_open_queue_files` (before, every queue file stayed open: a topic of
 65,000 queues ran out of descriptors at its creation); a process out of descriptors when one must
-be opened gives up another queue file first. A file closed while it holds entries no
+be opened, or created (a queue rolling to its next file), gives up another queue file first. If
+none is open to give up, the EMFILE is raised: the dispatcher holds the records back and tries
+again later, as for a full disk. A file closed while it holds entries no
 fsync has covered is fdatasynced first, on the calling thread, so a checkpoint never covers
 entries written through a descriptor it can no longer sync; a checkpoint syncs duplicates of
 the dirty files' descriptors (`take_dirty`), so closing the originals meanwhile is safe; while
@@ -190,19 +192,24 @@ class OpenFiles:
             self._open.move_to_end(f)
             return f.fd
         self._make_room()
+        f.fd = self.open_path(f.path, os.O_RDWR)
+        self._open[f] = None
+        return f.fd
+
+    def open_path(self, path: Path, flags: int, mode: int = 0o644) -> int:
+        """`os.open(path, flags, mode)` for a queue file, existing or new. When the process is
+        out of descriptors (connections took them, say) while this holds some, it gives one up
+        (the least recently used) and tries again, rather than fail the caller: a dispatch that
+        cannot write its entries holds back every sender after it. Only when none is left is the
+        error (EMFILE, ENFILE) the caller's. The descriptor is not counted here: `fd` and `add`
+        count it."""
         while True:
             try:
-                f.fd = os.open(f.path, os.O_RDWR)
-                break
+                return os.open(path, flags, mode)
             except OSError as e:
-                # The process is out of descriptors (connections, say) while this holds some:
-                # give one up and try again, rather than fail the caller (a dispatch that raises
-                # stops the broker). Only when none is left is the error the caller's.
                 if e.errno not in (errno.EMFILE, errno.ENFILE) or not self._open:
                     raise
                 self._evict(next(iter(self._open)))
-        self._open[f] = None
-        return f.fd
 
     def add(self, f: CQFile) -> None:
         """Count `f`, just created with its descriptor open."""
@@ -401,7 +408,7 @@ class ConsumeQueue:
         tmp = path.with_name(path.name + ".tmp")
         fd = -1
         try:
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = self.open_files.open_path(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC)  # gives up another if need be
             header = encode_cq_header(first_offset)
             if os.write(fd, header) != len(header):
                 raise OSError(errno.ENOSPC, f"short write of a consume-queue header ({tmp})")

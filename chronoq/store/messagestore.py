@@ -26,7 +26,10 @@ A full disk (`store/diskspace.py`) is back-pressure. Dispatch that runs out of s
 derived state (a consume-queue append, a listener's RocksDB write) keeps the records it could not
 finish in line and reports how far it got, so their senders stay unacknowledged; the log's
 flusher retries it, sends are refused meanwhile (`check_room_for_send`), and it resumes when
-space returns. A checkpoint that finds no space raises `DiskFull` and leaves the old one valid.
+space returns. A process out of file descriptors with no consume-queue file left to give up
+(`OpenFiles.open_path`) holds dispatch back the same way: a written record is never reported as
+refused (in async mode dispatch runs inside `append`), and new sends are refused (`Throttled`).
+A checkpoint that finds no space raises `DiskFull` and leaves the old one valid.
 Recovery writes nothing that needs space: its checkpoint, or a topic table it had to rebuild,
 waits for a later checkpoint when the disk is full (an old checkpoint past the log's end is
 removed instead: it names no boundary of the records written past it next).
@@ -48,6 +51,7 @@ same read for callers to whom damage means "skip".
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import itertools
 import logging
@@ -70,6 +74,7 @@ from chronoq.errors import (
     FlushFailed,
     FsyncFailed,
     InvalidQueueId,
+    Throttled,
     TopicExists,
     TopicNotFound,
 )
@@ -105,6 +110,14 @@ on the event loop under load (the delivery-error tail). Building the StoredMessa
 hit costs ~1 µs, and gives the caller its own copy."""
 _CACHED_SIZE = 13
 """The index of `size` in a `_CachedRecord`."""
+
+
+def _out_of_fds(exc: BaseException) -> bool:
+    """Whether `exc` says the process (EMFILE) or the system (ENFILE) has no descriptor left:
+    a queue file that could not be opened or created, or RocksDB's status text for the same."""
+    if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+        return True
+    return not isinstance(exc, ChronoqError) and "Too many open files" in str(exc)
 
 
 def _warn_if_queue_files_exceed_the_fd_limit(max_open_queue_files: int) -> None:
@@ -232,6 +245,10 @@ class MessageStore:
                               reserve_file_bytes=config.disk_reserve_file_bytes)
         self._dispatch_blocked: str | None = None
         """What a full disk stopped dispatch from writing; the flusher retries until it is done."""
+        self._dispatch_out_of_fds: str | None = None
+        """Set instead when the process ran out of file descriptors (EMFILE, ENFILE) with no
+        queue file left to give up: held back and retried the same way (the record is written,
+        and in async mode may be fsynced already: its sender must not hear "refused")."""
         self._topics_unsaved = False
         """Recovery changed the topic table on a full disk; the next checkpoint saves it."""
         self._lock_fd: int | None = None
@@ -574,6 +591,8 @@ class MessageStore:
         self.disk.check_send()
         if self._dispatch_blocked is not None:
             raise self.disk.ran_out(self._dispatch_blocked)
+        if self._dispatch_out_of_fds is not None:
+            raise Throttled(f"{self._dispatch_out_of_fds}; sends are refused until it resumes (raise `ulimit -n`)")
 
     def disk_stats(self) -> dict[str, object]:
         """Free space, the limits, and what a full disk is holding back now (for `stats`)."""
@@ -610,10 +629,21 @@ class MessageStore:
                 for listener in self.listeners:
                     listener(batch)
             except Exception as e:
-                if not is_disk_full(e):
+                if is_disk_full(e):
+                    self._dispatch_blocked = f"dispatching durable records from position {batch[0].position}"
+                    self.disk.note_full("dispatch", e)
+                elif _out_of_fds(e):
+                    # No queue file was left to give up (`OpenFiles.open_path`). Raising would
+                    # stop the flusher (sync mode) or tell an async sender its stored record was
+                    # refused, and its retry would store it twice: held back instead.
+                    if self._dispatch_out_of_fds is None:
+                        log.warning("dispatch held back: the process is out of file descriptors; retrying every "
+                                    "%d ms (raise `ulimit -n`, or lower max_open_queue_files): %s",
+                                    self.log.dispatch_retry_ms, e)
+                    self._dispatch_out_of_fds = (f"dispatching records from position {batch[0].position} held back: "
+                                                 f"out of file descriptors ({e})")
+                else:
                     raise
-                self._dispatch_blocked = f"dispatching durable records from position {batch[0].position}"
-                self.disk.note_full("dispatch", e)
                 return batch[0].position
             self.dispatched_position = batch[-1].position + batch[-1].size
             self._cache_records(batch)
@@ -622,6 +652,9 @@ class MessageStore:
         if self._dispatch_blocked is not None:
             self._dispatch_blocked = None
             self.disk.note_ok("dispatch")
+        if self._dispatch_out_of_fds is not None:
+            self._dispatch_out_of_fds = None
+            log.warning("dispatch resumed: file descriptors were freed")
         return None
 
     # -- reading ----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ system-call boundary (which files get fdatasynced before they are closed), not t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import itertools
 import logging
@@ -26,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from chronoq.config import Config
+from chronoq.errors import Throttled
 from chronoq.model import MessageType
 from chronoq.store.consumequeue import ConsumeQueue, OpenFiles
 from chronoq.store.messagestore import MessageStore, PreparedMessage
@@ -327,3 +329,103 @@ def _is_open(fd: int) -> bool:
     except OSError:
         return False
     return True
+
+
+@contextlib.contextmanager
+def _no_descriptor_left() -> Iterator[None]:
+    """A real RLIMIT_NOFILE, lowered to the lowest free descriptor number for the block: any
+    open, of an existing file or a new one, fails with EMFILE until something is closed."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    used = {int(n) for n in os.listdir("/proc/self/fd")}
+    limit = next(n for n in itertools.count() if n not in used or not _is_open(n))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _one_queue_of_two_entry_files(tmp_path: Path, flush: str) -> Config:
+    config = Config(data_dir=tmp_path / "data", flush=flush, consume_queue_entries_per_file=2,  # type: ignore[arg-type]
+                    max_queue_count=1, default_queue_count=1)
+    store, _ = MessageStore.open(config)
+    try:
+        store.create_topic("t", 1, frozenset(MessageType), 0)
+    finally:
+        store.close()
+    return config
+
+
+def _msg(i: int) -> PreparedMessage:
+    return PreparedMessage("t", f"m{i}", MessageType.NORMAL, b"x", 0, queue_id=0)
+
+
+@pytest.mark.parametrize("flush", ["sync", "async"])
+def test_a_queue_rolling_to_a_new_file_out_of_descriptors_gives_up_an_open_one(tmp_path: Path, flush: str) -> None:
+    """The queue's file is full and the process has no descriptor left (a real RLIMIT_NOFILE):
+    creating its next file closes the full one (the only one open) and goes on. Before, only
+    opening an existing file did that; creating one raised EMFILE out of dispatch: out of the
+    group commit in sync mode (the broker stopped), and out of `append` in async mode, where
+    dispatch runs inside it, so a sender whose record was written heard "refused"."""
+    config = _one_queue_of_two_entry_files(tmp_path, flush)
+
+    async def body() -> None:
+        store, _ = MessageStore.open(config)
+        try:
+            store.append([_msg(0), _msg(1)], 1)
+            await store.log.flush_now()  # the queue's first file is full, and open
+            with _no_descriptor_left():
+                [m2] = store.append([_msg(2)], 1)
+                await store.log.flush_now()
+            assert store.dispatched_position == m2.position + m2.size
+            await store.wait_durable(m2.position + m2.size)
+            q = store.queue("t", 0)
+            assert len(q._files) == 2 and q.next_offset == 3
+            entry = q.get(2)
+            assert entry is not None and entry[:2] == (m2.position, m2.size)
+            assert store.queue_files.evictions == 1
+        finally:
+            store.close()
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("flush", ["sync", "async"])
+def test_dispatch_with_no_queue_file_to_give_up_is_held_back_never_refused(tmp_path: Path, flush: str) -> None:
+    """No queue file is open (a reopened store) and the process has no descriptor left: the
+    queue's next file cannot be made. The written record is not refused (async mode: its
+    sender would retry and store it twice) nor does the flusher die (sync mode): dispatch is
+    held back, new sends are refused (Throttled, nothing written), and once a descriptor is free
+    the flusher's retry dispatches it and its sender is answered, once."""
+    config = _one_queue_of_two_entry_files(tmp_path, flush)
+
+    async def body() -> None:
+        store, _ = MessageStore.open(config)
+        try:
+            store.append([_msg(0), _msg(1)], 1)
+            await store.log.flush_now()
+        finally:
+            store.close()
+        store, _ = MessageStore.open(config)  # nothing open now: files open on use
+        try:
+            assert len(store.queue_files) == 0
+            with _no_descriptor_left():
+                [m2] = store.append([_msg(2)], 1)
+                await store.log.flush_now()
+                waiter = asyncio.ensure_future(store.wait_durable(m2.position + m2.size))
+                await asyncio.sleep(0)
+                assert not waiter.done()
+                assert store.dispatched_position == m2.position
+                with pytest.raises(Throttled, match="out of file descriptors"):
+                    store.check_room_for_send()
+            await store.log.flush_now()  # the flusher's retry, now that there is room
+            await asyncio.wait_for(waiter, 5)
+            assert store.dispatched_position == m2.position + m2.size
+            store.check_room_for_send()
+            q = store.queue("t", 0)
+            assert q.next_offset == 3 and q.get(2) is not None
+            assert [m.message_id for m in store.scan(0)] == ["m0", "m1", "m2"]
+        finally:
+            store.close()
+
+    asyncio.run(body())
