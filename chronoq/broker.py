@@ -386,8 +386,17 @@ class Broker:
             "timer": self.timer.stats(now),
             "clock": {"behind_wall_ms": self._behind_wall_ms()},
             "disk": self.store.disk_stats(),
+            "trace": self.trace_stats(),
             "groups": self.group_stats(),
         }
+
+    def trace_stats(self) -> dict[str, Any]:
+        """Whether the delivery trace is on (`trace_enable`), still recording, and if it stopped
+        for the run (full disk, a file of an unknown version), why: otherwise only a log line."""
+        trace = self.trace
+        return {"enabled": trace is not None, "active": trace is not None and trace.stopped is None,
+                "stopped_reason": trace.stopped_reason if trace is not None else None,
+                "stopped": trace.stopped if trace is not None else None}
 
     def group_stats(self) -> list[dict[str, Any]]:
         """Per (consumer group, topic) with stored offsets: messages not yet handed out (`lag`)

@@ -25,7 +25,9 @@ whose header a power loss cut is, as the last segment, made again at open; a cra
 oldest were deleted leaves too many, deleted at open. A cut last event (a crash mid-write) is
 ignored by the reader and cut off when the journal is opened again, before anything follows it.
 On a full disk the journal stops for the rest of the run (one warning): it is a measurement,
-and a broker must not stall on it; what it wrote stays readable.
+and a broker must not stall on it; what it wrote stays readable. A stopped journal says so where
+an operator looks, not only in the log: `chronoq stats` ("trace" line; `trace` in
+`Broker.stats()`) and /metrics (`chronoq_trace_active`, `chronoq_trace_stopped{reason}`).
 
 Each segment is a 24-byte header (magic, version, number, CRC32C) and events, each a 21-byte
 head (kind, times, name lengths) and the names; `docs/disk-format.md` ("Delivery trace") gives
@@ -59,6 +61,7 @@ from chronoq.model import (
     StoredMessage,
 )
 from chronoq.store import files
+from chronoq.store.diskspace import is_disk_full
 from chronoq.timefmt import instant
 
 ACCEPTED, FIRED, RECEIVED, CANCELLED = 1, 2, 3, 4
@@ -160,6 +163,9 @@ class TraceJournal:
         later group's first receive is journaled again, and the export keeps the first."""
         self.stopped: str | None = None
         """Why the journal stopped recording (its disk was full, a newer version's file), or None."""
+        self.stopped_reason: str | None = None
+        """`stopped` in one word, for `stats` and /metrics: "disk_full", "unknown_version" or
+        "error" (any other OSError)."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             for tmp in self.dir.glob(f"*{files.TRACE_SEGMENT_SUFFIX}.tmp"):
@@ -280,6 +286,10 @@ class TraceJournal:
 
     def _stop(self, err: Exception) -> None:
         self.stopped = str(err)
+        if isinstance(err, TraceFormatError):
+            self.stopped_reason = "unknown_version"
+        else:
+            self.stopped_reason = "disk_full" if is_disk_full(err) else "error"
         log.warning("delivery trace stopped for the rest of this run: %s", err)
         try:
             if self._f is not None:

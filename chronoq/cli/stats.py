@@ -1,4 +1,4 @@
-"""`chronoq stats`: pending timers by due time, delivery error, the log, the disk, consumer groups, in one screen.
+"""`chronoq stats`: pending timers by due time, delivery error, the log, the disk, the trace, groups, in one screen.
 
 Theory of operation: the server's `Stats` admin call returns `Broker.stats()` as JSON; `--json`
 prints it whole for programs. For a person, `render` lays the sections a person watches out as
@@ -49,7 +49,8 @@ DUE_LABELS = (("overdue", "overdue"), ("5s", "<5s"), ("1m", "<1m"), ("5m", "<5m"
 """`pending_by_due` keys (see `timer/metrics.py`: each bucket runs from the previous edge) and their headers."""
 LATENCIES = (("delivery_error_ms", "delivery error"), ("fire_lag_ms", "fire lag"), ("enqueue_lag_ms", "enqueue lag"))
 PERCENTILES = ("p50", "p90", "p99", "p999", "max")
-KNOWN_TOP = frozenset({"now_ms", "topics", "commitlog", "timer", "clock", "disk", "groups"})
+KNOWN_TOP = frozenset({"now_ms", "topics", "commitlog", "timer", "clock", "disk", "trace", "groups"})
+KNOWN_TRACE = frozenset({"enabled", "active", "stopped_reason", "stopped"})
 KNOWN_TIMER = frozenset({"now_ms", "pending_total", "pending_by_topic", "pending_by_due", "next_deadline_ms",
                          "oldest_overdue_ms", "indexed_position", "latencies", "pending_by_delay_level", "damaged"})
 KNOWN_COMMITLOG = frozenset({"start_position", "end_position", "segments", "fsyncs", "damaged_ranges", "damaged",
@@ -167,6 +168,15 @@ def _disk_line(disk: Mapping[str, Any]) -> str:
     return text
 
 
+def _trace_line(trace: Mapping[str, Any]) -> str | None:
+    """'recording', or 'STOPPED (disk_full): <error>'; None (no line) when the trace is off."""
+    if not trace.get("enabled"):
+        return None
+    if trace.get("active"):
+        return f"{'trace':<{LABEL}}recording"
+    return f"{'trace':<{LABEL}}STOPPED for this run ({trace.get('stopped_reason')}): {trace.get('stopped')}"
+
+
 def _clock_line(clock: Mapping[str, Any]) -> str:
     behind = int(clock.get("behind_wall_ms") or 0)
     if behind == 0:
@@ -211,6 +221,8 @@ def render(stats: Mapping[str, Any]) -> list[str]:
     lines += _latency_lines(timer.get("latencies") or {})
     lines.append(_commitlog_line(stats.get("commitlog") or {}))
     lines.append(_disk_line(stats.get("disk") or {}))
+    if (trace_line := _trace_line(stats.get("trace") or {})) is not None:
+        lines.append(trace_line)
     lines.append(_clock_line(stats.get("clock") or {}))
     lines.append(f"{'topics':<{LABEL}}{count(stats.get('topics'))}")
     if "groups" in stats:
@@ -219,6 +231,7 @@ def render(stats: Mapping[str, Any]) -> list[str]:
     lines += _extra_lines("timer.", timer, KNOWN_TIMER)
     lines += _extra_lines("commitlog.", stats.get("commitlog") or {}, KNOWN_COMMITLOG)
     lines += _extra_lines("disk.", stats.get("disk") or {}, KNOWN_DISK)
+    lines += _extra_lines("trace.", stats.get("trace") or {}, KNOWN_TRACE)
     return [_clip(line) for line in lines]
 
 

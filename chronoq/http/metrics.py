@@ -5,7 +5,8 @@ Theory of operation: nothing here runs on the hot path. `BrokerCollector.collect
 consistent state without locks) and turns what the broker already keeps into metric families:
 
 - `broker.stats()`, the dict the admin service's Stats method returns: pending timers by topic
-  and by due time, the timer latencies, the commit log, the disk, consumer groups;
+  and by due time, the timer latencies, the commit log, the disk, the delivery trace (recording,
+  or stopped and why), consumer groups;
 - the per-topic counts the broker's doors keep in plain dicts (`Broker.accepted_by_topic`,
   `timers_by_topic`, `delivered_by_topic`), the delays timers asked for
   (`timer_delays_by_topic`), and the timer side's `fired_by_topic`;
@@ -167,6 +168,21 @@ class BrokerCollector(Collector):
                                 value=disk["free_bytes"])
         yield GaugeMetricFamily("chronoq_ready", "1 while the broker accepts work (see /healthz), else 0",
                                 value=0 if self.broker.fatal is not None or self.broker.closed else 1)
+        yield from self._trace(stats["trace"])
+
+    @staticmethod
+    def _trace(trace: Mapping[str, Any]) -> Iterator[Metric]:
+        yield GaugeMetricFamily("chronoq_trace_enabled", "1 when the delivery trace is configured (trace_enable)",
+                                value=1 if trace["enabled"] else 0)
+        yield GaugeMetricFamily("chronoq_trace_active", "1 while the delivery trace is recording, else 0",
+                                value=1 if trace["active"] else 0)
+        stopped = GaugeMetricFamily("chronoq_trace_stopped",
+                                    "1 once the delivery trace stopped for this run, labelled with why "
+                                    "(disk_full, unknown_version, error); no sample while it records",
+                                    labels=["reason"])
+        if trace["stopped_reason"] is not None:
+            stopped.add_metric([trace["stopped_reason"]], 1)
+        yield stopped
 
     def _groups(self, groups: list[Mapping[str, Any]]) -> Iterator[Metric]:
         lag = GaugeMetricFamily("chronoq_consumer_lag", "Messages not yet handed out to the consumer group",

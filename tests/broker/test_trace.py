@@ -149,6 +149,7 @@ def test_a_segment_of_a_newer_version_is_refused_naming_file_and_versions(data_d
         trace.read_trace(data_dir)
     journal = _journal(data_dir)  # the broker runs on without the trace, and says why
     assert journal.stopped is not None and "version 99" in journal.stopped
+    assert journal.stopped_reason == "unknown_version"  # what stats and /metrics show
     journal.record(trace.ACCEPTED, "tp", "M2", 1, 5)
     journal.close()
     assert path.read_bytes()[:24] == head + struct.pack(">I", crc32c.crc32c(head))

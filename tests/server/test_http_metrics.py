@@ -116,6 +116,9 @@ def test_metrics_names_labels_and_values(tmp_path: Path) -> None:
             assert m[("chronoq_commitlog_fsync_latency_seconds_count", ())] >= 1
             assert m[("rocketmq_timer_dequeue_latency", ())] == 0
             assert m[("chronoq_ready", ())] == 1
+            # The delivery trace is off by default: neither configured nor recording, never stopped.
+            assert m[("chronoq_trace_enabled", ())] == 0 and m[("chronoq_trace_active", ())] == 0
+            assert not [name for name, _ in m if name == "chronoq_trace_stopped"]
             # The delays asked for (2 s, 90 s, 2 h), in seconds; the message without one is not a timer.
             delay = "rocketmq_delay_message_latency"
             topic = (("topic", TOPIC),)

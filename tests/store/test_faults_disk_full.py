@@ -827,6 +827,62 @@ def test_a_full_trace_disk_stops_the_trace_never_a_send(mount, tmp_path: Path) -
     run_without_cycle_collector(body())
 
 
+def test_a_stopped_trace_is_shown_in_stats_and_on_metrics_not_only_logged(mount, tmp_path: Path) -> None:
+    """The trace's disk (a real tmpfs on `DATA_DIR/trace`) fills and the journal stops: the broker's
+    stats (`chronoq stats`' "trace" line) and a real /metrics scrape say so, and why. Before,
+    only a log warning did; stats and /metrics looked the same as a trace still recording."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from chronoq.cli.stats import render
+    from chronoq.http.server import HttpServer
+    from chronoq.server.admin_service import AdminService
+
+    data = tmp_path / "data"
+    trace_disk = mount(data / files.TRACE_DIR, 64 * 1024)
+    config = _config(data, trace_enable=True, trace_segment_size_bytes=4096, trace_retention_bytes=1 * MiB,
+                     http_port=0)
+
+    async def scrape(base: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        import aiohttp
+        async with aiohttp.ClientSession() as session, session.get(base + "/metrics") as reply:
+            assert reply.status == 200
+            text = await reply.text()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    async def body() -> None:
+        clock = FakeClock(1_000_000)
+        broker = await Broker.open(config, clock=clock, background=False)
+        server = HttpServer(broker, config, AdminService(broker, config))
+        try:
+            base = f"http://127.0.0.1:{await server.start()}"
+            assert broker.stats()["trace"] == {"enabled": True, "active": True, "stopped_reason": None,
+                                               "stopped": None}
+            m = await scrape(base)
+            assert m[("chronoq_trace_enabled", ())] == 1 and m[("chronoq_trace_active", ())] == 1
+            assert not [k for k in m if k[0] == "chronoq_trace_stopped"]
+            assert any(line.startswith("trace") and "recording" in line for line in render(broker.stats()))
+            trace_disk.fill()
+            for n in range(10):  # ~27 bytes an event: past the segment's last free page at once
+                await broker.send_batch([OutgoingMessage("t", b"x", message_id=f"M{n}-{i}",
+                                                         deliver_at_ms=clock.now_ms() + 1000) for i in range(50)])
+                broker.trace.flush()  # as the checkpoint tick does
+            trace = broker.stats()["trace"]
+            assert trace["enabled"] and not trace["active"] and trace["stopped_reason"] == "disk_full"
+            assert "No space left on device" in trace["stopped"]
+            m = await scrape(base)
+            assert m[("chronoq_trace_enabled", ())] == 1 and m[("chronoq_trace_active", ())] == 0
+            assert m[("chronoq_trace_stopped", (("reason", "disk_full"),))] == 1
+            [line] = [line for line in render(broker.stats()) if line.startswith("trace")]
+            assert "STOPPED" in line and "disk_full" in line and len(line) <= 80
+            assert broker.fatal is None and m[("chronoq_ready", ())] == 1
+        finally:
+            await server.stop()
+            await broker.close()
+
+    run_without_cycle_collector(body())
+
+
 def test_a_checkpoint_past_the_log_end_that_recovery_cannot_replace_is_not_trusted_again(
         disk: Disk, tmp_path: Path) -> None:
     """Recovery found the log ending below the checkpoint (a disk that lost fsynced records: the
