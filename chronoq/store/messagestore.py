@@ -113,11 +113,10 @@ _CACHED_SIZE = 13
 
 
 def _out_of_fds(exc: BaseException) -> bool:
-    """Whether `exc` says the process (EMFILE) or the system (ENFILE) has no descriptor left:
-    a queue file that could not be opened or created, or RocksDB's status text for the same."""
-    if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
-        return True
-    return not isinstance(exc, ChronoqError) and "Too many open files" in str(exc)
+    """Whether `exc` says the process (EMFILE) or the system (ENFILE) had no descriptor for a
+    consume-queue file. (Not a listener's RocksDB "Too many open files": whether a RocksDB write
+    recovers from that without a reopen is untested, so it still raises as before.)"""
+    return isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE)
 
 
 def _warn_if_queue_files_exceed_the_fd_limit(max_open_queue_files: int) -> None:
@@ -638,7 +637,7 @@ class MessageStore:
                     # refused, and its retry would store it twice: held back instead.
                     if self._dispatch_out_of_fds is None:
                         log.warning("dispatch held back: the process is out of file descriptors; retrying every "
-                                    "%d ms (raise `ulimit -n`, or lower max_open_queue_files): %s",
+                                    "%d ms (raise `ulimit -n`): %s",
                                     self.log.dispatch_retry_ms, e)
                     self._dispatch_out_of_fds = (f"dispatching records from position {batch[0].position} held back: "
                                                  f"out of file descriptors ({e})")
