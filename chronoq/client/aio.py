@@ -28,7 +28,13 @@ Credentials: with an access key and secret key (arguments, or `CHRONOQ_ACCESS_KE
 Sends are retried (same message id, so the server's dedupe window makes a retry idempotent)
 when the failure is retriable: the connection, a deadline, or a retriable server code (the
 code's class in `chronoq.errors` says: 42900 throttled, 50002 the broker closing, 50401 a failed
-fsync; never 50001), at most `send_attempts` times, backing off 100 ms, 200 ms, .... A request
+fsync; never 50001), at most `send_attempts` times, backing off 100 ms, 200 ms, .... A consumer
+retries (at most `attempts` times, on the same schedule and rule: `_attempts`, `_give_up`,
+`_retrying` hold the one retry policy) a receive that failed before its first message; an ack
+(idempotent: after an attempt whose outcome is unknown, a retry's "invalid receipt handle" for
+an entry means the first attempt acked it, and is not raised); and a change_invisible only when
+the broker refused it, never after an unknown outcome (that attempt may have replaced the handle,
+and the new one never came back). A request
 gRPC refuses as too large (`RequestTooLarge`) is not retried; `send_batch` avoids making one by
 cutting batches by encoded size (`max_batch_bytes`) as well as by count (`max_batch`).
 """
@@ -36,13 +42,14 @@ cutting batches by encoded size (`max_batch_bytes`) as well as by count (`max_ba
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
 import socket
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import grpc
 
@@ -50,9 +57,11 @@ from chronoq import __version__, envvars
 from chronoq import errors as core
 from chronoq.client import wire
 from chronoq.client.errors import (
+    INVALID_RECEIPT_HANDLE,
     MESSAGE_NOT_FOUND,
     BatchSendError,
     ClientClosed,
+    ClientError,
     InvalidArgument,
     ProtocolViolation,
     RemoteError,
@@ -84,6 +93,8 @@ SECRET_KEY_ENV = envvars.SECRET_KEY
 ADMIN_SERVICE = "chronoq.admin.v1.Admin"
 DEFAULT_TIMEOUT_MS = 10_000
 DEFAULT_SEND_ATTEMPTS = 3
+DEFAULT_ATTEMPTS = DEFAULT_SEND_ATTEMPTS
+"""A consumer's `attempts`: tries of one receive, ack or change_invisible (see `_attempts`)."""
 DEFAULT_MAX_BATCH = 1024
 """Messages per request in `send_batch`; the server's own limit is `Config.max_send_batch`."""
 DEFAULT_MAX_BATCH_BYTES = 4 * 1024 * 1024
@@ -97,6 +108,7 @@ MAX_GRPC_MESSAGE_BYTES = 256 * 1024 * 1024
 RETRY_BACKOFF_MS = 100
 
 _client_seq = itertools.count(1)
+T = TypeVar("T")
 _GRPC_RETRIABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED}
 
 
@@ -182,6 +194,46 @@ def unavailable_hint(detail: str, tls: bool) -> str | None:
         return ("the server may require TLS: connect with TLS (CLI: --tls, or --ca-cert FILE for a "
                 "self-signed certificate; SDK: tls=True, root_certificates=)")
     return None
+
+
+def _outcome_unknown(e: core.ChronoqError) -> bool:
+    """Whether a failed call may still have taken effect: no broker verdict came back (the
+    connection, a deadline, a bare gRPC status: `ClientError`, or `RemoteError`). A broker's own
+    refusal (`BrokerClosed`, `FlushFailed`, `Throttled`: the `chronoq.errors` class its code names)
+    says the request was not carried out."""
+    return isinstance(e, (ClientError, RemoteError))
+
+
+def _give_up(e: core.ChronoqError, attempt: int, attempts: int) -> bool:
+    """The one retry rule: a failure is tried again only when it is retriable and tries remain."""
+    return not e.retriable or attempt >= attempts - 1
+
+
+async def _attempts(attempts: int) -> AsyncIterator[int]:
+    """The one retry schedule, for every call the SDK retries: attempt numbers 0 .. attempts - 1,
+    backing off 100 ms, 200 ms, 400 ms ... before each retry."""
+    for attempt in range(attempts):
+        if attempt:
+            await asyncio.sleep(RETRY_BACKOFF_MS * 2 ** (attempt - 1) / 1000)
+        yield attempt
+
+
+async def _retrying(attempts: int, call: Callable[[bool], Awaitable[T]], *, after_unknown: bool = True) -> T:
+    """`call(retrying_unknown)` under the retry rule and schedule. `retrying_unknown` is True once
+    an earlier attempt failed without a broker verdict (it may have taken effect). With
+    `after_unknown=False` such a failure is raised, not retried: for a call whose repeat is not
+    safe once the first one may have done its work."""
+    retrying_unknown = False
+    async with contextlib.aclosing(_attempts(attempts)) as tries:
+        async for attempt in tries:
+            try:
+                return await call(retrying_unknown)
+            except core.ChronoqError as e:
+                unknown = _outcome_unknown(e)
+                if _give_up(e, attempt, attempts) or (unknown and not after_unknown):
+                    raise
+                retrying_unknown = retrying_unknown or unknown
+    raise AssertionError("attempts is at least 1")
 
 
 def _json_bytes(doc: Mapping[str, Any]) -> bytes:
@@ -511,20 +563,19 @@ class AsyncProducer(AsyncAdmin):
         """Send, then resend only the messages whose failure was retriable (same ids)."""
         results: list[SendReceipt | Exception | None] = [None] * len(msgs)
         pending = list(range(len(msgs)))
-        for attempt in range(self.send_attempts):
-            if attempt:
-                await asyncio.sleep(RETRY_BACKOFF_MS * 2 ** (attempt - 1) / 1000)
-            try:
-                got = await send([msgs[i] for i in pending])
-            except core.ChronoqError as e:
-                if not e.retriable or attempt == self.send_attempts - 1:
-                    raise
-                continue
-            for i, r in zip(pending, got, strict=True):
-                results[i] = r
-            pending = [i for i in pending if isinstance(results[i], Exception) and results[i].retriable]  # type: ignore[union-attr]
-            if not pending:
-                break
+        async with contextlib.aclosing(_attempts(self.send_attempts)) as tries:
+            async for attempt in tries:
+                try:
+                    got = await send([msgs[i] for i in pending])
+                except core.ChronoqError as e:
+                    if _give_up(e, attempt, self.send_attempts):
+                        raise
+                    continue
+                for i, r in zip(pending, got, strict=True):
+                    results[i] = r
+                pending = [i for i in pending if isinstance(results[i], Exception) and results[i].retriable]  # type: ignore[union-attr]
+                if not pending:
+                    break
         return [r if r is not None else ProtocolViolation("send", "no result") for r in results]
 
     async def _send_grpc(self, msgs: list[OutgoingMessage]) -> list[SendReceipt | core.ChronoqError]:
@@ -550,12 +601,13 @@ class AsyncProducer(AsyncAdmin):
 class AsyncConsumer(AsyncAdmin):
     """A RocketMQ 5 simple consumer of one topic in one group: receive, ack, change_invisible."""
 
-    SETTINGS: ClassVar[frozenset[str]] = AsyncAdmin.SETTINGS | {"group", "filter_expression"}
+    SETTINGS: ClassVar[frozenset[str]] = AsyncAdmin.SETTINGS | {"group", "filter_expression", "attempts"}
     group = _Setting(_name)
     filter_expression = _Setting(_text)
+    attempts = _Setting(_at_least_one)
 
     def __init__(self, group: str, topic: str, *, filter_expression: str = "*", server: str | None = None,
-                 timeout_ms: int = DEFAULT_TIMEOUT_MS, tls: bool = False,
+                 timeout_ms: int = DEFAULT_TIMEOUT_MS, attempts: int = DEFAULT_ATTEMPTS, tls: bool = False,
                  root_certificates: bytes | None = None, tls_server_name: str | None = None,
                  access_key: str | None = None, secret_key: str | None = None) -> None:
         super().__init__(server, timeout_ms=timeout_ms, tls=tls, root_certificates=root_certificates,
@@ -564,6 +616,7 @@ class AsyncConsumer(AsyncAdmin):
         _name("topic", topic)
         self.topic = topic
         self.filter_expression = filter_expression
+        self.attempts = attempts
         self._queues: list[pb.MessageQueue] = []
         self._next_queue = 0
 
@@ -608,6 +661,24 @@ class AsyncConsumer(AsyncAdmin):
         if invisible is not None:
             req.invisible_duration.CopyFrom(wire.ms_to_duration(wire.duration_to_ms("invisible", invisible)))
         deadline_ms = self.timeout_ms + wait_ms
+        yielded = False
+        # aclosing: a caller that stops early closes the call now (`_receive_once`'s finally), not
+        # whenever the loop's finalizer gets to the abandoned generators.
+        async with contextlib.aclosing(_attempts(self.attempts)) as attempts:
+            async for attempt in attempts:
+                try:
+                    async with contextlib.aclosing(self._receive_once(req, deadline_ms)) as stream:
+                        async for message in stream:
+                            yielded = True
+                            yield message
+                    return
+                except core.ChronoqError as e:
+                    # Retried only before the first message: one already handed out is the caller's,
+                    # and a retry would fetch other messages in its place.
+                    if yielded or _give_up(e, attempt, self.attempts):
+                        raise
+
+    async def _receive_once(self, req: svc.ReceiveMessageRequest, deadline_ms: int) -> AsyncIterator[ReceivedMessage]:
         call = self._method("ReceiveMessage")(req, timeout=deadline_ms / 1000, metadata=self._call_metadata())
         channel = self._channel
         try:
@@ -631,25 +702,51 @@ class AsyncConsumer(AsyncAdmin):
     async def ack(self, msg: ReceivedMessage, *more: ReceivedMessage) -> None:
         """Acknowledge: the message(s) will not be delivered to this group again. Several messages
         go in one request; the server judges each, so if one handle is refused (expired, say) the
-        others are still acked and the first refusal is raised."""
+        others are still acked and the first refusal is raised.
+
+        Retried (up to `attempts`) when the request failed retriably (the broker closing or
+        restarting, the connection, a deadline): an ack is idempotent. Its in-flight state is
+        stored, so a handle acks on a restarted broker as before; a handle acked already answers
+        `InvalidReceiptHandle` (40013). So after an attempt whose outcome is unknown (no broker
+        verdict came back: it may have acked), a 40013 for an entry counts as acked, not raised:
+        the retry cannot tell that from a handle that was already invalid."""
         entries = [svc.AckMessageEntry(message_id=m.message_id, receipt_handle=m.receipt_handle) for m in (msg, *more)]
         req = svc.AckMessageRequest(group=pb.Resource(name=self.group), topic=pb.Resource(name=msg.topic),
                                     entries=entries)
-        resp = await self._rpc("AckMessage", req)
-        for entry in resp.entries:
-            wire.check_status("AckMessage", entry.status)
-        wire.check_status("AckMessage", resp.status)
+
+        async def attempt(retrying_unknown: bool) -> None:
+            resp = await self._rpc("AckMessage", req)
+            forgiven = False
+            for entry in resp.entries:
+                if retrying_unknown and entry.status.code == INVALID_RECEIPT_HANDLE:
+                    forgiven = True  # the top status then repeats 40013 (or says MULTIPLE_RESULTS)
+                else:
+                    wire.check_status("AckMessage", entry.status)
+            if not forgiven:
+                wire.check_status("AckMessage", resp.status)
+
+        await _retrying(self.attempts, attempt)
 
     async def change_invisible(self, msg: ReceivedMessage, invisible: timedelta | int) -> str:
         """Hide the message for `invisible` from now (0 < invisible: extend; short: redeliver soon).
-        Returns the new receipt handle and stores it in `msg`, so `ack(msg)` keeps working."""
+        Returns the new receipt handle and stores it in `msg`, so `ack(msg)` keeps working.
+
+        Retried (up to `attempts`) only when the broker refused it (`BrokerClosed`, `Throttled`...:
+        nothing changed). Not after a failure without a broker verdict (the connection, a deadline):
+        that attempt may have replaced the handle, whose successor it never returned, and a retry
+        with the old handle would only be refused as superseded; that failure is raised."""
         ms = wire.duration_to_ms("invisible", invisible)
         req = svc.ChangeInvisibleDurationRequest(
             group=pb.Resource(name=self.group), topic=pb.Resource(name=msg.topic),
             receipt_handle=msg.receipt_handle, invisible_duration=wire.ms_to_duration(ms), message_id=msg.message_id,
         )
-        resp = await self._rpc("ChangeInvisibleDuration", req)
-        wire.check_status("ChangeInvisibleDuration", resp.status)
+
+        async def attempt(retrying_unknown: bool) -> svc.ChangeInvisibleDurationResponse:
+            resp = await self._rpc("ChangeInvisibleDuration", req)
+            wire.check_status("ChangeInvisibleDuration", resp.status)
+            return resp
+
+        resp = await _retrying(self.attempts, attempt, after_unknown=False)
         if not resp.receipt_handle:
             raise ProtocolViolation("ChangeInvisibleDuration", "no new receipt handle")
         msg.receipt_handle = resp.receipt_handle

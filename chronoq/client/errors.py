@@ -27,6 +27,8 @@ OK_CODES = frozenset({20000, 30000})
 """RocketMQ v2: OK and MULTIPLE_RESULTS both mean success."""
 MESSAGE_NOT_FOUND = 40401
 """On ReceiveMessage this is not an error: nothing was available before the long poll ended."""
+INVALID_RECEIPT_HANDLE = 40013
+"""On AckMessage retried after an unknown outcome: the handle may be gone because the first try acked it."""
 
 
 class ClientError(core.ChronoqError):

@@ -1,4 +1,4 @@
-"""The SDK retries a send the broker refused for a reason a retry outlives, knowing it by the code.
+"""The SDK retries a call the broker refused for a reason a retry outlives, knowing it by the code.
 
 Over RocketMQ's SendMessage only a status code travels. A broker that is closing (`BrokerClosed`)
 or that could not make a write durable (`FlushFailed`) must answer with a code the SDK retries
@@ -7,9 +7,15 @@ or that could not make a write durable (`FlushFailed`) must answer with a code t
 Real parts only: a RocksDB-backed `Broker`, a `grpc.aio` server on a loopback port, and the SDK's
 `AsyncProducer` / `AsyncConsumer` over real gRPC. The broker is closed for real, or its commit
 log's fsync fails for real (EIO at the system-call boundary). A server interceptor counts the
-SendMessage calls that arrive and, where a test "restarts" the broker, opens a new `Broker` on the
-same data directory and puts it behind the same port before the retry is answered: what a
+SendMessage calls that arrive (another, `Calls`, the consumer's calls) and, where a test
+"restarts" the broker, opens a new `Broker` on the same data directory and puts it behind the
+same port before the retry is answered: what a
 supervisor restarting `chronoq serve` does, without the timing of a process start.
+
+The consumer's calls are retried too: a receive or an ack the broker refused as closing is
+tried again on the restarted broker; an ack whose reply was lost (the server acked, then the call
+failed as UNAVAILABLE: `Calls.lose_reply`) is retried and its "invalid handle" answer counts as
+acked; a change_invisible whose reply was lost is not retried (its handle was replaced).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import pytest
 from chronoq import errors as core
 from chronoq.broker import Broker
 from chronoq.client import AsyncConsumer, AsyncProducer
+from chronoq.client.errors import ServerUnavailable
 from chronoq.config import Config
 from chronoq.protocol.requests import Endpoint
 from chronoq.server.grpc_service import MessagingService
@@ -55,12 +62,44 @@ class Sends(grpc.aio.ServerInterceptor):
 
 
 @dataclass
+class Calls(grpc.aio.ServerInterceptor):
+    """Counts the calls of every other MessagingService method by name ("AckMessage"...);
+    `before[(name, n)]` runs before the n-th is handled; for the n-th in `lose_reply`, the
+    handler runs (its work is done) and the call then fails as UNAVAILABLE, a reply lost."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    before: dict[tuple[str, int], Callable[[], Awaitable[None]]] = field(default_factory=dict)
+    lose_reply: set[tuple[str, int]] = field(default_factory=set)
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        name = details.method.rpartition("/")[2]
+        if details.method == SEND_PATH or not details.method.startswith("/apache.rocketmq.v2."):
+            return await continuation(details)
+        n = self.counts[name] = self.counts.get(name, 0) + 1
+        step = self.before.get((name, n))
+        if step is not None:
+            await step()
+        handler = await continuation(details)
+        if (name, n) not in self.lose_reply:
+            return handler
+        inner = handler.unary_unary
+
+        async def lost(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await inner(request, context)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the reply was lost")
+
+        return grpc.unary_unary_rpc_method_handler(lost, request_deserializer=handler.request_deserializer,
+                                                   response_serializer=handler.response_serializer)
+
+
+@dataclass
 class Served:
     config: Config
     messaging: MessagingService
     address: str
     sends: Sends
     brokers: list[Broker]
+    calls: Calls
 
     async def restart(self) -> None:
         """Close the broker behind the port (if still open) and serve a new one on its data directory."""
@@ -74,14 +113,14 @@ class Served:
 async def serving(tmp_path: Path) -> AsyncIterator[Served]:
     config = Config(data_dir=tmp_path / "data", default_queue_count=1)
     brokers = [await Broker.open(config)]
-    sends = Sends()
-    server = grpc.aio.server(options=server_options(config), interceptors=[sends])
+    sends, calls = Sends(), Calls()
+    server = grpc.aio.server(options=server_options(config), interceptors=[sends, calls])
     try:
         port = server.add_insecure_port("127.0.0.1:0")
         messaging = MessagingService(brokers[0], config, advertised=Endpoint("127.0.0.1", port), port=port)
         server.add_generic_rpc_handlers((messaging.generic_handler(),))
         await server.start()
-        yield Served(config, messaging, f"127.0.0.1:{port}", sends, brokers)
+        yield Served(config, messaging, f"127.0.0.1:{port}", sends, brokers, calls)
     finally:
         await server.stop(0)
         for broker in brokers:
@@ -181,5 +220,91 @@ def test_a_broker_whose_fsync_failed_answers_every_retry_at_once_with_flush_fail
             assert served.sends.count == 1 + 3
             assert info.value.retriable and info.value.code == 50401
             assert info.value.message.startswith("flush failed: fsync of ")  # said once, naming the fsync
+
+    asyncio.run(body())
+
+
+async def _one_in_flight(served: Served, message_id: str) -> tuple[AsyncConsumer, Any]:
+    """A consumer (open: the caller closes it) holding `message_id`, received for 1 s."""
+    async with AsyncProducer(served.address, timeout_ms=10_000) as producer:
+        await producer.send("orders", b"paid", message_id=message_id)
+    consumer = AsyncConsumer("g", "orders", server=served.address, timeout_ms=10_000)
+    [msg] = await consumer.receive(16, invisible=1000, wait=500)
+    assert msg.message_id == message_id
+    return consumer, msg
+
+
+def test_a_receive_a_closing_broker_refused_is_retried_and_returns_the_messages(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with serving(tmp_path) as served:
+            async with AsyncProducer(served.address, timeout_ms=10_000) as producer:
+                await producer.send("orders", b"paid", message_id="ID-RECV-1")
+            await served.brokers[0].close()  # the first receive meets a closed broker
+            served.calls.before[("ReceiveMessage", 2)] = served.restart
+            async with AsyncConsumer("g", "orders", server=served.address, timeout_ms=10_000) as consumer:
+                got = await consumer.receive(16, wait=500)
+            assert served.calls.counts["ReceiveMessage"] == 2
+            assert [m.message_id for m in got] == ["ID-RECV-1"]
+
+    asyncio.run(body())
+
+
+def test_a_receive_of_a_broker_that_stays_closed_is_tried_attempts_times(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with serving(tmp_path) as served:
+            await served.brokers[0].close()
+            async with AsyncConsumer("g", "orders", server=served.address, timeout_ms=10_000, attempts=2) as consumer:
+                with pytest.raises(core.BrokerClosed):
+                    await consumer.receive(16)
+            assert served.calls.counts["ReceiveMessage"] == 2
+
+    asyncio.run(body())
+
+
+def test_an_ack_during_a_restart_is_retried_and_the_message_is_not_redelivered(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with serving(tmp_path) as served:
+            consumer, msg = await _one_in_flight(served, "ID-ACK-1")
+            async with consumer:
+                await served.brokers[0].close()  # the first ack meets a closed broker
+                served.calls.before[("AckMessage", 2)] = served.restart
+                await consumer.ack(msg)
+                assert served.calls.counts["AckMessage"] == 2
+                await asyncio.sleep(1.2)  # past the 1 s invisible duration: unacked, it would be back
+                assert await consumer.receive(16, wait=500) == []
+
+    asyncio.run(body())
+
+
+def test_an_ack_whose_reply_was_lost_is_retried_and_its_invalid_handle_counts_as_acked(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with serving(tmp_path) as served:
+            consumer, msg = await _one_in_flight(served, "ID-ACK-LOST")
+            async with consumer:
+                served.calls.lose_reply.add(("AckMessage", 1))  # acked by the server, the reply lost
+                await consumer.ack(msg)
+                assert served.calls.counts["AckMessage"] == 2
+                with pytest.raises(core.InvalidReceiptHandle):  # a plain second ack still says so
+                    await consumer.ack(msg)
+                await asyncio.sleep(1.2)
+                assert await consumer.receive(16, wait=500) == []
+
+    asyncio.run(body())
+
+
+def test_a_change_invisible_is_retried_after_a_refusal_but_not_after_a_lost_reply(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with serving(tmp_path) as served:
+            consumer, msg = await _one_in_flight(served, "ID-CI-1")
+            async with consumer:
+                await served.brokers[0].close()
+                served.calls.before[("ChangeInvisibleDuration", 2)] = served.restart
+                handle = await consumer.change_invisible(msg, 30_000)
+                assert served.calls.counts["ChangeInvisibleDuration"] == 2
+                assert msg.receipt_handle == handle
+                served.calls.lose_reply.add(("ChangeInvisibleDuration", 3))
+                with pytest.raises(ServerUnavailable):  # the handle was replaced: a retry cannot succeed
+                    await consumer.change_invisible(msg, 30_000)
+                assert served.calls.counts["ChangeInvisibleDuration"] == 3
 
     asyncio.run(body())
