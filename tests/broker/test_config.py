@@ -243,3 +243,14 @@ def test_a_limit_in_ms_or_bytes_reads_as_a_duration_or_a_size_and_a_duration_giv
         Config.load(env={"CHRONOQ_MAX_MESSAGE_SIZE_BYTES": "1G"})
     with pytest.raises(ConfigError, match=re.escape("expected an integer in 0..1,000,000") + "$"):
         Config.load(env={"CHRONOQ_CLOCK_CATCHUP_PPM": "-1"})
+
+
+def test_max_queue_count_has_a_ceiling_named_in_the_refusal() -> None:
+    """max_queue_count had no upper bound: a topic of 65,000 queues held the event loop 139 s at
+    its creation (a file and a directory fsync per queue), with no send, receive or timer
+    meanwhile. Its most is `MAX_QUEUE_COUNT_CEILING` (256, ~120 ms of creation here)."""
+    with pytest.raises(ConfigError, match=r"^max_queue_count = 65000: expected an integer in 1\.\.256$"):
+        Config.load(None, max_queue_count=65_000)
+    with pytest.raises(ConfigError, match=r"^environment CHRONOQ_MAX_QUEUE_COUNT: .*1\.\.256"):
+        Config.load(None, env={"CHRONOQ_MAX_QUEUE_COUNT": "257"})
+    assert Config(max_queue_count=256).max_queue_count == 256 == config_module.MAX_QUEUE_COUNT_CEILING
