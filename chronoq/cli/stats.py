@@ -55,7 +55,8 @@ KNOWN_TIMER = frozenset({"now_ms", "pending_total", "pending_by_topic", "pending
                          "oldest_overdue_ms", "indexed_position", "latencies", "pending_by_delay_level", "damaged"})
 KNOWN_COMMITLOG = frozenset({"start_position", "end_position", "segments", "fsyncs", "damaged_ranges", "damaged",
                              "reads_skipped_damaged"})
-KNOWN_DISK = frozenset({"free_bytes", "min_free_bytes", "reserve_file_bytes", "held_back", "dispatch_blocked"})
+KNOWN_DISK = frozenset({"free_bytes", "min_free_bytes", "reserve_file_bytes", "held_back", "dispatch_blocked",
+                        "dispatch_out_of_fds"})
 LABEL = 12
 """Width of the section names in the left column."""
 
@@ -168,6 +169,14 @@ def _disk_line(disk: Mapping[str, Any]) -> str:
     return text
 
 
+def _fds_line(disk: Mapping[str, Any]) -> str | None:
+    """Dispatch held back for lack of file descriptors, on a line of its own below the disk's
+    (the disk line is near 80 columns already); None (no line) when it is not."""
+    if not disk.get("dispatch_out_of_fds"):
+        return None
+    return f"{'dispatch':<{LABEL}}HELD BACK: out of file descriptors, sends refused (ulimit -n)"
+
+
 def _trace_line(trace: Mapping[str, Any]) -> str | None:
     """'recording', or 'STOPPED (disk_full): <error>'; None (no line) when the trace is off."""
     if not trace.get("enabled"):
@@ -221,6 +230,8 @@ def render(stats: Mapping[str, Any]) -> list[str]:
     lines += _latency_lines(timer.get("latencies") or {})
     lines.append(_commitlog_line(stats.get("commitlog") or {}))
     lines.append(_disk_line(stats.get("disk") or {}))
+    if (fds_line := _fds_line(stats.get("disk") or {})) is not None:
+        lines.append(fds_line)
     if (trace_line := _trace_line(stats.get("trace") or {})) is not None:
         lines.append(trace_line)
     lines.append(_clock_line(stats.get("clock") or {}))

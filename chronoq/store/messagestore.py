@@ -28,7 +28,8 @@ finish in line and reports how far it got, so their senders stay unacknowledged;
 flusher retries it, sends are refused meanwhile (`check_room_for_send`), and it resumes when
 space returns. A process out of file descriptors with no consume-queue file left to give up
 (`OpenFiles.open_path`) holds dispatch back the same way: a written record is never reported as
-refused (in async mode dispatch runs inside `append`), and new sends are refused (`Throttled`).
+refused (in async mode dispatch runs inside `append`), and new sends are refused (`Throttled`);
+`disk_stats` shows it beside the disk-full hold (`dispatch_out_of_fds`, on `chronoq stats`' disk line).
 A checkpoint that finds no space raises `DiskFull` and leaves the old one valid.
 Recovery writes nothing that needs space: its checkpoint, or a topic table it had to rebuild,
 waits for a later checkpoint when the disk is full (an old checkpoint past the log's end is
@@ -594,10 +595,12 @@ class MessageStore:
             raise Throttled(f"{self._dispatch_out_of_fds}; sends are refused until it resumes (raise `ulimit -n`)")
 
     def disk_stats(self) -> dict[str, object]:
-        """Free space, the limits, and what a full disk is holding back now (for `stats`)."""
+        """Free space, the limits, what a full disk is holding back now, and dispatch held back
+        for lack of file descriptors (`dispatch_out_of_fds`, None when not) (for `stats`)."""
         return {"free_bytes": self.disk.free_bytes(), "min_free_bytes": self.disk.min_free_bytes,
                 "reserve_file_bytes": self.disk.reserve_path.stat().st_size if self.disk.reserve_path.exists() else 0,
-                "held_back": self.disk.held_back, "dispatch_blocked": self._dispatch_blocked}
+                "held_back": self.disk.held_back, "dispatch_blocked": self._dispatch_blocked,
+                "dispatch_out_of_fds": self._dispatch_out_of_fds}
 
     def _on_durable(self, end: int) -> int | None:
         """Dispatch the records below `end` (durable ones; in async mode, written ones). Returns

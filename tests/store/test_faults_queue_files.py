@@ -433,3 +433,38 @@ def test_dispatch_with_no_queue_file_to_give_up_is_held_back_never_refused(tmp_p
 
     asyncio.run(body())
 
+
+def test_dispatch_held_back_out_of_descriptors_shows_in_stats_beside_the_disk_full_hold(tmp_path: Path) -> None:
+    """Dispatch held back for lack of descriptors (a real RLIMIT_NOFILE) was only a log warning:
+    `disk_stats` (`Broker.stats()["disk"]`) says it, and `chronoq stats` gives it a line below
+    the disk's, while it lasts; both go once a descriptor is free and dispatch resumes."""
+    from chronoq.cli.stats import render
+
+    config = _one_queue_of_two_entry_files(tmp_path, "sync")
+
+    def fds_lines(disk: dict[str, object]) -> list[str]:
+        return [line for line in render({"now_ms": 0, "disk": disk}) if line.startswith("dispatch")]
+
+    async def body() -> None:
+        store, _ = MessageStore.open(config)
+        try:
+            store.append([_msg(0), _msg(1)], 1)
+            await store.log.flush_now()
+        finally:
+            store.close()
+        store, _ = MessageStore.open(config)  # nothing open now: files open on use
+        try:
+            assert store.disk_stats()["dispatch_out_of_fds"] is None and fds_lines(store.disk_stats()) == []
+            with _no_descriptor_left():
+                [m2] = store.append([_msg(2)], 1)
+                await store.log.flush_now()
+                held = store.disk_stats()
+            assert f"position {m2.position} held back: out of file descriptors" in str(held["dispatch_out_of_fds"])
+            assert fds_lines(held) == ["dispatch    HELD BACK: out of file descriptors, sends refused (ulimit -n)"]
+            await store.log.flush_now()  # the flusher's retry, now that there is room
+            assert store.dispatched_position == m2.position + m2.size
+            assert store.disk_stats()["dispatch_out_of_fds"] is None and fds_lines(store.disk_stats()) == []
+        finally:
+            store.close()
+
+    asyncio.run(body())
