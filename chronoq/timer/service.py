@@ -319,28 +319,33 @@ class TimerService:
         ids = set(keys)
         self._firing |= positions
         self._firing_ids |= ids
-        try:
-            await self._append(copies)
-        except asyncio.CancelledError:
-            # The caller went away (a FireTimers deadline cancels the handler) while the copies
-            # waited for their group commit: they become durable all the same, and until their
-            # dispatch marks the timers fired the index calls them pending. They stay firing
-            # until then, or the caller's retry fired them a second time.
-            def settle(durable: bool) -> None:
-                self._firing -= positions
-                self._firing_ids -= ids
 
-            self._when_durable(self.store.log.end_position, settle)
-            raise
-        except BaseException:
+        def release(_durable: bool) -> None:
             self._firing -= positions
             self._firing_ids -= ids
-            raise
-        self._firing -= positions
-        self._firing_ids -= ids
+
+        # A caller that goes away (a FireTimers deadline) leaves the copies to become durable
+        # all the same; until their dispatch marks the timers fired the index calls them
+        # pending, so they stay firing until then, or the caller's retry fired them twice.
+        await self._append_settled(copies, release)
         fired = self.fired_by_topic  # for metrics (rocketmq_timer_dequeue_total): once per batch
         for copy in copies:
             fired[copy.topic] = fired.get(copy.topic, 0) + 1
+
+    async def _append_settled(self, records: list[PreparedMessage], settle: Callable[[bool], None]) -> None:
+        """Append `records` and wait until they are durable; `settle(durable)` runs once: when
+        the append returns (True) or fails (False), or, if the caller goes away while the
+        records wait for their group commit (they become durable all the same), once they are
+        durable or the log has failed (`_when_durable`)."""
+        try:
+            await self._append(records)
+        except asyncio.CancelledError:
+            self._when_durable(self.store.log.end_position, settle)
+            raise
+        except BaseException:
+            settle(False)
+            raise
+        settle(True)
 
     def _when_durable(self, end: int, settle: Callable[[bool], None]) -> None:
         """`settle(True)` once the log is durable and dispatched up to `end` (the records of a
@@ -455,28 +460,17 @@ class TimerService:
             system_properties={SYS_REAL_TOPIC: topic, SYS_TIMER_DEL_UNIQKEY: message_id,
                                SYS_TIMER_OUT_MS: str(deliver_at_ms), SYS_TIMER_DEL_AT_DUE: "1"},
             queue_id=0)
-        self._holding.add(key)
-        try:
-            await self._append([tombstone])
-        except asyncio.CancelledError:
-            # The caller went away (a client's deadline) while the tombstone waited for its
-            # group commit: it becomes durable all the same. Released here, the timer could fire
-            # meanwhile (delivered after a durable tombstone), and `then` (the dedupe window
-            # forgetting the id) would never run: a resend of the id was answered with the
-            # cancelled timer's result and stored nowhere.
-            def settle(durable: bool) -> None:
-                self._holding.discard(key)
-                if durable and then is not None:
-                    then(key[2])
-
-            self._when_durable(self.store.log.end_position, settle)
-            raise
-        except BaseException:
+        def settle(durable: bool) -> None:
             self._holding.discard(key)
-            raise
-        self._holding.discard(key)
-        if then is not None:
-            then(deliver_at_ms)
+            if durable and then is not None:
+                then(key[2])
+
+        # A caller that goes away (a client's deadline) leaves the tombstone to become durable
+        # all the same: released before that, the timer could fire meanwhile (delivered after a
+        # durable tombstone), and `then` (the dedupe window forgetting the id) would never run,
+        # so a resend of the id was answered with the cancelled timer's result, stored nowhere.
+        self._holding.add(key)
+        await self._append_settled([tombstone], settle)
         return deliver_at_ms
 
     def query(self, message_id: str, topic: str | None = None) -> list[TimerStatus]:
