@@ -55,7 +55,7 @@ async def running(tmp_path: Path, auth: AuthConfig = AUTH) -> AsyncIterator[Serv
         port = server.add_insecure_port("127.0.0.1:0")
         authenticator = Authenticator(auth)
         messaging = MessagingService(broker, config, advertised=None, port=port, authenticator=authenticator)
-        server.add_generic_rpc_handlers((messaging.generic_handler(),
+        server.add_generic_rpc_handlers((messaging.generic_handler(), messaging.batch_receive_handler(),
                                          AdminService(broker, config, authenticator).generic_handler()))
         await server.start()
         yield Server(broker, f"127.0.0.1:{port}", messaging)

@@ -34,6 +34,8 @@ class Harness:
     channel: grpc.aio.Channel
     stub: service_grpc.MessagingServiceStub
     address: str
+    calls: list[str]
+    """The path of every call the server was asked for, in order (`/service/method`)."""
 
     async def admin(self, method: str, body: Any) -> dict[str, Any]:
         raw = json.dumps(body).encode() if not isinstance(body, bytes) else body
@@ -48,22 +50,37 @@ class Harness:
         return [r async for r in self.stub.ReceiveMessage(request, timeout=timeout_s)]
 
 
+class _CallRecorder(grpc.aio.ServerInterceptor):
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def intercept_service(self, continuation: Any, handler_call_details: Any) -> Any:
+        self.calls.append(handler_call_details.method)
+        return await continuation(handler_call_details)
+
+
 @contextlib.asynccontextmanager
 async def running(tmp_path: Path, *, clock: Clock | None = None, background: bool = True,
-                  wildcard: bool = False, **settings: Any) -> AsyncIterator[Harness]:
-    """`wildcard`: behave as a server bound to 0.0.0.0 (routes name the client's access point)."""
+                  wildcard: bool = False, batch_receive: bool = True, **settings: Any) -> AsyncIterator[Harness]:
+    """`wildcard`: behave as a server bound to 0.0.0.0 (routes name the client's access point).
+    `batch_receive=False`: serve without chronoq's batched receive, as a RocketMQ proxy does."""
     config = Config(data_dir=tmp_path / "data", **settings)
     broker = await Broker.open(config, clock=clock, background=background)
-    server = grpc.aio.server(options=server_options(config))
+    recorder = _CallRecorder()
+    server = grpc.aio.server(options=server_options(config), interceptors=[recorder])
     try:
         port = server.add_insecure_port("127.0.0.1:0")
         advertised = None if wildcard else Endpoint("127.0.0.1", port)
         messaging = MessagingService(broker, config, advertised=advertised, port=port)
-        server.add_generic_rpc_handlers((messaging.generic_handler(), AdminService(broker, config).generic_handler()))
+        handlers = [messaging.generic_handler(), AdminService(broker, config).generic_handler()]
+        if batch_receive:
+            handlers.append(messaging.batch_receive_handler())
+        server.add_generic_rpc_handlers(tuple(handlers))
         await server.start()
         address = f"127.0.0.1:{port}"
         async with grpc.aio.insecure_channel(address) as channel:
-            yield Harness(broker, messaging, channel, service_grpc.MessagingServiceStub(channel), address)
+            yield Harness(broker, messaging, channel, service_grpc.MessagingServiceStub(channel), address,
+                          recorder.calls)
     finally:
         await server.stop(0)
         await broker.close()

@@ -119,6 +119,7 @@ SYSTEMS = {
     "floor": "bench.peers.floor:PEER",
     "chronoq": "bench.peers.chronoq_peer:PEER",
     "chronoq-async": "bench.peers.chronoq_peer:ASYNC_PEER",
+    "chronoq-stream": "bench.peers.chronoq_peer:STREAM_PEER",
     "redis": "bench.peers.redis_zset:PEER",
     "nats": "bench.peers.nats_schedules:PEER",
     "rabbitmq": "bench.peers.rabbitmq_ttl:PEER",

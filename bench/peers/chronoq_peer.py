@@ -12,6 +12,12 @@ polls always in flight, streaming into a local cache that the harness drains; ea
 is acked by a background task that gathers acks for `ACK_LINGER_S` into one AckMessage request, so
 an ack never delays a receive (the receive time is stamped before any ack either way).
 
+The consumer receives through chronoq's batched receive (`AsyncConsumer(batch_receive=True)`, the
+SDK's default: the messages of one receive in one gRPC response). `chronoq-stream` is the same
+server and SDK with `batch_receive=False`: RocketMQ's ReceiveMessage, one streamed response per
+message, the call the official clients make and the floor answers; beside `chronoq` it shows what
+the batched call saves both processes.
+
 `chronoq-async` is the same server with `CHRONOQ_FLUSH=async` in its environment (the commit log
 is fsynced in the background, not before the ack): beside `chronoq` it shows the price of
 fsync-before-ack, chiefly in the one-message-per-request row. Any `CHRONOQ_FLUSH` in the harness's
@@ -92,8 +98,9 @@ class ChronoqConsumer(ConsumerClient):
     `receive` hands over what the cache holds. So a message never waits for a receive call to be
     issued, nor for the rest of its batch to stream."""
 
-    def __init__(self, addr: dict[str, Any]) -> None:
+    def __init__(self, addr: dict[str, Any], batch_receive: bool) -> None:
         self.addr = addr
+        self.batch_receive = batch_receive
         self.unacked: list[Any] = []
         self.acker: asyncio.Task[None] | None = None
         self.cache: collections.deque[Any] = collections.deque()
@@ -107,7 +114,8 @@ class ChronoqConsumer(ConsumerClient):
     async def open(self) -> None:
         from chronoq.client import AsyncConsumer
 
-        self.c = AsyncConsumer(GROUP, TOPIC, server=_server(self.addr), timeout_ms=30_000)
+        self.c = AsyncConsumer(GROUP, TOPIC, server=_server(self.addr), timeout_ms=30_000,
+                               batch_receive=self.batch_receive)
         self.pollers = [asyncio.create_task(self._poll()) for _ in range(PREFETCH_RECEIVES)]
 
     async def _poll(self) -> None:
@@ -184,6 +192,9 @@ class Chronoq(Peer):
     batch_label = "send_batch"
     flush: str | None = None
     """`CHRONOQ_FLUSH` for the server (None: the project's default)."""
+    batch_receive = True
+    """The consumer's `batch_receive`: chronoq's batched receive (the SDK's default), or False for
+    RocketMQ's ReceiveMessage, one streamed response per message, as the official clients call it."""
 
     def server_env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k != "CHRONOQ_FLUSH"}
@@ -266,7 +277,7 @@ class Chronoq(Peer):
         return ChronoqProducer(addr)
 
     def consumer(self, addr: dict[str, Any]) -> ConsumerClient:
-        return ChronoqConsumer(addr)
+        return ChronoqConsumer(addr, self.batch_receive)
 
 
 class ChronoqAsync(Chronoq):
@@ -275,5 +286,13 @@ class ChronoqAsync(Chronoq):
     flush = "async"
 
 
+class ChronoqStream(Chronoq):
+    name = "chronoq-stream"
+    design = ("SendMessage with delivery_timestamp (ms); RocksDB time index + timing wheel; consumer on "
+              "RocketMQ's ReceiveMessage (one streamed response per message, as the official clients)")
+    batch_receive = False
+
+
 PEER = Chronoq()
 ASYNC_PEER = ChronoqAsync()
+STREAM_PEER = ChronoqStream()

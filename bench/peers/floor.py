@@ -5,7 +5,9 @@ grpc.aio MessagingService plus the admin calls the bench uses, which decodes eve
 builds every response protobuf per call and keeps messages in memory only (a heap by due time, so
 timers are delivered when due). The clients are chronoq's, unchanged (`ChronoqProducer`,
 `ChronoqConsumer`, and the admin calls of `setup`, `pending` and `server_stats`, all inherited
-from the chronoq peer), so the floor and chronoq see byte-for-byte the same requests: whatever the
+from the chronoq peer), so the floor and chronoq see byte-for-byte the same requests (but for
+receive: chronoq's consumer uses chronoq's batched receive, which the floor does not serve; the
+floor's consumer, like `chronoq-stream`'s, calls RocketMQ's ReceiveMessage): whatever the
 floor's server spends per message is the price of the protocol in Python with grpc.aio on this
 machine, and chronoq's figure divided by the floor's is how far chronoq is above that limit.
 
@@ -38,6 +40,8 @@ class FloorPeer(Chronoq):
               "timers in an in-memory heap")
     durability = "none: memory only, no redelivery (the cost of the protocol in Python, not a broker)"
     batch_label = "send_batch"
+    batch_receive = False
+    """The floor has no batched receive: its consumer calls ReceiveMessage, as the official clients do."""
     unsupported = {
         "crash": "stores nothing durable: a crash loses every message by design",
         "backlog": "holds timers as Python objects in RAM: a backlog measures nothing about the protocol",

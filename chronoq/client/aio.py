@@ -1,10 +1,12 @@
 """The asyncio SDK: `AsyncAdmin`, `AsyncProducer`, `AsyncConsumer` over one grpc.aio channel.
 
-Theory of operation: a client owns one `grpc.aio` channel to one chronoq server and speaks two
+Theory of operation: a client owns one `grpc.aio` channel to one chronoq server and speaks three
 services on it: `apache.rocketmq.v2.MessagingService` (send, receive, ack, change-invisible,
-recall) with the protobuf messages of `rocketmq-python-client` (through `chronoq.protocol.v2`),
-and chronoq's admin service (topics, query, cancel by id, stats, read by offset, batched send)
-whose bodies are JSON. Both go through generic calls (a path, a serializer, a parser), so the
+recall) with the protobuf messages of `rocketmq-python-client` (through `chronoq.protocol.v2`);
+chronoq's batched receive (`chronoq.protocol.batch_receive`: ReceiveMessage with the messages in
+one response; a consumer asks for it first, and falls back to ReceiveMessage for good on a server
+that lacks it); and chronoq's admin service (topics, query, cancel by id, stats, read by offset,
+batched send) whose bodies are JSON. All go through generic calls (a path, a serializer, a parser), so the
 generated `*_pb2_grpc` stubs are not needed. Everything that turns values into bytes and
 statuses into exceptions lives in `chronoq.client.wire` and `chronoq.client.errors`; this
 module only makes calls, so every gRPC failure is translated at one point (`_translate`).
@@ -81,7 +83,7 @@ from chronoq.client.types import (
 )
 from chronoq.clock import WallClock
 from chronoq.model import OutgoingMessage
-from chronoq.protocol import signature
+from chronoq.protocol import batch_receive, signature
 from chronoq.protocol.v2 import SERVICE_NAME
 from chronoq.protocol.v2 import definition as pb
 from chronoq.protocol.v2 import service as svc
@@ -108,6 +110,12 @@ MAX_GRPC_MESSAGE_BYTES = 256 * 1024 * 1024
 RETRY_BACKOFF_MS = 100
 
 _client_seq = itertools.count(1)
+
+
+class _BatchReceiveMissing(Exception):
+    """The server has no `chronoq.receive.v1.Receive` (UNIMPLEMENTED): receive the standard way."""
+
+
 T = TypeVar("T")
 _GRPC_RETRIABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED}
 
@@ -143,6 +151,11 @@ def _at_least_one(name: str, value: Any) -> None:
 def _batch_via(name: str, value: Any) -> None:
     if value not in ("grpc", "admin"):
         raise InvalidArgument(name, value, "'grpc' (SendMessage) or 'admin' (SendBatch)")
+
+
+def _flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise InvalidArgument(name, value, "True or False")
 
 
 def _text(name: str, value: Any) -> None:
@@ -601,18 +614,23 @@ class AsyncProducer(AsyncAdmin):
 class AsyncConsumer(AsyncAdmin):
     """A RocketMQ 5 simple consumer of one topic in one group: receive, ack, change_invisible."""
 
-    SETTINGS: ClassVar[frozenset[str]] = AsyncAdmin.SETTINGS | {"group", "filter_expression", "attempts"}
+    SETTINGS: ClassVar[frozenset[str]] = AsyncAdmin.SETTINGS | {"group", "filter_expression", "attempts",
+                                                                 "batch_receive"}
     group = _Setting(_name)
     filter_expression = _Setting(_text)
     attempts = _Setting(_at_least_one)
+    batch_receive = _Setting(_flag)
 
     def __init__(self, group: str, topic: str, *, filter_expression: str = "*", server: str | None = None,
                  timeout_ms: int = DEFAULT_TIMEOUT_MS, attempts: int = DEFAULT_ATTEMPTS, tls: bool = False,
                  root_certificates: bytes | None = None, tls_server_name: str | None = None,
-                 access_key: str | None = None, secret_key: str | None = None) -> None:
+                 access_key: str | None = None, secret_key: str | None = None, batch_receive: bool = True) -> None:
         super().__init__(server, timeout_ms=timeout_ms, tls=tls, root_certificates=root_certificates,
                          tls_server_name=tls_server_name, access_key=access_key, secret_key=secret_key)
         self.group = group
+        self.batch_receive = batch_receive
+        self._batch_receive_missing = False
+        """The server answered UNIMPLEMENTED to the batched receive: use the standard stream."""
         _name("topic", topic)
         self.topic = topic
         self.filter_expression = filter_expression
@@ -647,9 +665,11 @@ class AsyncConsumer(AsyncAdmin):
 
     async def receive_stream(self, max_messages: int = 32, *, invisible: timedelta | int | None = None,
                              wait: timedelta | int = 0) -> AsyncIterator[ReceivedMessage]:
-        """`receive`, yielding each message as its response arrives. ReceiveMessage streams one
-        response per message, and grpc.aio reads each in its own round trip (about 0.1 ms apiece
-        here), so the first of 64 messages is usable ~7 ms before the batch is complete."""
+        """`receive`, yielding each message as its response arrives. With `batch_receive` (the
+        default) a chronoq server sends the messages in one response (chronoq's ReceiveMessages),
+        which costs both sides ~0.15 ms of CPU less per message than RocketMQ's ReceiveMessage;
+        that call streams one response per message, each read in its own round trip, and is what
+        this uses with `batch_receive=False` or against a server without the batched call."""
         if max_messages < 1:
             raise InvalidArgument("max_messages", max_messages, "at least 1")
         wait_ms = wire.duration_to_ms("wait", wait)
@@ -679,18 +699,42 @@ class AsyncConsumer(AsyncAdmin):
                         raise
 
     async def _receive_once(self, req: svc.ReceiveMessageRequest, deadline_ms: int) -> AsyncIterator[ReceivedMessage]:
-        call = self._method("ReceiveMessage")(req, timeout=deadline_ms / 1000, metadata=self._call_metadata())
+        """One receive: chronoq's batched call when this consumer may use it, else (or once the
+        server answered that it has no such call) the standard stream."""
+        if self.batch_receive and not self._batch_receive_missing:
+            try:
+                async with contextlib.aclosing(self._receive_call(req, deadline_ms, batched=True)) as stream:
+                    async for message in stream:
+                        yield message
+                return
+            except _BatchReceiveMissing:
+                self._batch_receive_missing = True  # a RocketMQ proxy, an older chronoq: for good
+        async with contextlib.aclosing(self._receive_call(req, deadline_ms, batched=False)) as stream:
+            async for message in stream:
+                yield message
+
+    async def _receive_call(self, req: svc.ReceiveMessageRequest, deadline_ms: int, *,
+                            batched: bool) -> AsyncIterator[ReceivedMessage]:
+        """ReceiveMessage (one response per message) or, `batched`, chronoq's ReceiveMessages
+        (`chronoq.protocol.batch_receive`: the same request, the messages in one response)."""
+        method = self._batch_receive_method() if batched else self._method("ReceiveMessage")
+        call = method(req, timeout=deadline_ms / 1000, metadata=self._call_metadata())
         channel = self._channel
         try:
             async for resp in call:
-                which = resp.WhichOneof("content")
-                if which == "status":
+                if resp.HasField("status"):
                     if resp.status.code == MESSAGE_NOT_FOUND:
                         continue
                     wire.check_status("ReceiveMessage", resp.status)
-                elif which == "message":
+                if batched:
+                    now_ms = self._clock.now_ms()
+                    for m in resp.messages:
+                        yield wire.decode_received(m, now_ms)
+                elif resp.HasField("message"):
                     yield wire.decode_received(resp.message, self._clock.now_ms())
         except grpc.aio.AioRpcError as e:
+            if batched and e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise _BatchReceiveMissing from None
             raise self._translate("ReceiveMessage", e, deadline_ms) from None
         except asyncio.CancelledError:
             if self._closed_under(channel):
@@ -698,6 +742,14 @@ class AsyncConsumer(AsyncAdmin):
             raise
         finally:
             call.cancel()  # a caller that stops early must not leave the stream open (no-op when done)
+
+    def _batch_receive_method(self) -> Any:
+        call = self._calls.get(batch_receive.PATH)
+        if call is None:
+            call = self._open().unary_stream(batch_receive.PATH, request_serializer=_serialize,
+                                             response_deserializer=batch_receive.ReceiveMessagesResponse.FromString)
+            self._calls[batch_receive.PATH] = call
+        return call
 
     async def ack(self, msg: ReceivedMessage, *more: ReceivedMessage) -> None:
         """Acknowledge: the message(s) will not be delivered to this group again. Several messages

@@ -19,6 +19,11 @@ it calls the broker, so a refusal (40300) changes nothing. Telemetry and Receive
 authenticated when they open (their metadata comes once). With auth off every caller is
 `ANONYMOUS` and nothing is checked.
 
+`chronoq.receive.v1.Receive/ReceiveMessages` (`batch_receive_handler`, chronoq's SDK) is
+ReceiveMessage answered with its messages in one response rather than one each: the same
+request, checks and broker receive, the same stream's bytes regrouped by
+`chronoq.protocol.batch_receive`.
+
 Long polls: ReceiveMessage waits at most `min(long_polling_timeout, time_remaining - margin)`,
 so the answer arrives before the client's deadline (Python: request_timeout + await_duration).
 Auto-renewed receives (PushConsumer) are tracked in `Renewals`. The caller's `x-mq-client-id`
@@ -44,6 +49,7 @@ import grpc
 from chronoq.config import Config
 from chronoq.errors import ChronoqError
 from chronoq.model import TopicConfig
+from chronoq.protocol import batch_receive
 from chronoq.protocol import requests as rq
 from chronoq.protocol import responses as rs
 from chronoq.protocol.errors import InvalidField, MalformedRequest, Unsupported
@@ -176,6 +182,12 @@ class MessagingService:
             response_serializer=service.TelemetryCommand.SerializeToString)
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
+    def batch_receive_handler(self) -> grpc.GenericRpcHandler:
+        """`chronoq.receive.v1.Receive`: ReceiveMessage with the messages in one response."""
+        return grpc.method_handlers_generic_handler(batch_receive.SERVICE_NAME, {
+            batch_receive.METHOD: grpc.unary_stream_rpc_method_handler(
+                self.receive_messages, request_deserializer=_deserializer(service.ReceiveMessageRequest))})
+
     def _unary(self, rpc: str, response_type: Any,
                body: Callable[[Any, Any, Principal], Awaitable[Any]]) -> Callable[[Any, Any], Awaitable[Any]]:
         async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -307,17 +319,27 @@ class MessagingService:
                                    invisible_until_ms=r.invisible_until_ms, owner=caller.name)
         return rs.receive_responses(received, invisible_ms, self.broker.clock.now_ms())
 
-    async def receive_message(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def _receive_stream(self, request: Any, context: grpc.aio.ServicerContext) -> list[Any]:
+        """ReceiveMessage's whole stream, an error as its one status response."""
         try:
-            responses = await self._receive(request, context)
+            return await self._receive(request, context)
         except ChronoqError as err:
-            responses = rs.receive_error(rs.error_status(err))
+            return rs.receive_error(rs.error_status(err))
         except asyncio.CancelledError:
             raise
         except Exception as err:
             log.exception("ReceiveMessage failed")
-            responses = rs.receive_error(rs.internal_status(err))
-        for response in responses:
+            return rs.receive_error(rs.internal_status(err))
+
+    async def receive_message(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        for response in await self._receive_stream(request, context):
+            yield response
+
+    async def receive_messages(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        """chronoq's batched ReceiveMessage (`chronoq.protocol.batch_receive`): the same stream,
+        regrouped into as few responses as `max_message_size_bytes` allows (usually one)."""
+        stream = [_bytes_or_serialized(r) for r in await self._receive_stream(request, context)]
+        for response in batch_receive.batch(stream, self.config.max_message_size_bytes):
             yield response
 
     async def pull_message(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:

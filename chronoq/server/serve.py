@@ -1,8 +1,10 @@
 """The chronoq server process: one `grpc.aio` server over one `Broker`.
 
 Theory of operation: `serve(config)` opens the broker, binds the gRPC port (TLS when a certificate
-and key are configured), and registers three services: `apache.rocketmq.v2.MessagingService`
-(the official clients), `chronoq.admin.v1.Admin` (JSON admin), and the standard
+and key are configured), and registers four services: `apache.rocketmq.v2.MessagingService`
+(the official clients), `chronoq.receive.v1.Receive` (the same receive with the messages in one
+response, `chronoq.protocol.batch_receive`; chronoq's SDK), `chronoq.admin.v1.Admin` (JSON
+admin), and the standard
 `grpc.health.v1.Health` (SERVING while the broker is open). With `http_port` set it also starts
 the HTTP side on the same loop (`chronoq/http/`: /metrics, /healthz, the web console) and prints
 a second line naming its URL. It then waits for `stop` (SIGTERM or
@@ -44,6 +46,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from chronoq.config import Config, ConfigError
 from chronoq.protocol import admin as admin_codec
+from chronoq.protocol import batch_receive
 from chronoq.protocol.requests import Endpoint
 from chronoq.protocol.v2 import SERVICE_NAME
 from chronoq.server.admin_service import AdminService
@@ -177,7 +180,8 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None,
                                      authenticator=authenticator)
         admin = AdminService(broker, config, authenticator)
         server = grpc.aio.server(options=server_options(config))
-        server.add_generic_rpc_handlers((messaging.generic_handler(), admin.generic_handler()))
+        server.add_generic_rpc_handlers((messaging.generic_handler(), messaging.batch_receive_handler(),
+                                          admin.generic_handler()))
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         address = bind_address(config.host, config.port)
@@ -195,7 +199,7 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None,
         await server.start()
         if not auth.enabled and not is_loopback(config.host):
             log.warning(NO_AUTH_WARNING.format(address=bind_address(config.host, port)))
-        for name in ("", SERVICE_NAME, admin_codec.SERVICE_NAME):
+        for name in ("", SERVICE_NAME, batch_receive.SERVICE_NAME, admin_codec.SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         if own_process:
             settle_heap()

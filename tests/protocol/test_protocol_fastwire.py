@@ -20,7 +20,7 @@ from chronoq.model import (
     SendResult,
     StoredMessage,
 )
-from chronoq.protocol import fastwire, responses
+from chronoq.protocol import batch_receive, fastwire, responses
 from chronoq.protocol.responses import BROKER_NAME, encode_received
 
 text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
@@ -87,3 +87,44 @@ def test_the_ack_response_bytes_mean_what_the_protobuf_api_builds(entries: list[
     fast = service.AckMessageResponse.FromString(responses.ack_response_wire(entries))
     slow = responses.ack_response([(m, h, definition.Status(code=c, message=t)) for m, h, c, t in entries])
     assert fast == slow
+
+
+# -- the batched receive: the stream's bytes regrouped ---------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(msgs=st.lists(received(), max_size=12), invisible_ms=st.integers(0, 43_200_000),
+       now=ms, limit=st.integers(1, 4000))
+def test_a_batched_receive_carries_the_stream_s_messages_in_order_within_its_limit(
+        msgs: list[ReceivedMessage], invisible_ms: int, now: int, limit: int) -> None:
+    """`batch_receive.batch` only regroups `receive_responses`' bytes: parsed as
+    ReceiveMessagesResponse they give the standard stream's status first, its messages in order,
+    its delivery timestamp last, and no response holds more than `limit` bytes of messages
+    unless it holds a single message."""
+    stream = responses.receive_responses(msgs, invisible_ms, now)
+    standard = [service.ReceiveMessageResponse.FromString(b) for b in stream]
+    batched = [batch_receive.ReceiveMessagesResponse.FromString(b)
+               for b in batch_receive.batch(stream, limit)]
+    assert batched[0].status == standard[0].status
+    assert not any(r.HasField("status") for r in batched[1:])
+    assert [m for r in batched for m in r.messages] == [r.message for r in standard if r.HasField("message")]
+    if msgs:
+        assert batched[-1].delivery_timestamp == standard[-1].delivery_timestamp
+        assert not any(r.HasField("delivery_timestamp") for r in batched[:-1])
+    else:
+        assert len(batched) == 1 and batched[0].status.code == 40401 and not batched[0].messages
+    # Sizes as the server counts them: each message's own standard response, in bytes.
+    sizes = [len(b) for b in stream[1:-1]]
+    counts = [len(r.messages) for r in batched]
+    starts = [sum(counts[:k]) for k in range(len(counts))]
+    for start, count in zip(starts, counts, strict=True):
+        held = sizes[start:start + count]
+        assert count == 1 or sum(held) <= limit, (held, limit)
+        if start + count < len(sizes):  # a new response only when the next message did not fit
+            assert sum(held) + sizes[start + count] > limit, (held, sizes[start + count], limit)
+
+
+def test_a_batched_receive_of_an_error_is_that_status_alone() -> None:
+    status = definition.Status(code=40402, message="no topic")
+    (only,) = batch_receive.batch([service.ReceiveMessageResponse(status=status).SerializeToString()], 10)
+    assert batch_receive.ReceiveMessagesResponse.FromString(only).status == status

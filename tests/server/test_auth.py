@@ -25,7 +25,7 @@ from chronoq import errors as core
 from chronoq.broker import Broker
 from chronoq.client import AsyncAdmin, AsyncProducer, outgoing
 from chronoq.config import Config, ConfigError
-from chronoq.protocol import signature
+from chronoq.protocol import batch_receive, signature
 from chronoq.protocol.v2 import definition, service
 from chronoq.server.auth import ANONYMOUS, AuthConfig, Authenticator, User, load_auth, parse_auth
 from chronoq.server.grpc_service import wall_ms
@@ -270,7 +270,8 @@ def test_admin_calls_need_the_admin_role(tmp_path: Path, arun: Any) -> None:
 
 
 def test_streams_are_refused_when_they_open(tmp_path: Path, arun: Any) -> None:
-    """ReceiveMessage (long poll) and Telemetry: authenticated from the metadata of their opening."""
+    """ReceiveMessage (long poll; and chronoq's batched twin) and Telemetry: authenticated from the
+    metadata of their opening."""
     async def body() -> None:
         async with running(tmp_path) as srv, grpc.aio.insecure_channel(srv.address) as channel:
             stub = service_grpc.MessagingServiceStub(channel)
@@ -286,6 +287,12 @@ def test_streams_are_refused_when_they_open(tmp_path: Path, arun: Any) -> None:
             now_header = list(signature.sign_headers("orders-app", SECRET, wall_ms()))
             replies = [r async for r in stub.ReceiveMessage(req, timeout=5, metadata=now_header)]
             assert [r.status.code for r in replies] == [40402]  # past auth: no such topic yet
+            # chronoq's batched receive: the same check, from the same metadata.
+            batched = channel.unary_stream(batch_receive.PATH,
+                                           request_serializer=service.ReceiveMessageRequest.SerializeToString,
+                                           response_deserializer=batch_receive.ReceiveMessagesResponse.FromString)
+            assert [r.status.code async for r in batched(req, timeout=5)] == [40100]
+            assert [r.status.code async for r in batched(req, timeout=5, metadata=now_header)] == [40402]
     arun(body())
 
 
