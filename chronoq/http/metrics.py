@@ -5,8 +5,9 @@ Theory of operation: nothing here runs on the hot path. `BrokerCollector.collect
 consistent state without locks) and turns what the broker already keeps into metric families:
 
 - `broker.stats()`, the dict the admin service's Stats method returns: pending timers by topic
-  and by due time, the timer latencies, the commit log, the disk, the delivery trace (recording,
-  or stopped and why), consumer groups;
+  and by due time, the timer latencies, the commit log, the disk (and what a full disk or a lack
+  of file descriptors holds back now), the delivery trace (recording, or stopped and why),
+  consumer groups;
 - the per-topic counts the broker's doors keep in plain dicts (`Broker.accepted_by_topic`,
   `timers_by_topic`, `delivered_by_topic`), the delays timers asked for
   (`timer_delays_by_topic`), and the timer side's `fired_by_topic`;
@@ -46,6 +47,22 @@ def make_registry(broker: Any) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(BrokerCollector(broker))
     return registry
+
+
+def held_back(disk: Mapping[str, Any]) -> Metric:
+    """`chronoq_held_back{what,reason}` from the store's `disk_stats()`: one sample per piece of
+    work a full disk (`held_back`) or a lack of file descriptors (`dispatch_out_of_fds`) holds
+    back now, none while nothing is."""
+    held = GaugeMetricFamily("chronoq_held_back",
+                             "1 for each piece of work held back and retried, labelled with what "
+                             "(dispatch, checkpoint, timer firing, ...) and why (disk_full, out_of_fds); "
+                             "no sample while nothing is held back",
+                             labels=["what", "reason"])
+    for what in sorted(disk["held_back"]):
+        held.add_metric([what, "disk_full"], 1)
+    if disk["dispatch_out_of_fds"] is not None:
+        held.add_metric(["dispatch", "out_of_fds"], 1)
+    return held
 
 
 def histogram_buckets(hist: LatencyHistogram, edges: Iterable[int]) -> list[tuple[str, float]]:
@@ -166,6 +183,7 @@ class BrokerCollector(Collector):
         disk = stats["disk"]
         yield GaugeMetricFamily("chronoq_disk_free_bytes", "Free space on the data directory's file system",
                                 value=disk["free_bytes"])
+        yield held_back(disk)
         yield GaugeMetricFamily("chronoq_ready", "1 while the broker accepts work (see /healthz), else 0",
                                 value=0 if self.broker.fatal is not None or self.broker.closed else 1)
         yield from self._trace(stats["trace"])

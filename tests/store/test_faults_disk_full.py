@@ -124,6 +124,14 @@ def _assert_disk_full(err: BaseException) -> None:
     assert err.code == 42900 and err.retriable and isinstance(err, Throttled)
 
 
+def held_back_samples(broker: Broker) -> dict[tuple[tuple[str, str], ...], float]:
+    """`chronoq_held_back`'s samples as the broker's /metrics collector gives them now."""
+    from chronoq.http.metrics import make_registry
+
+    return {tuple(sorted(s.labels.items())): s.value for family in make_registry(broker).collect()
+            for s in family.samples if s.name == "chronoq_held_back"}
+
+
 async def _receive_all(broker: Broker, topic: str, *, ack: bool = True) -> list[str]:
     got: list[str] = []
     while batch := await broker.receive("g", topic, batch_size=64):
@@ -568,8 +576,9 @@ async def _block_dispatch(broker: Broker, disk: Disk) -> asyncio.Future:
 
 def test_a_dispatch_that_runs_out_of_space_holds_its_sender_until_it_is_done(disk: Disk) -> None:
     """The record is durable, but its consume-queue entry has no room: the sender is not
-    acknowledged (not visible, not indexed), sends are refused meanwhile, nothing dies; with
-    space back the flusher's retry finishes the dispatch and the sender returns."""
+    acknowledged (not visible, not indexed), sends are refused meanwhile, /metrics says dispatch
+    is held back by a full disk, nothing dies; with space back the flusher's retry finishes the
+    dispatch and the sender returns."""
     data = disk.root / "data"
     config = _config(data, disk_min_free_bytes=0, consume_queue_entries_per_file=2)
 
@@ -580,10 +589,12 @@ def test_a_dispatch_that_runs_out_of_space_holds_its_sender_until_it_is_done(dis
         with pytest.raises(DiskFull) as info:
             await broker.send(OutgoingMessage("t", b"four", message_id="four"))
         assert "dispatching" in str(info.value)
+        assert held_back_samples(broker) == {(("reason", "disk_full"), ("what", "dispatch")): 1}  # /metrics
         assert [m.message.message_id for m in await broker.receive("g", "t", batch_size=8)] == ["one", "two"]
         disk.unfill()
         result = await asyncio.wait_for(sender, 5)
         assert result.message_id == "three"
+        assert held_back_samples(broker) == {}
         assert [m.message.message_id for m in await broker.receive("g2", "t", batch_size=8)] == ["one", "two", "three"]
         await broker.send(OutgoingMessage("t", b"four", message_id="four"))
         assert not _tmp_files(data)

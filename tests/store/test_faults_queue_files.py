@@ -436,14 +436,19 @@ def test_dispatch_with_no_queue_file_to_give_up_is_held_back_never_refused(tmp_p
 
 def test_dispatch_held_back_out_of_descriptors_shows_in_stats_beside_the_disk_full_hold(tmp_path: Path) -> None:
     """Dispatch held back for lack of descriptors (a real RLIMIT_NOFILE) was only a log warning:
-    `disk_stats` (`Broker.stats()["disk"]`) says it, and `chronoq stats` gives it a line below
-    the disk's, while it lasts; both go once a descriptor is free and dispatch resumes."""
+    `disk_stats` (`Broker.stats()["disk"]`) says it, `chronoq stats` gives it a line below the
+    disk's, and /metrics a `chronoq_held_back` sample, while it lasts; all go once a descriptor
+    is free and dispatch resumes."""
     from chronoq.cli.stats import render
+    from chronoq.http.metrics import held_back
 
     config = _one_queue_of_two_entry_files(tmp_path, "sync")
 
     def fds_lines(disk: dict[str, object]) -> list[str]:
         return [line for line in render({"now_ms": 0, "disk": disk}) if line.startswith("dispatch")]
+
+    def held_samples(disk: dict[str, object]) -> dict[tuple[tuple[str, str], ...], float]:
+        return {tuple(sorted(s.labels.items())): s.value for s in held_back(disk).samples}
 
     async def body() -> None:
         store, _ = MessageStore.open(config)
@@ -461,9 +466,11 @@ def test_dispatch_held_back_out_of_descriptors_shows_in_stats_beside_the_disk_fu
                 held = store.disk_stats()
             assert f"position {m2.position} held back: out of file descriptors" in str(held["dispatch_out_of_fds"])
             assert fds_lines(held) == ["dispatch    HELD BACK: out of file descriptors, sends refused (ulimit -n)"]
+            assert held_samples(held) == {(("reason", "out_of_fds"), ("what", "dispatch")): 1}  # /metrics
             await store.log.flush_now()  # the flusher's retry, now that there is room
             assert store.dispatched_position == m2.position + m2.size
             assert store.disk_stats()["dispatch_out_of_fds"] is None and fds_lines(store.disk_stats()) == []
+            assert held_samples(store.disk_stats()) == {}
         finally:
             store.close()
 
