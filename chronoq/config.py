@@ -133,6 +133,11 @@ class Config:
     an auto-renew receive from one more is refused with Throttled (42900, retried by the clients)
     until one lets go. The server tracks only these ids (about 1 KiB each at the longest)."""
     max_receive_batch: int = limit(64)
+    max_receive_response_bytes: int = limit(4 * MiB, maximum=64 * MiB)
+    """Bytes of messages in one response of chronoq's batched receive (ReceiveMessages, the SDK's
+    way to receive): a receive's messages go in as few responses as this allows, and a single
+    larger message goes alone, so no response is larger than RocketMQ's one-message stream's
+    largest by more than this. The SDK accepts responses of up to 256 MiB."""
     max_receive_scan_entries: int = limit(10_000)
     """Queue entries one receive step looks at, over all queues, before it gives the event loop
     back (and goes on in the next step). A tag filter that matches little made one receive walk

@@ -12,8 +12,9 @@ The field numbers are `ReceiveMessageResponse`'s (`status` 1, `message` 2, `deli
 3), so the bytes of a standard stream laid end to end are a valid `ReceiveMessagesResponse`:
 `batch` only regroups what `responses.receive_responses` already wrote, with no encoding of its
 own. A response holds at most `limit` bytes of messages, or one message if that one is larger
-(the server passes `max_message_size_bytes`, so every response stays within gRPC's send limit,
-twice that plus framing); the status travels in the first, the delivery timestamp in the last.
+(the server passes `max_receive_response_bytes`, 4 MiB by default, so no response is larger
+than the standard stream's largest by more than that, and each stays within both sides' gRPC
+limits); the status travels in the first, the delivery timestamp in the last.
 
 The official clients never call this service and are served the standard stream as before.
 chronoq's SDK calls it first and falls back to the standard stream for good when a server

@@ -337,9 +337,9 @@ class MessagingService:
 
     async def receive_messages(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         """chronoq's batched ReceiveMessage (`chronoq.protocol.batch_receive`): the same stream,
-        regrouped into as few responses as `max_message_size_bytes` allows (usually one)."""
+        regrouped into as few responses as `max_receive_response_bytes` allows (usually one)."""
         stream = [_bytes_or_serialized(r) for r in await self._receive_stream(request, context)]
-        for response in batch_receive.batch(stream, self.config.max_message_size_bytes):
+        for response in batch_receive.batch(stream, self.config.max_receive_response_bytes):
             yield response
 
     async def pull_message(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:

@@ -63,7 +63,8 @@ class Sends(grpc.aio.ServerInterceptor):
 
 @dataclass
 class Calls(grpc.aio.ServerInterceptor):
-    """Counts the calls of every other MessagingService method by name ("AckMessage"...);
+    """Counts the calls of every other MessagingService method, and of chronoq's batched receive,
+    by name ("AckMessage", "ReceiveMessages"...);
     `before[(name, n)]` runs before the n-th is handled; for the n-th in `lose_reply`, the
     handler runs (its work is done) and the call then fails as UNAVAILABLE, a reply lost."""
 
@@ -73,7 +74,7 @@ class Calls(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
         name = details.method.rpartition("/")[2]
-        if details.method == SEND_PATH or not details.method.startswith("/apache.rocketmq.v2."):
+        if details.method == SEND_PATH or not details.method.startswith(("/apache.rocketmq.v2.", "/chronoq.receive.")):
             return await continuation(details)
         n = self.counts[name] = self.counts.get(name, 0) + 1
         step = self.before.get((name, n))
@@ -118,7 +119,7 @@ async def serving(tmp_path: Path) -> AsyncIterator[Served]:
     try:
         port = server.add_insecure_port("127.0.0.1:0")
         messaging = MessagingService(brokers[0], config, advertised=Endpoint("127.0.0.1", port), port=port)
-        server.add_generic_rpc_handlers((messaging.generic_handler(),))
+        server.add_generic_rpc_handlers((messaging.generic_handler(), messaging.batch_receive_handler()))
         await server.start()
         yield Served(config, messaging, f"127.0.0.1:{port}", sends, brokers, calls)
     finally:
@@ -240,10 +241,10 @@ def test_a_receive_a_closing_broker_refused_is_retried_and_returns_the_messages(
             async with AsyncProducer(served.address, timeout_ms=10_000) as producer:
                 await producer.send("orders", b"paid", message_id="ID-RECV-1")
             await served.brokers[0].close()  # the first receive meets a closed broker
-            served.calls.before[("ReceiveMessage", 2)] = served.restart
+            served.calls.before[("ReceiveMessages", 2)] = served.restart
             async with AsyncConsumer("g", "orders", server=served.address, timeout_ms=10_000) as consumer:
                 got = await consumer.receive(16, wait=500)
-            assert served.calls.counts["ReceiveMessage"] == 2
+            assert served.calls.counts["ReceiveMessages"] == 2 and "ReceiveMessage" not in served.calls.counts
             assert [m.message_id for m in got] == ["ID-RECV-1"]
 
     asyncio.run(body())
@@ -256,7 +257,7 @@ def test_a_receive_of_a_broker_that_stays_closed_is_tried_attempts_times(tmp_pat
             async with AsyncConsumer("g", "orders", server=served.address, timeout_ms=10_000, attempts=2) as consumer:
                 with pytest.raises(core.BrokerClosed):
                     await consumer.receive(16)
-            assert served.calls.counts["ReceiveMessage"] == 2
+            assert served.calls.counts["ReceiveMessages"] == 2 and "ReceiveMessage" not in served.calls.counts
 
     asyncio.run(body())
 
