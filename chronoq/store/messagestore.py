@@ -176,8 +176,12 @@ def _unflat(t: tuple[str, ...]) -> dict[str, str]:
     return dict(zip(t[::2], t[1::2], strict=True)) if t else {}
 
 
+_MESSAGE_TYPE_OF = {int(t): t for t in MessageType}
+"""A cached record's type number -> its MessageType: a dict lookup, not the enum's ~1.5 µs call."""
+
+
 def _from_cache(c: _CachedRecord) -> StoredMessage:
-    return StoredMessage(c[0], c[1], c[2], c[3], MessageType(c[4]), c[5], c[6], _unflat(c[7]), _unflat(c[8]),
+    return StoredMessage(c[0], c[1], c[2], c[3], _MESSAGE_TYPE_OF[c[4]], c[5], c[6], _unflat(c[7]), _unflat(c[8]),
                          c[9], c[10], c[11], c[12], c[13])
 
 
