@@ -36,7 +36,12 @@ retries (at most `attempts` times, on the same schedule and rule: `_attempts`, `
 (idempotent: after an attempt whose outcome is unknown, a retry's "invalid receipt handle" for
 an entry means the first attempt acked it, and is not raised); and a change_invisible only when
 the broker refused it, never after an unknown outcome (that attempt may have replaced the handle,
-and the new one never came back). A request
+and the new one never came back). Every client retries its other calls under the same policy and
+`attempts`: the reads (list and describe topics, query, stats, read by offset) after any
+retriable failure; create_topic, cancel and recall only when the broker refused them (after a
+lost reply the first attempt may have done its work, and a repeat would answer "exists" or "not
+pending" for what succeeded). `ping` is one attempt: it asks whether the server is up now; the
+Spark engine's `fire_timers` is retried by Spark's own batch retry (it is idempotent). A request
 gRPC refuses as too large (`RequestTooLarge`) is not retried; `send_batch` avoids making one by
 cutting batches by encoded size (`max_batch_bytes`) as well as by count (`max_batch`).
 """
@@ -96,7 +101,8 @@ ADMIN_SERVICE = "chronoq.admin.v1.Admin"
 DEFAULT_TIMEOUT_MS = 10_000
 DEFAULT_SEND_ATTEMPTS = 3
 DEFAULT_ATTEMPTS = DEFAULT_SEND_ATTEMPTS
-"""A consumer's `attempts`: tries of one receive, ack or change_invisible (see `_attempts`)."""
+"""`attempts`: tries of one call other than a send (an admin call, a recall; a consumer's receive,
+ack or change_invisible), see `_attempts`."""
 DEFAULT_MAX_BATCH = 1024
 """Messages per request in `send_batch`; the server's own limit is `Config.max_send_batch`."""
 DEFAULT_MAX_BATCH_BYTES = 4 * 1024 * 1024
@@ -268,15 +274,16 @@ def _json_reply(raw: bytes) -> Any:
 class AsyncAdmin:
     """Topics, timer queries, cancel by id, stats and read by offset; the base of both clients."""
 
-    SETTINGS: ClassVar[frozenset[str]] = frozenset({"timeout_ms"})
+    SETTINGS: ClassVar[frozenset[str]] = frozenset({"timeout_ms", "attempts"})
     """What may be changed after construction (each call reads it afresh). The rest (`server`,
     TLS, credentials, a consumer's `topic`) is fixed when the client is made."""
     timeout_ms = _Setting(_at_least_one)
+    attempts = _Setting(_at_least_one)
 
     def __init__(self, server: str | None = None, *, timeout_ms: int = DEFAULT_TIMEOUT_MS,
                  tls: bool = False, root_certificates: bytes | None = None,
                  tls_server_name: str | None = None, access_key: str | None = None,
-                 secret_key: str | None = None) -> None:
+                 secret_key: str | None = None, attempts: int = DEFAULT_ATTEMPTS) -> None:
         self.server = server or default_server()
         self._access_key = access_key if access_key is not None else os.environ.get(ACCESS_KEY_ENV) or None
         self._secret_key = secret_key if secret_key is not None else os.environ.get(SECRET_KEY_ENV) or ""
@@ -284,6 +291,7 @@ class AsyncAdmin:
             raise InvalidArgument("secret_key", "", f"an access key needs its secret key (or ${SECRET_KEY_ENV})")
         self._host, self._port = parse_server(self.server)
         self.timeout_ms = timeout_ms
+        self.attempts = attempts
         self._tls = tls or root_certificates is not None or tls_server_name is not None
         self._root_certificates = root_certificates
         self._tls_server_name = tls_server_name
@@ -400,6 +408,13 @@ class AsyncAdmin:
             raise
         return wire.admin_result(method, reply)
 
+    async def _admin_retried(self, method: str, body: Mapping[str, Any], *, after_unknown: bool) -> dict[str, Any]:
+        """`_admin` under the retry policy (`attempts`): a read is retried after any retriable
+        failure; a call that changes something (`after_unknown=False`) only when the broker
+        refused it, since after a lost reply it may have done its work, and its repeat would
+        answer "exists" or "not pending" for what succeeded."""
+        return await _retrying(self.attempts, lambda _unknown: self._admin(method, body), after_unknown=after_unknown)
+
     async def ping(self) -> None:
         """One cheap admin round trip; raises `ServerUnavailable` while the server is not up."""
         await self._admin("ListTopics", {})
@@ -413,55 +428,61 @@ class AsyncAdmin:
             body["queue_count"] = queue_count
         if message_types is not None:
             body["message_types"] = wire.message_type_names(message_types)
-        reply = await self._admin("CreateTopic", body)
+        reply = await self._admin_retried("CreateTopic", body, after_unknown=False)
         return wire._shape("CreateTopic", lambda r: wire.topic_from_json(r["topic"]), reply)
 
     async def list_topics(self) -> list[TopicInfo]:
-        return wire.topics_from_json(await self._admin("ListTopics", {}))
+        return wire.topics_from_json(await self._admin_retried("ListTopics", {}, after_unknown=True))
 
     async def describe_topic(self, name: str) -> TopicDescription:
-        return wire.description_from_json(await self._admin("DescribeTopic", {"name": name}))
+        return wire.description_from_json(await self._admin_retried("DescribeTopic", {"name": name},
+                                                                    after_unknown=True))
 
     # -- timers --------------------------------------------------------------------------------
 
     async def query(self, message_id: str, topic: str | None = None) -> list[TimerInfo]:
         """What the server knows about a timer message (empty: no timer by that id)."""
         body = {"message_id": message_id} if topic is None else {"message_id": message_id, "topic": topic}
-        return wire.statuses_from_json(await self._admin("QueryMessage", body))
+        return wire.statuses_from_json(await self._admin_retried("QueryMessage", body, after_unknown=True))
 
     async def query_key(self, key: str) -> list[TimerInfo]:
-        return wire.statuses_from_json(await self._admin("QueryMessage", {"key": key}))
+        return wire.statuses_from_json(await self._admin_retried("QueryMessage", {"key": key}, after_unknown=True))
 
     async def cancel(self, topic: str, message_id: str) -> str:
         """Cancel a pending timer message by id; returns the id. Raises `TimerAlreadyFired`,
         `TimerNotFound`... when it is too late or unknown, and `TimerIdAmbiguous` (its details list
         each one's due time and recall handle) when several timers of the id are pending."""
-        reply = await self._admin("CancelMessage", {"topic": topic, "message_id": message_id})
+        reply = await self._admin_retried("CancelMessage", {"topic": topic, "message_id": message_id},
+                                          after_unknown=False)
         return wire._shape("CancelMessage", lambda r: str(r["message_id"]), reply)
 
     async def cancel_handle(self, recall_handle: str) -> str:
         """Cancel by recall handle through the admin service (no topic needed)."""
-        reply = await self._admin("CancelMessage", {"recall_handle": recall_handle})
+        reply = await self._admin_retried("CancelMessage", {"recall_handle": recall_handle}, after_unknown=False)
         return wire._shape("CancelMessage", lambda r: str(r["message_id"]), reply)
 
     async def recall(self, topic: str, handle: str) -> str:
         """RocketMQ's RecallMessage: cancel a timer message by the handle its send returned."""
         req = svc.RecallMessageRequest(topic=pb.Resource(name=topic), recall_handle=handle)
-        resp = await self._rpc("RecallMessage", req)
-        wire.check_status("RecallMessage", resp.status)
-        return resp.message_id
+
+        async def attempt(_unknown: bool) -> str:
+            resp = await self._rpc("RecallMessage", req)
+            wire.check_status("RecallMessage", resp.status)
+            return str(resp.message_id)
+
+        return await _retrying(self.attempts, attempt, after_unknown=False)
 
     # -- observation ---------------------------------------------------------------------------
 
     async def stats(self) -> dict[str, Any]:
-        reply = await self._admin("Stats", {})
+        reply = await self._admin_retried("Stats", {}, after_unknown=True)
         return {k: v for k, v in reply.items() if k not in ("code", "message")}
 
     async def read(self, topic: str, queue_id: int, offset: int, max_messages: int = 32) -> ReadResult:
         """Messages of one queue from a logical offset, without consuming them; each carries
         its commit-log `position`."""
         body = {"topic": topic, "queue_id": queue_id, "offset": offset, "max_messages": max_messages}
-        return wire.read_from_json(await self._admin("ReadMessages", body))
+        return wire.read_from_json(await self._admin_retried("ReadMessages", body, after_unknown=True))
 
     async def fire_timers(self, positions: Sequence[int]) -> FireOutcome:
         """Fire the pending timers recorded at these commit-log positions, if due (for a timer
@@ -486,9 +507,11 @@ class AsyncProducer(AsyncAdmin):
                  send_attempts: int = DEFAULT_SEND_ATTEMPTS, max_batch: int = DEFAULT_MAX_BATCH,
                  max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES, batch_via: str = "admin", tls: bool = False,
                  root_certificates: bytes | None = None, tls_server_name: str | None = None,
-                 access_key: str | None = None, secret_key: str | None = None) -> None:
+                 access_key: str | None = None, secret_key: str | None = None,
+                 attempts: int = DEFAULT_ATTEMPTS) -> None:
         super().__init__(server, timeout_ms=timeout_ms, tls=tls, root_certificates=root_certificates,
-                         tls_server_name=tls_server_name, access_key=access_key, secret_key=secret_key)
+                         tls_server_name=tls_server_name, access_key=access_key, secret_key=secret_key,
+                         attempts=attempts)
         self.send_attempts = send_attempts
         self.max_batch = max_batch
         self.max_batch_bytes = max_batch_bytes
@@ -614,11 +637,9 @@ class AsyncProducer(AsyncAdmin):
 class AsyncConsumer(AsyncAdmin):
     """A RocketMQ 5 simple consumer of one topic in one group: receive, ack, change_invisible."""
 
-    SETTINGS: ClassVar[frozenset[str]] = AsyncAdmin.SETTINGS | {"group", "filter_expression", "attempts",
-                                                                 "batch_receive"}
+    SETTINGS: ClassVar[frozenset[str]] = AsyncAdmin.SETTINGS | {"group", "filter_expression", "batch_receive"}
     group = _Setting(_name)
     filter_expression = _Setting(_text)
-    attempts = _Setting(_at_least_one)
     batch_receive = _Setting(_flag)
 
     def __init__(self, group: str, topic: str, *, filter_expression: str = "*", server: str | None = None,
@@ -626,7 +647,8 @@ class AsyncConsumer(AsyncAdmin):
                  root_certificates: bytes | None = None, tls_server_name: str | None = None,
                  access_key: str | None = None, secret_key: str | None = None, batch_receive: bool = True) -> None:
         super().__init__(server, timeout_ms=timeout_ms, tls=tls, root_certificates=root_certificates,
-                         tls_server_name=tls_server_name, access_key=access_key, secret_key=secret_key)
+                         tls_server_name=tls_server_name, access_key=access_key, secret_key=secret_key,
+                         attempts=attempts)
         self.group = group
         self.batch_receive = batch_receive
         self._batch_receive_missing = False
@@ -634,7 +656,6 @@ class AsyncConsumer(AsyncAdmin):
         _name("topic", topic)
         self.topic = topic
         self.filter_expression = filter_expression
-        self.attempts = attempts
         self._queues: list[pb.MessageQueue] = []
         self._next_queue = 0
 

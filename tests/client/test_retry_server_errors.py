@@ -34,10 +34,11 @@ import pytest
 
 from chronoq import errors as core
 from chronoq.broker import Broker
-from chronoq.client import AsyncConsumer, AsyncProducer
+from chronoq.client import AsyncAdmin, AsyncConsumer, AsyncProducer
 from chronoq.client.errors import ServerUnavailable
 from chronoq.config import Config
 from chronoq.protocol.requests import Endpoint
+from chronoq.server.admin_service import AdminService
 from chronoq.server.grpc_service import MessagingService
 from chronoq.server.serve import server_options
 from chronoq.store import files
@@ -63,8 +64,8 @@ class Sends(grpc.aio.ServerInterceptor):
 
 @dataclass
 class Calls(grpc.aio.ServerInterceptor):
-    """Counts the calls of every other MessagingService method, and of chronoq's batched receive,
-    by name ("AckMessage", "ReceiveMessages"...);
+    """Counts the calls of every other MessagingService method, of chronoq's batched receive and
+    of its admin service, by name ("AckMessage", "ReceiveMessages", "Stats"...);
     `before[(name, n)]` runs before the n-th is handled; for the n-th in `lose_reply`, the
     handler runs (its work is done) and the call then fails as UNAVAILABLE, a reply lost."""
 
@@ -74,7 +75,8 @@ class Calls(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
         name = details.method.rpartition("/")[2]
-        if details.method == SEND_PATH or not details.method.startswith(("/apache.rocketmq.v2.", "/chronoq.receive.")):
+        if details.method == SEND_PATH or not details.method.startswith(
+                ("/apache.rocketmq.v2.", "/chronoq.receive.", "/chronoq.admin.")):
             return await continuation(details)
         n = self.counts[name] = self.counts.get(name, 0) + 1
         step = self.before.get((name, n))
@@ -101,13 +103,14 @@ class Served:
     sends: Sends
     brokers: list[Broker]
     calls: Calls
+    admin: AdminService
 
     async def restart(self) -> None:
         """Close the broker behind the port (if still open) and serve a new one on its data directory."""
         await self.brokers[-1].close()
         broker = await Broker.open(self.config)
         self.brokers.append(broker)
-        self.messaging.broker = broker
+        self.messaging.broker = self.admin.broker = broker
 
 
 @asynccontextmanager
@@ -119,9 +122,11 @@ async def serving(tmp_path: Path) -> AsyncIterator[Served]:
     try:
         port = server.add_insecure_port("127.0.0.1:0")
         messaging = MessagingService(brokers[0], config, advertised=Endpoint("127.0.0.1", port), port=port)
-        server.add_generic_rpc_handlers((messaging.generic_handler(), messaging.batch_receive_handler()))
+        admin = AdminService(brokers[0], config)
+        server.add_generic_rpc_handlers((messaging.generic_handler(), messaging.batch_receive_handler(),
+                                         admin.generic_handler()))
         await server.start()
-        yield Served(config, messaging, f"127.0.0.1:{port}", sends, brokers, calls)
+        yield Served(config, messaging, f"127.0.0.1:{port}", sends, brokers, calls, admin)
     finally:
         await server.stop(0)
         for broker in brokers:
@@ -307,5 +312,62 @@ def test_a_change_invisible_is_retried_after_a_refusal_but_not_after_a_lost_repl
                 with pytest.raises(ServerUnavailable):  # the handle was replaced: a retry cannot succeed
                     await consumer.change_invisible(msg, 30_000)
                 assert served.calls.counts["ChangeInvisibleDuration"] == 3
+
+    asyncio.run(body())
+
+
+# -- admin calls and recall: the same policy ------------------------------------------------------
+
+
+def test_admin_calls_a_closing_broker_refused_are_retried_once_it_is_back(tmp_path: Path) -> None:
+    """Stats (a read) and CreateTopic (a change the broker refused: nothing was done) meet a
+    broker closed for a restart; each is tried again and answered by the new one. Before, the
+    first refusal was raised: `chronoq stats` during a restart failed at once."""
+    async def body() -> None:
+        async with serving(tmp_path) as served:
+            await served.brokers[0].close()
+            served.calls.before[("Stats", 2)] = served.restart
+            async with AsyncAdmin(served.address, timeout_ms=10_000) as admin:
+                stats = await admin.stats()
+                assert stats["timer"]["pending_total"] == 0
+                await served.brokers[-1].close()
+                served.calls.before[("CreateTopic", 2)] = served.restart
+                assert (await admin.create_topic("invoices", 2)).queue_count == 2
+            assert served.calls.counts["Stats"] == 2 and served.calls.counts["CreateTopic"] == 2
+            assert served.brokers[-1].get_topic("invoices").queue_count == 2
+
+    asyncio.run(body())
+
+
+def test_a_read_whose_reply_was_lost_is_retried_and_a_cancel_is_not(tmp_path: Path) -> None:
+    """A query is a read: after a lost reply it is asked again. A cancel whose reply was lost
+    has cancelled the timer (its work was done): a repeat would answer "not pending" for a
+    cancel that succeeded, so the SDK raises the lost reply instead of trying again."""
+    async def body() -> None:
+        async with serving(tmp_path) as served, AsyncProducer(served.address, timeout_ms=10_000) as producer:
+            receipt = await producer.send("orders", b"x", message_id="ID-CANCEL-1", delay=3_600_000)
+            served.calls.lose_reply.add(("QueryMessage", 1))
+            [status] = await producer.query("ID-CANCEL-1", "orders")
+            assert status.state == "pending" and served.calls.counts["QueryMessage"] == 2
+            served.calls.lose_reply.add(("CancelMessage", 1))
+            with pytest.raises(ServerUnavailable):
+                await producer.cancel("orders", "ID-CANCEL-1")
+            assert served.calls.counts["CancelMessage"] == 1
+            [status] = await producer.query("ID-CANCEL-1", "orders")
+            assert status.state == "cancelled" and status.deliver_at_ms == receipt.deliver_at_ms
+
+    asyncio.run(body())
+
+
+def test_a_recall_a_closing_broker_refused_is_retried_once_it_is_back(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with serving(tmp_path) as served, AsyncProducer(served.address, timeout_ms=10_000) as producer:
+            receipt = await producer.send("orders", b"x", message_id="ID-RECALL-1", delay=3_600_000)
+            await served.brokers[0].close()
+            served.calls.before[("RecallMessage", 2)] = served.restart
+            assert await producer.recall("orders", receipt.recall_handle) == "ID-RECALL-1"
+            assert served.calls.counts["RecallMessage"] == 2
+            [status] = await producer.query("ID-RECALL-1", "orders")
+            assert status.state == "cancelled"
 
     asyncio.run(body())
