@@ -4,7 +4,7 @@ Theory of operation. With `timer_engine = "spark"` the broker appends timer mess
 cancels, as tombstones) to its timer topic `rmq_sys_wheel_timer` and leaves the rest to this job:
 
     chronoq source (timer topic, per-queue offsets)
-      -> timer_entries(): (message_id, due_ms, position, tombstone) from the system properties
+      -> timer_entries(): (timer key, due_ms, position, tombstone) from the system properties
       (+ a heartbeat from Spark's rate source, so every trigger runs a batch; see with_heartbeat)
       -> groupBy(shard, bucket).transformWithStateInPandas(BucketTimerProcessor, ProcessingTime)
       -> the `chronoq-fire` sink: each task calls FireTimers {positions}, in (due, position) order
@@ -26,7 +26,7 @@ from typing import Any
 
 from pyspark.sql.datasource import DataSource, DataSourceStreamWriter, WriterCommitMessage
 
-from chronoq.model import SYS_TIMER_DEL_UNIQKEY, SYS_TIMER_OUT_MS, TIMER_TOPIC
+from chronoq.model import SYS_REAL_TOPIC, SYS_TIMER_DEL_UNIQKEY, SYS_TIMER_OUT_MS, TIMER_TOPIC
 
 FIRE_SINK_NAME = "chronoq-fire"
 HEARTBEAT_ID = "__chronoq_heartbeat"
@@ -47,16 +47,24 @@ class EngineOptions:
 
 
 def timer_entries(records: Any, options: EngineOptions) -> Any:
+    from chronoq.spark.timer_processor import TIMER_KEY_SEP
+
     """Timer-topic records (the chronoq source's columns) as processor entries plus the grouping key.
 
     A tombstone names the id it cancels in TIMER_DEL_UNIQKEY and carries that timer's due time
-    (TIMER_OUT_MS), so it lands in the same (shard, bucket) state key as the timer.
+    (TIMER_OUT_MS), so it lands in the same (shard, bucket) state key as the timer. The
+    `message_id` column holds the timer's key within its bucket, `TIMER_KEY_SEP.join((real
+    topic, id))` (`timer_processor.timer_key`): a cancel reaches only timers of its own topic, as
+    the broker's does (before, it also dropped another topic's timer of the same id and due time
+    from the job's state, which then fired late, by the broker's backstop). A record without a
+    topic (none the broker writes) keys by the id alone.
     """
     from pyspark.sql import functions as F
 
     props = F.col("system_properties")
     cancelled_id = props.getItem(SYS_TIMER_DEL_UNIQKEY)
-    message_id = F.coalesce(cancelled_id, F.col("message_id"))
+    message_id = F.concat_ws(TIMER_KEY_SEP, props.getItem(SYS_REAL_TOPIC),
+                             F.coalesce(cancelled_id, F.col("message_id")))  # a null topic is left out
     # A tombstone without a due time cannot find its state key; it is dropped here, which is safe
     # because the broker refuses to fire a cancelled timer (FireTimers skips it). A timer record
     # without a due time fails the batch loudly rather than being skipped.

@@ -5,8 +5,10 @@ Theory of operation. The stream of timer-topic records is grouped by `(shard, bu
 (not per message) matters: every state call is an RPC from the Python worker to the JVM, and the
 measured ingest rate was ~1.4k msg/s with a key per message against ~29k msg/s with 60 s buckets.
 A cancel (tombstone) carries the id and due time of the timer it cancels, so it lands in the
-same key as that timer, and cancels only timers of that id due then (the broker's rule: one id
-may name several timers); timers due in the same millisecond share a key, so one task fires them.
+same key as that timer, and cancels only timers of that topic and id due then (the broker's
+rule: one id may name several timers, on several topics); timers due in the same millisecond
+share a key, so one task fires them. An entry's `message_id` is its timer key, topic and id
+(`timer_key`); the output gives the id alone.
 
 Per key the processor keeps one ListState of entries `(message_id, due_ms, position, tombstone)`
 and exactly one processing-time timer, at the earliest due time among its live timers:
@@ -39,12 +41,26 @@ from pyspark.sql.streaming.stateful_processor import (
 )
 
 ENTRY_SCHEMA = "message_id STRING, due_ms LONG, position LONG, tombstone BOOLEAN"
-"""A row of the processor's input and of its ListState."""
+"""A row of the processor's input and of its ListState. `message_id` is the timer's key,
+`timer_key(topic, id)`: the column keeps its name so that state written before topics were part
+of the key still loads (an old entry and a new tombstone then do not match, and the timer is
+handed to FireTimers, which skips a cancelled one: the broker judges)."""
+TIMER_KEY_SEP = "\x00"
+"""Between topic and id in a timer key: no topic name can hold it (names are [%|a-zA-Z0-9_-])."""
 OUTPUT_SCHEMA = "message_id STRING, position LONG, due_ms LONG, fired_ms LONG"
 """A fired timer: `fired_ms` is the batch timestamp that released it (>= due_ms)."""
 ENTRY_COLUMNS = ("message_id", "due_ms", "position", "tombstone")
 OUTPUT_COLUMNS = ("message_id", "position", "due_ms", "fired_ms")
 DEFAULT_TOMBSTONE_GRACE_MS = 10 * 60_000
+
+
+def timer_key(topic: str, message_id: str) -> str:
+    return f"{topic}{TIMER_KEY_SEP}{message_id}"
+
+
+def message_id_of(key: str) -> str:
+    """The message id in a timer key (the key itself when it has no topic)."""
+    return key.split(TIMER_KEY_SEP, 1)[-1]
 
 
 def _empty_output() -> pd.DataFrame:
@@ -55,7 +71,7 @@ def _empty_output() -> pd.DataFrame:
 def _to_output(entries: list[tuple], fired_ms: int) -> pd.DataFrame:
     entries.sort(key=lambda e: (e[1], e[2]))  # due, then commit-log position: same-ms order is send order
     return pd.DataFrame({
-        "message_id": [e[0] for e in entries],
+        "message_id": [message_id_of(e[0]) for e in entries],
         "position": pd.Series([e[2] for e in entries], dtype="int64"),
         "due_ms": pd.Series([e[1] for e in entries], dtype="int64"),
         "fired_ms": pd.Series([fired_ms] * len(entries), dtype="int64"),

@@ -15,7 +15,7 @@ import time
 import pytest
 from engine_waits import WAIT_S, wait_ingested
 
-from chronoq.model import SYS_TIMER_DEL_UNIQKEY, SYS_TIMER_OUT_MS
+from chronoq.model import SYS_REAL_TOPIC, SYS_TIMER_DEL_UNIQKEY, SYS_TIMER_OUT_MS
 
 pytestmark = pytest.mark.spark
 
@@ -29,13 +29,14 @@ def _write(directory, name: str, records: list[dict]) -> None:
     tmp.rename(directory / f"{name}.json")
 
 
-def _timer(mid: str, due_ms: int, position: int) -> dict:
-    return {"message_id": mid, "system_properties": {SYS_TIMER_OUT_MS: str(due_ms)}, "position": position}
+def _timer(mid: str, due_ms: int, position: int, topic: str | None = None) -> dict:
+    props = {SYS_TIMER_OUT_MS: str(due_ms), **({SYS_REAL_TOPIC: topic} if topic else {})}
+    return {"message_id": mid, "system_properties": props, "position": position}
 
 
-def _tombstone(mid: str, due_ms: int, position: int) -> dict:
-    return {"message_id": f"del-{mid}", "position": position,
-            "system_properties": {SYS_TIMER_OUT_MS: str(due_ms), SYS_TIMER_DEL_UNIQKEY: mid}}
+def _tombstone(mid: str, due_ms: int, position: int, topic: str | None = None) -> dict:
+    props = {SYS_TIMER_OUT_MS: str(due_ms), SYS_TIMER_DEL_UNIQKEY: mid, **({SYS_REAL_TOPIC: topic} if topic else {})}
+    return {"message_id": f"del-{mid}", "position": position, "system_properties": props}
 
 
 def _fired(log) -> list[dict]:
@@ -81,11 +82,15 @@ def test_engine_fires_on_time_cancels_orders_and_restarts(spark, tmp_path):
             _timer("a", now + 1500, 100), _timer("b", now + 2000, 101),
             _timer("c", now + 2500, 120), _timer("d", now + 2500, 110),  # same ms: position order d, c
             _timer("e", now + 2500, 130), _tombstone("e", now + 2500, 131),
+            # One id, one due time, two topics: the cancel names "orders", so "refunds"' timer
+            # fires (before, the tombstone dropped both from the job's state).
+            _timer("x", now + 2000, 160, "orders"), _timer("x", now + 2000, 161, "refunds"),
+            _tombstone("x", now + 2000, 162, "orders"),
         ])
-        _wait_for(query, log, {"a", "b", "c", "d"})
+        _wait_for(query, log, {"a", "b", "c", "d", "x"})
         # "h" is still pending when the job stops; it must come back from the checkpointed state.
         _write(source, "2", [_timer("h", int(time.time() * 1000) + H_MARGIN_MS, 140)])
-        wait_ingested(query, 8)  # warm, the 6 records of "1", h
+        wait_ingested(query, 11)  # warm, the 9 records of "1", h
     finally:
         query.stop()
     fired = _fired(log)
@@ -94,6 +99,7 @@ def test_engine_fires_on_time_cancels_orders_and_restarts(spark, tmp_path):
     assert "e" not in ids, "a cancelled timer fired"
     assert "h" not in ids, f"h fired before the stop: the machine is too slow for the {H_MARGIN_MS} ms margin"
     assert [i for i in ids if i in ("c", "d")] == ["d", "c"]
+    assert [f["position"] for f in fired if f["message_id"] == "x"] == [161], "the cancel reached another topic"
 
     _write(source, "3", [_timer("g", int(time.time() * 1000) + 1000, 150)])
     query = start()
@@ -104,4 +110,4 @@ def test_engine_fires_on_time_cancels_orders_and_restarts(spark, tmp_path):
     _never_early(fired)
     ids = [f["message_id"] for f in fired]
     assert sorted(ids) == sorted(set(ids)), f"fired twice: {ids}"
-    assert set(ids) == {"warm", "a", "b", "c", "d", "g", "h"}
+    assert set(ids) == {"warm", "a", "b", "c", "d", "g", "h", "x"}
