@@ -236,6 +236,9 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
     if args.handle is None and (args.topic is None or args.id is None):
         err_console.print("chronoq cancel: give --handle H, or both --topic T and --id ID")
         return 2
+    if args.at is not None and args.handle is not None:
+        err_console.print("chronoq cancel: --at goes with --topic and --id (a handle names its due time already)")
+        return 2
 
     async def go() -> int:
         async with AsyncProducer(**connection_of(args).client_kwargs()) as p:
@@ -244,7 +247,7 @@ def _cmd_cancel(args: argparse.Namespace) -> int:
             elif args.handle is not None:
                 message_id = await p.cancel_handle(args.handle)
             else:
-                message_id = await p.cancel(args.topic, args.id)
+                message_id = await p.cancel(args.topic, args.id, deliver_at=args.at)
         console.print(f"cancelled {message_id}")
         return 0
 
@@ -315,10 +318,15 @@ def register(subparsers: Any) -> None:
         subparsers, "cancel", "cancel a pending timer message",
         "Cancel a timer message that is not yet due, by the recall handle `send` printed or by topic and id. "
         "An id sent again after the dedupe window names several timers: by id, the one pending is cancelled, "
-        "and with several pending the cancel is refused with each one's due time and recall handle.",
-        ["chronoq cancel --handle AQAAAaILbeX7dHIAMDEw...", "chronoq cancel --topic orders --id 0105582AB6E2..."])
+        "and with several pending the cancel is refused with each one's due time and recall handle; "
+        "--at names one by its due time.",
+        ["chronoq cancel --handle AQAAAaILbeX7dHIAMDEw...", "chronoq cancel --topic orders --id 0105582AB6E2...",
+         "chronoq cancel --topic orders --id order-7 --at 2026-11-25T10:00:00.250"])
     cancel.add_argument("--handle", default=None, help="recall handle printed by send")
     cancel.add_argument("--topic", default=None, help="the message's topic (with --id)")
     cancel.add_argument("--id", default=None, help="message id (with --topic)")
+    cancel.add_argument("--at", type=parse_at, default=None, metavar="ISO8601|MS",
+                        help="with --topic and --id: the due time of the one timer to cancel, when the id "
+                             "names several (as `show` lists it: ISO 8601, local time without a zone, or ms)")
     add_connection_arguments(cancel)
     cancel.set_defaults(func=_cmd_cancel)

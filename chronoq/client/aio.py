@@ -92,6 +92,7 @@ from chronoq.protocol import batch_receive, signature
 from chronoq.protocol.v2 import SERVICE_NAME
 from chronoq.protocol.v2 import definition as pb
 from chronoq.protocol.v2 import service as svc
+from chronoq.timer.recall import encode_recall_handle
 
 DEFAULT_SERVER = "127.0.0.1:8081"
 SERVER_ENV = envvars.SERVER
@@ -448,12 +449,19 @@ class AsyncAdmin:
     async def query_key(self, key: str) -> list[TimerInfo]:
         return wire.statuses_from_json(await self._admin_retried("QueryMessage", {"key": key}, after_unknown=True))
 
-    async def cancel(self, topic: str, message_id: str) -> str:
+    async def cancel(self, topic: str, message_id: str, *, deliver_at: datetime | int | None = None) -> str:
         """Cancel a pending timer message by id; returns the id. Raises `TimerAlreadyFired`,
         `TimerNotFound`... when it is too late or unknown, and `TimerIdAmbiguous` (its details list
-        each one's due time and recall handle) when several timers of the id are pending."""
-        reply = await self._admin_retried("CancelMessage", {"topic": topic, "message_id": message_id},
-                                          after_unknown=False)
+        each one's due time and recall handle) when several timers of the id are pending.
+        `deliver_at` (its due time as the server fixed it: a receipt's `deliver_at_ms`, a `query`
+        row's, or the ambiguity's details) names one of them: the cancel then reaches that timer
+        only, as its recall handle would."""
+        if deliver_at is not None:
+            handle = encode_recall_handle(topic, wire.deliver_at_to_ms(deliver_at), message_id)
+            body: dict[str, Any] = {"recall_handle": handle, "topic": topic}
+        else:
+            body = {"topic": topic, "message_id": message_id}
+        reply = await self._admin_retried("CancelMessage", body, after_unknown=False)
         return wire._shape("CancelMessage", lambda r: str(r["message_id"]), reply)
 
     async def cancel_handle(self, recall_handle: str) -> str:

@@ -120,6 +120,54 @@ def test_cancel_by_handle_and_by_id(run: Run) -> None:
     assert run("cancel", "--topic", topic)[0] == 2
 
 
+def test_one_timer_of_a_reused_id_is_cancelled_by_its_due_time(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """An id sent again after the dedupe window names two pending timers: a cancel by id alone
+    is refused (which one is not guessed), and the SDK's `deliver_at=` / the CLI's `--at` name
+    one by its due time, which is all they cancel. Before, only the recall handle could."""
+    import asyncio
+
+    from chronoq.client import AsyncProducer
+    from chronoq.errors import TimerIdAmbiguous
+
+    with ServerProcess(tmp_path / "data", settings={"dedupe_window_ms": 1}) as proc:
+        async def sdk() -> tuple[int, int]:
+            async with AsyncProducer(proc.address) as p:
+                now = int(time.time() * 1000)
+                first = await p.send("orders", b"1", message_id="order-7", deliver_at=now + 3_600_000)
+                await asyncio.sleep(0.05)  # past the 1 ms dedupe window: a new timer, not a retry
+                second = await p.send("orders", b"2", message_id="order-7", deliver_at=now + 7_200_000)
+                assert first.deliver_at_ms != second.deliver_at_ms
+                with pytest.raises(TimerIdAmbiguous):
+                    await p.cancel("orders", "order-7")
+                assert await p.cancel("orders", "order-7", deliver_at=second.deliver_at_ms) == "order-7"
+                states = {t.deliver_at_ms: t.state for t in await p.query("order-7", "orders")}
+                assert states == {first.deliver_at_ms: "pending", second.deliver_at_ms: "cancelled"}
+                third = await p.send("orders", b"3", message_id="order-7", deliver_at=now + 10_800_000)
+                return first.deliver_at_ms, third.deliver_at_ms  # type: ignore[return-value]
+
+        first_ms, third_ms = asyncio.run(sdk())
+        monkeypatch.setenv("CHRONOQ_SERVER", proc.address)
+
+        def run_cli(*argv: str) -> tuple[int, str, str]:
+            capsys.readouterr()
+            args = _parser().parse_args(list(argv))
+            code = args.func(args)
+            out, err = capsys.readouterr()
+            return code, out, err
+
+        code, out, _ = run_cli("cancel", "--topic", "orders", "--id", "order-7", "--at", str(third_ms))
+        assert (code, out.strip()) == (0, "cancelled order-7")
+        code, _, err = run_cli("cancel", "--handle", "AQAA", "--at", str(third_ms))
+        assert code == 2 and "--at goes with --topic and --id" in err
+
+        async def states() -> dict[int, str]:
+            async with AsyncProducer(proc.address) as p:
+                return {t.deliver_at_ms: t.state for t in await p.query("order-7", "orders")}
+
+        assert asyncio.run(states())[first_ms] == "pending" and asyncio.run(states())[third_ms] == "cancelled"
+
+
 def test_errors_are_one_line_and_exit_1(run: Run) -> None:
     code, _, err = run("send", fresh("missing"), "x")
     assert code == 1 and "TopicNotFound" in err and "code 40402" in err
