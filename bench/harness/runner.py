@@ -466,6 +466,10 @@ def _rate_series(progress: list[list[tuple[float, int]]], points: int = 100) -> 
         return []
     end = max(p[-1][0] for p in progress if p)
     step_s = max(0.2, end / points)
+    if 0 < end < step_s / 4:
+        # The whole run is shorter than the narrowest window kept (a fast machine loads the smoke
+        # backlog in tens of ms): one window, the whole run, rather than no figure at all.
+        return [(round(end, 3), round(sum(_count_at(prod, end) for prod in progress) / end, 1))]
     series = []
     # Windows by index, not by adding step_s up: a float sum can overshoot `end` by a hair and
     # leave a last window ~1e-15 s wide, whose "rate" is then astronomically large.

@@ -151,6 +151,8 @@ def test_rate_series_sums_producers_and_scales_a_short_last_window() -> None:
     series = _rate_series([[(1.0, 100), (2.0, 200)], [(1.0, 50), (2.0, 100)]], points=2)
     assert series == [(1.0, 150.0), (2.0, 150.0)]
     assert _rate_series([[(0.1, 1000)]]) == [(0.2, 10000.0)]
+    # A run shorter than a quarter window (the smoke backlog on a fast hour: CI once got []).
+    assert _rate_series([[(0.02, 600)], [(0.04, 400)]]) == [(0.04, 25000.0)]
 
 
 def test_rate_series_never_divides_by_a_sliver_of_a_window() -> None:
