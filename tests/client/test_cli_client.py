@@ -48,6 +48,11 @@ def run(server: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Mon
     # The server address comes from the environment, as a user would set it.
     monkeypatch.setenv("CHRONOQ_SERVER", server)
 
+    return _runner(capsys)
+
+
+def _runner(capsys: pytest.CaptureFixture[str]) -> Run:
+    """Run a command in this process: (exit status, stdout, stderr)."""
     def call(*argv: str) -> tuple[int, str, str]:
         capsys.readouterr()
         args = _parser().parse_args(list(argv))
@@ -148,13 +153,7 @@ def test_one_timer_of_a_reused_id_is_cancelled_by_its_due_time(tmp_path: Path, c
 
         first_ms, third_ms = asyncio.run(sdk())
         monkeypatch.setenv("CHRONOQ_SERVER", proc.address)
-
-        def run_cli(*argv: str) -> tuple[int, str, str]:
-            capsys.readouterr()
-            args = _parser().parse_args(list(argv))
-            code = args.func(args)
-            out, err = capsys.readouterr()
-            return code, out, err
+        run_cli = _runner(capsys)
 
         code, out, _ = run_cli("cancel", "--topic", "orders", "--id", "order-7", "--at", str(third_ms))
         assert (code, out.strip()) == (0, "cancelled order-7")

@@ -359,6 +359,18 @@ def _one_queue_of_two_entry_files(tmp_path: Path, flush: str) -> Config:
     return config
 
 
+async def _two_written_then_reopened(config: Config) -> MessageStore:
+    """A store with m0 and m1 written and fsynced, closed, and opened again (no queue file open)."""
+    store, _ = MessageStore.open(config)
+    try:
+        store.append([_msg(0), _msg(1)], 1)
+        await store.log.flush_now()
+    finally:
+        store.close()
+    store, _ = MessageStore.open(config)
+    return store
+
+
 def _msg(i: int) -> PreparedMessage:
     return PreparedMessage("t", f"m{i}", MessageType.NORMAL, b"x", 0, queue_id=0)
 
@@ -403,13 +415,7 @@ def test_dispatch_with_no_queue_file_to_give_up_is_held_back_never_refused(tmp_p
     config = _one_queue_of_two_entry_files(tmp_path, flush)
 
     async def body() -> None:
-        store, _ = MessageStore.open(config)
-        try:
-            store.append([_msg(0), _msg(1)], 1)
-            await store.log.flush_now()
-        finally:
-            store.close()
-        store, _ = MessageStore.open(config)  # nothing open now: files open on use
+        store = await _two_written_then_reopened(config)  # nothing open now: files open on use
         try:
             assert len(store.queue_files) == 0
             with _no_descriptor_left():
@@ -451,13 +457,7 @@ def test_dispatch_held_back_out_of_descriptors_shows_in_stats_beside_the_disk_fu
         return {tuple(sorted(s.labels.items())): s.value for s in held_back(disk).samples}
 
     async def body() -> None:
-        store, _ = MessageStore.open(config)
-        try:
-            store.append([_msg(0), _msg(1)], 1)
-            await store.log.flush_now()
-        finally:
-            store.close()
-        store, _ = MessageStore.open(config)  # nothing open now: files open on use
+        store = await _two_written_then_reopened(config)  # nothing open now: files open on use
         try:
             assert store.disk_stats()["dispatch_out_of_fds"] is None and fds_lines(store.disk_stats()) == []
             with _no_descriptor_left():
