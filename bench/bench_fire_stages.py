@@ -6,8 +6,8 @@ the functions each fired timer passes through are wrapped, on their classes, in 
 own (`time.perf_counter`), and `run_due()` fires them all. Reported: the whole fire's CPU per timer
 (`time.process_time`, the fsync thread included) and each wrapped stage's time per timer. The
 wrappers add their own call cost (~0.2 us per call), so the stages sum to a little more than they
-cost unwrapped; what is not wrapped (the fire loop itself, consume-queue entries, the group
-commit's hand-offs) is the difference.
+cost unwrapped; what is not wrapped (the fire loop itself, the dispatch around the consume-queue
+entries, the group commit's hand-offs) is the difference. "links" includes the frame check.
 
     .venv/bin/python bench/bench_fire_stages.py --timers 100000
 """
@@ -31,19 +31,20 @@ from chronoq.broker import Broker  # noqa: E402
 from chronoq.clock import FakeClock  # noqa: E402
 from chronoq.config import Config  # noqa: E402
 from chronoq.model import OutgoingMessage  # noqa: E402
+from chronoq.store.consumequeue import ConsumeQueue  # noqa: E402
 from chronoq.store.messagestore import MessageStore  # noqa: E402
 from chronoq.timer.index import RocksTimerIndex  # noqa: E402
 from chronoq.timer.service import TimerService  # noqa: E402
 
 START_MS = 1_800_000_000_000
 STAGES: tuple[tuple[type, str, str], ...] = (
-    (MessageStore, "read_at", "read and decode the timer record"),
-    (TimerService, "delivered_copy", "build the fired copy"),
-    (MessageStore, "append", "encode and write the fired copy"),
     (RocksTimerIndex, "due", "due scan"),
-    (RocksTimerIndex, "apply", "index: mark fired"),
+    (MessageStore, "check_records", "check the timer records' frames"),
+    (TimerService, "_links_for", "links (the frame check included)"),
+    (MessageStore, "append", "encode and write the link record"),
+    (ConsumeQueue, "append_many", "consume-queue entries"),
     (TimerService, "_batch_for", "index batch from the dispatched records"),
-    (MessageStore, "_cache_records", "read cache: keep the fired copies"),
+    (RocksTimerIndex, "apply", "index: mark fired"),
 )
 
 

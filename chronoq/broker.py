@@ -51,6 +51,7 @@ from chronoq.deliver import Deliver
 from chronoq.errors import BrokerClosed, ChronoqError, DiskFull, FlushFailed, InvalidRecallHandle, RecallTopicMismatch
 from chronoq.model import (
     ALL_MESSAGE_TYPES,
+    LINKS_TOPIC,
     SCHEDULE_TOPIC,
     TIMER_TOPIC,
     MessageType,
@@ -86,7 +87,7 @@ class Broker:
         self.open_report = open_report
         self.trace: TraceJournal | None = TraceJournal(
             config.data_dir, segment_size_bytes=config.trace_segment_size_bytes,
-            retention_bytes=config.trace_retention_bytes) if config.trace_enable else None
+            retention_bytes=config.trace_retention_bytes, fired_in=timer.fired_in) if config.trace_enable else None
         self.topics = Topics(config, store, clock)
         self.accept = Accept(config, clock, store, self.topics, timer)
         append = _appender(store, clock)
@@ -137,9 +138,12 @@ class Broker:
             raise
         now = clock.now_ms()
         store.create_topic(TIMER_TOPIC, 1, ALL_MESSAGE_TYPES, now, exist_ok=True)
+        store.create_topic(LINKS_TOPIC, 1, ALL_MESSAGE_TYPES, now, exist_ok=True)
         store.create_topic(SCHEDULE_TOPIC, timer.levels.max_level, ALL_MESSAGE_TYPES, now, exist_ok=True)
         # Dispatch order: the index first (an acknowledged timer is indexed), then the trace, then
         # the long polls (a consumer woken now finds the records in their queues).
+        # A fired timer is read through the link that fired it, and looks as its fired copy would.
+        store.linked_view = timer.delivered_view
         store.listeners.append(broker.timer_loop.on_dispatch)
         if broker.trace is not None:
             store.listeners.append(broker.trace.dispatched)

@@ -101,7 +101,7 @@ class ConsumerGroups:
         for old in self.groups.due(group, topic.name, now_ms, batch_size * 4, queue_id):
             if len(delivered) >= batch_size:
                 break
-            msg = self.store.readable(old.position, old.size)
+            msg = self.store.readable_entry(old.topic, old.queue_id, old.offset, old.position, old.size)
             if msg is None:  # removed by retention while in flight, or lost to damage since
                 removes.append(old)
                 continue
@@ -159,7 +159,7 @@ class ConsumerGroups:
                         continue  # a hole (a record lost to damage), or filtered out by tag
                     # None: expired, or damaged (quarantined and reported; the queue moves on
                     # rather than failing every receive on it forever).
-                    msg = self.store.readable(position, size)
+                    msg = self.store.readable_entry(topic.name, qid, off, position, size)
                     if msg is None or not tag_filter.matches(msg.tag):
                         continue
                     entry = InFlight(group, topic.name, qid, off, 1, visible_ms, new_nonce(), position, size, now_ms)

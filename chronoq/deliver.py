@@ -28,6 +28,7 @@ from chronoq.consumers import ConsumerGroups, TagFilter
 from chronoq.errors import ChronoqError, InvalidQueueId
 from chronoq.model import (
     ALL_MESSAGE_TYPES,
+    LINKS_TOPIC,
     SYS_DLQ_ORIGIN_OFFSET,
     SYS_DLQ_ORIGIN_QUEUE_ID,
     SYS_DLQ_ORIGIN_TOPIC,
@@ -67,8 +68,14 @@ class Deliver:
         """(group, receipt handle) of in-flight entries whose DLQ copy is being written."""
 
     def on_dispatch(self, msgs: list[StoredMessage]) -> None:
-        """Records of these topics just became visible: wake the long polls waiting on them."""
-        for topic in {m.topic for m in msgs}:
+        """Records of these topics just became visible: wake the long polls waiting on them (a
+        link record's links are records of the topics they were linked into: fired timers)."""
+        topics = {m.topic for m in msgs}
+        if LINKS_TOPIC in topics:
+            for m in msgs:
+                if m.topic == LINKS_TOPIC:
+                    topics.update(self.store.links_in(m).topics)
+        for topic in topics:
             for waiter in self._arrivals.pop(topic, ()):
                 if not waiter.done():
                     waiter.set_result(None)
@@ -155,7 +162,7 @@ class Deliver:
 
     async def forward_to_dlq(self, group: str, topic: str, receipt_handle: str) -> None:
         entry = self.groups.lookup_handle(group, topic, receipt_handle)
-        msg = self.store.readable(entry.position, entry.size)
+        msg = self.store.readable_entry(entry.topic, entry.queue_id, entry.offset, entry.position, entry.size)
         if msg is None:
             self.consumers.drop([entry])
             return
@@ -207,7 +214,7 @@ class Deliver:
             if not entries:
                 break
             for off, position, size, _ in entries:
-                msg = self.store.readable(position, size)
+                msg = self.store.readable_entry(topic, queue_id, off, position, size)
                 if msg is not None:
                     out.append(msg)
                 offset = off + 1

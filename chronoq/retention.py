@@ -4,7 +4,10 @@ Theory of operation: a retention step asks the store how far the log is expired 
 times inside the segments, never file times), and lowers that limit to what must stay: the lowest
 record any consumer group holds in flight (for `retention_inflight_hold_ms` at most: a group that
 went away must not keep the log for good; pinned again after the roll, since a receive may run
-while it waits), and the lowest delay-level queue head not yet fired.
+while it waits), the lowest delay-level queue head not yet fired, and the lowest timer record a
+kept link record names (a fired timer is read where it was accepted for as long as the link
+record that fired it is kept, as a fired copy was kept with its segment; again after the roll,
+since timers fire while it waits).
 Pending timers below the limit are rolled forward first (`TimerService.roll_before`: re-appended,
 so a timer due in 30 days outlives 72-hour segments); if any timer is still pending below the
 limit afterwards (skipped because it was being fired or cancelled), nothing is deleted this
@@ -45,12 +48,13 @@ class Retention:
         level_pin = self.timer.min_level_position()
         if level_pin is not None:
             limit = min(limit, level_pin)
-        limit = self._held_in_flight(limit, hold_limit)
+        limit = self._linked(self._held_in_flight(limit, hold_limit))
         if limit <= self.store.log.start_position:
             return
         await self.timer.roll_before(limit, now_ms)
-        # A receive while the roll waited may have put older records in flight: pin them too.
-        limit = self._held_in_flight(limit, hold_limit)
+        # A receive while the roll waited may have put older records in flight, and a fire
+        # linked older timers: pin them too.
+        limit = self._linked(self._held_in_flight(limit, hold_limit))
         if limit <= self.store.log.start_position:
             return
         if self.timer.pending_below(limit):
@@ -60,7 +64,17 @@ class Retention:
             return
         self.store.checkpoint()
         self.store.delete_before(limit)
+        self.timer.engine.forget_links_below(self.store.log.start_position)
         self.timer.engine.prune_history(now_ms - self.config.retention_ms)
+
+    def _linked(self, limit: int) -> int:
+        """`limit` lowered until no link record in a segment that stays (the one holding `limit`,
+        and those after it: whole segments go) names a record below it. Links point back, so
+        each step lowers it and the log's start bounds it."""
+        while (floor := self.timer.engine.linked_floor(self.store.log.segment_base(limit))) is not None \
+                and floor < limit:
+            limit = floor
+        return limit
 
     def _held_in_flight(self, limit: int, hold_limit: int) -> int:
         """`limit` lowered to the lowest record a group holds in flight, but not below

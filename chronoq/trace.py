@@ -45,7 +45,7 @@ import logging
 import os
 import struct
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,7 @@ from typing import Any
 import crc32c
 
 from chronoq.model import (
+    LINKS_TOPIC,
     SYS_FIRED_FROM,
     SYS_REAL_TOPIC,
     SYS_TIMER_DEL_UNIQKEY,
@@ -149,8 +150,12 @@ def _segment(number: int, path: Path, head: bytes, size: int) -> Segment:
 
 
 class TraceJournal:
-    def __init__(self, data_dir: Path, *, segment_size_bytes: int, retention_bytes: int) -> None:
+    def __init__(self, data_dir: Path, *, segment_size_bytes: int, retention_bytes: int,
+                 fired_in: Callable[[StoredMessage], Iterable[tuple[str, str, int]]] | None = None) -> None:
         self.dir = data_dir / files.TRACE_DIR
+        self.fired_in = fired_in
+        """For a link record: (topic, message id, due time) of each timer it fired (the timer
+        room reads them from their records; the fire itself never does)."""
         self.segment_size_bytes = segment_size_bytes
         self.retention_bytes = retention_bytes
         self._f: Any = None
@@ -252,10 +257,15 @@ class TraceJournal:
             self._stop(e)
 
     def dispatched(self, msgs: list[StoredMessage]) -> None:
-        """A store dispatch listener: journal timers accepted (their timer records), fired (their
-        fired copies) and cancelled (their tombstones: dispatched once durable, before the cancel
-        is acknowledged); rolled copies are none of these."""
+        """A store dispatch listener: journal timers accepted (their timer records), fired (the
+        link records that fired them, and the fired copies of delay levels and of older brokers)
+        and cancelled (their tombstones: dispatched once durable, before the cancel is
+        acknowledged); rolled copies are none of these."""
         for m in msgs:
+            if m.topic == LINKS_TOPIC:
+                for topic, message_id, due in self.fired_in(m) if self.fired_in is not None else ():
+                    self.record(FIRED, topic, message_id, m.store_ms, due)
+                continue
             due = m.deliver_at_ms
             if due is None:
                 continue

@@ -19,12 +19,27 @@ from typing import Any, TypeVar
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
 from chronoq.config import Config
-from chronoq.model import SYS_TIMER_OUT_MS, StoredMessage
+from chronoq.model import SYS_FIRED_FROM, SYS_TIMER_OUT_MS, StoredMessage
 from chronoq.store import files
+from chronoq.store.messagestore import MessageStore
 
 T = TypeVar("T")
 START_MS = 1_700_000_000_000
 GROUP = "g-timer"
+
+
+def fired_messages(store: MessageStore, topic: str) -> list[StoredMessage]:
+    """Every fired timer the queues of `topic` hold, as a consumer reads it (through the link
+    record that fired it; a delay level's or an older broker's fired copy as stored): what
+    consumers of any group would get, once per time it fired."""
+    out = []
+    for qid in range(store.get_topic(topic).queue_count):
+        cq = store.queue(topic, qid)
+        for off, position, size, _ in cq.read_range(cq.min_offset, cq.next_offset - cq.min_offset):
+            m = store.readable_entry(topic, qid, off, position, size)
+            if m is not None and SYS_FIRED_FROM in m.system_properties:
+                out.append(m)
+    return out
 
 
 def run(coro: Awaitable[T]) -> T:

@@ -46,6 +46,10 @@ CQ_MAGIC = b"CHRONOQQ"
 CQ_VERSION = 1
 CQ_HEADER = struct.Struct(">8sIQI")
 CQ_HEADER_SIZE = CQ_HEADER.size  # 24
+LINKED = 1 << 31
+"""Set in an entry's size field: the entry is a link (`store/links.py`): its position is its link
+record's, the low 31 bits the link's index there. A record's size is below 2**31
+(`max_message_size_bytes` is at most 512 MiB); size 0 is a hole."""
 ENTRY = struct.Struct(">QII")
 ENTRY_BODY_SIZE = ENTRY.size  # 16
 ENTRY_SIZE = ENTRY_BODY_SIZE + 4  # 20
@@ -308,8 +312,11 @@ class ConsumeQueue:
                     # checkpoint, where replay would not restore them. A rebuild always does.
                     report.damaged = f"{name} entry {j}: {e.reason}"
                     return report
-                if position + size > log_end:
-                    break  # points past the (truncated) log: its record is gone with the tail
+                if position + (1 if size & LINKED else size) > log_end:
+                    # Points past the (truncated) log: its record is gone with the tail. (A link
+                    # names its link record's start; a record is cut whole, so a start below the
+                    # end is a record the log still holds.)
+                    break
                 count += 1
             whole = len(body) // ENTRY_SIZE
             if len(body) % ENTRY_SIZE:

@@ -79,11 +79,12 @@ from chronoq.errors import (
     TopicExists,
     TopicNotFound,
 )
-from chronoq.model import MessageType, StoredMessage, TopicConfig
+from chronoq.model import LINKS_TOPIC, MessageType, StoredMessage, TopicConfig
 from chronoq.store import files, fsync
 from chronoq.store.commitlog import CommitLog, RecoveryReport, Segment
 from chronoq.store.consumequeue import ConsumeQueue, OpenFiles, TakenFlush, tag_hash
 from chronoq.store.diskspace import DiskSpace, is_disk_full
+from chronoq.store.links import LINKED, LinkBatch, Links, decode_links, encode_links, link_entries, queue_entries
 from chronoq.store.meta import (
     CHECKPOINT_VERSION,
     decode_topics,
@@ -95,6 +96,9 @@ from chronoq.store.meta import (
 from chronoq.store.record import encode_record
 
 DispatchListener = Callable[[list[StoredMessage]], None]
+LinkedView = Callable[[StoredMessage, str, int, int, int], StoredMessage]
+"""(linked record, the topic, queue id and offset it was read at, when it was linked there: its
+link record's store time) -> the message it is there."""
 _CACHED_OBJECT_BYTES = 400
 """What a decoded record costs in memory beyond its bytes (the StoredMessage, its strings, dicts
 and the cache's slot), roughly, for a small message: what `read_cache_bytes` counts per record."""
@@ -111,6 +115,8 @@ on the event loop under load (the delivery-error tail). Building the StoredMessa
 hit costs ~1 µs, and gives the caller its own copy."""
 _CACHED_SIZE = 13
 """The index of `size` in a `_CachedRecord`."""
+LINKS_CACHED = 64
+"""Decoded link records kept (`MessageStore._links_cache`): at most ~60 KB each (2,048 links)."""
 
 
 def _out_of_fds(exc: BaseException) -> bool:
@@ -201,6 +207,18 @@ class PreparedMessage:
     queue_id: int | None = None
     queue_key: str | None = None
     """FIFO: messages with the same key go to the same queue."""
+    links: LinkBatch | None = None
+    """Set on a link record (topic `LINKS_TOPIC`, empty body): the records it enters into other
+    topics' queues; `append` chooses their queues and offsets and encodes the body."""
+
+
+def _relabelled(msg: StoredMessage, topic: str, queue_id: int, queue_offset: int, linked_ms: int) -> StoredMessage:
+    """A linked record as a message of the queue it was read from, stored there when it was
+    linked, nothing else changed: the view of a store opened without the room that wrote the
+    links (`chronoq check`, tools)."""
+    return StoredMessage(msg.message_id, topic, queue_id, queue_offset, msg.message_type, msg.tag, msg.keys,
+                         msg.properties, msg.system_properties, msg.body, msg.born_ms, linked_ms, msg.position,
+                         msg.size)
 
 
 @dataclass
@@ -233,12 +251,19 @@ class MessageStore:
         self._undispatched: deque[StoredMessage] = deque()
         self.dispatched_position = 0
         self.listeners: list[DispatchListener] = []
+        self.linked_view: LinkedView = _relabelled
+        """How a record read through a link looks in the queue it was linked into: the writer of
+        the links says (the broker sets the timer room's `delivered_view`)."""
         self.skipped_damaged = 0
         self._read_cache: OrderedDict[int, _CachedRecord] = OrderedDict()
         """position -> record, in dispatch order (`_cache_records`). An OrderedDict, not a dict:
         evicting the oldest of a plain dict (`next(iter(d))`) walks over every slot freed since
         its last resize, which made each eviction cost more the longer the cache ran."""
         self._read_cache_bytes = 0
+        self._links_cache: OrderedDict[int, tuple[Links, int]] = OrderedDict()
+        """Link record position -> its decoded links and its store time, the last `LINKS_CACHED`
+        dispatched or read: a link's queue entry names its link record, which every read of it
+        goes through."""
         self.read_cache_hits = 0
         """Reads that stepped over a damaged record (each range is logged once, when found)."""
         self._checkpoint_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chronoq-checkpoint")
@@ -347,22 +372,24 @@ class MessageStore:
         start = min(checkpoint if checkpoint is not None else 0, self.log.end_position)
         for msg in self.log.scan(start):
             report.replayed_records += 1
-            self._ensure_topic_for(msg)
-            key = (msg.topic, msg.queue_id)
-            if key in damaged:
-                continue
-            cq = self._cq(key)
-            if msg.queue_offset < cq.next_offset:
-                continue
-            if msg.queue_offset > cq.next_offset:
-                # Entries are missing below the checkpoint (a deleted or damaged queue, or records
-                # expired before the queue was first written): rebuild it from the whole log.
-                cq.destroy()
-                self._cqs[key] = ConsumeQueue(cq.directory, self.config.consume_queue_entries_per_file,
-                                              self.queue_files)
-                damaged.add(key)
-                continue
-            cq.append(msg.position, msg.size, tag_hash(msg.tag))
+            # A record's own entry, and a link record's links: each names its queue and offset.
+            for topic, qid, qoff, position, size, th in queue_entries(msg):
+                self._ensure_topic_for(topic, qid, msg.store_ms)
+                key = (topic, qid)
+                if key in damaged:
+                    continue
+                cq = self._cq(key)
+                if qoff < cq.next_offset:
+                    continue
+                if qoff > cq.next_offset:
+                    # Entries are missing below the checkpoint (a deleted or damaged queue, or
+                    # records expired before the queue was first written): rebuild it from the log.
+                    cq.destroy()
+                    self._cqs[key] = ConsumeQueue(cq.directory, self.config.consume_queue_entries_per_file,
+                                                  self.queue_files)
+                    damaged.add(key)
+                    continue
+                cq.append(position, size, th)
         if damaged:
             report.hole_entries = self._rebuild(damaged)
             for key in damaged:
@@ -417,27 +444,28 @@ class MessageStore:
         entries written (queue offsets whose records the scan stepped over as damaged)."""
         holes = 0
         for msg in self.log.scan(self.log.start_position):
-            key = (msg.topic, msg.queue_id)
-            if key not in keys:
-                continue
-            cq = self._cqs[key]
-            if cq.is_empty and msg.queue_offset > cq.next_offset:
-                cq.set_start(msg.queue_offset)  # earlier records were removed by retention
-            while msg.queue_offset > cq.next_offset:
-                # A gap inside the retained log: those records were lost to damage. A hole keeps
-                # the queue dense (entry i is offset i) and tells readers to step over it.
-                cq.append(msg.position, 0, 0)
-                holes += 1
-            if msg.queue_offset == cq.next_offset:
-                cq.append(msg.position, msg.size, tag_hash(msg.tag))
+            for topic, qid, qoff, position, size, th in queue_entries(msg):
+                key = (topic, qid)
+                if key not in keys:
+                    continue
+                cq = self._cqs[key]
+                if cq.is_empty and qoff > cq.next_offset:
+                    cq.set_start(qoff)  # earlier records were removed by retention
+                while qoff > cq.next_offset:
+                    # A gap inside the retained log: those records were lost to damage. A hole
+                    # keeps the queue dense (entry i is offset i) and tells readers to step over it.
+                    cq.append(position, 0, 0)
+                    holes += 1
+                if qoff == cq.next_offset:
+                    cq.append(position, size, th)
         return holes
 
-    def _ensure_topic_for(self, msg: StoredMessage) -> None:
-        topic = self.topics.get(msg.topic)
-        if topic is None or topic.queue_count <= msg.queue_id:
-            self.topics[msg.topic] = TopicConfig(
-                msg.topic, max(msg.queue_id + 1, topic.queue_count if topic else 1),
-                topic.message_types if topic else frozenset(MessageType), msg.store_ms)
+    def _ensure_topic_for(self, name: str, queue_id: int, store_ms: int) -> None:
+        topic = self.topics.get(name)
+        if topic is None or topic.queue_count <= queue_id:
+            self.topics[name] = TopicConfig(
+                name, max(queue_id + 1, topic.queue_count if topic else 1),
+                topic.message_types if topic else frozenset(MessageType), store_ms)
             self._save_topics_in_recovery()
 
     def _save_topics_in_recovery(self) -> None:
@@ -523,8 +551,11 @@ class MessageStore:
             qid = self._pick_queue(self.get_topic(msg.topic), msg)
             key = (msg.topic, qid)
             qoff = next_qoff.get(key, self._next_qoff.get(key, 0))
-            blob = self._encode(msg, qid, qoff, position, store_ms)
             next_qoff[key] = qoff + 1
+            if msg.links is not None:
+                msg = PreparedMessage(msg.topic, msg.message_id, msg.message_type,
+                                      self._links_body(msg.links, next_qoff), msg.born_ms, queue_id=qid)
+            blob = self._encode(msg, qid, qoff, position, store_ms)
             blobs.append(blob)
             out.append(StoredMessage(
                 message_id=msg.message_id, topic=msg.topic, queue_id=qid, queue_offset=qoff,
@@ -552,12 +583,34 @@ class MessageStore:
             if self.log.failure is None:
                 self.log.undo_to(start)
             raise
-        for msg in out:
-            self._next_qoff[(msg.topic, msg.queue_id)] = msg.queue_offset + 1
+        self._next_qoff.update(next_qoff)
         self._undispatched.extend(out)
         if self.config.flush == "async":
             self._on_durable(self.log.end_position)  # async mode: visible once written
         return out
+
+    def _links_body(self, links: LinkBatch, next_qoff: dict[tuple[str, int], int]) -> bytes:
+        """A link record's body: each link's queue chosen by the rule a record's own follows
+        (`_pick_queue`: the producer's queue if the topic has it, else its message group's, else
+        the round robin) and given the next offset there, counted in `next_qoff` with the batch's."""
+        qids: list[int] = []
+        qoffs: list[int] = []
+        robin = self._round_robin
+        for name, qid, group_hash in zip(links.topics, links.queue_ids, links.group_hashes, strict=True):
+            count = self.get_topic(name).queue_count
+            if qid is None or not 0 <= qid < count:
+                if group_hash is not None:
+                    qid = group_hash % count
+                else:
+                    qid = next(robin.setdefault(name, itertools.count())) % count
+            key = (name, qid)
+            qoff = next_qoff.get(key)
+            if qoff is None:
+                qoff = self._next_qoff.get(key, 0)
+            next_qoff[key] = qoff + 1
+            qids.append(qid)
+            qoffs.append(qoff)
+        return encode_links(links, qids, qoffs)
 
     @staticmethod
     def _encode(msg: PreparedMessage, qid: int, qoff: int, position: int, store_ms: int) -> bytes:
@@ -627,6 +680,14 @@ class MessageStore:
             if entries is None:
                 entries = per_queue[key] = (msg.queue_offset, [])
             entries[1].append((msg.position, msg.size, tag_hash(msg.tag)))
+            if msg.topic == LINKS_TOPIC:
+                links = decode_links(msg.body, msg.position)
+                self._remember_links(msg.position, links, msg.store_ms)  # its consumers read it next
+                for topic, qid, qoff, position, size, th in link_entries(msg.position, links):
+                    entries = per_queue.get((topic, qid))
+                    if entries is None:
+                        entries = per_queue[(topic, qid)] = (qoff, [])
+                    entries[1].append((position, size, th))
             batch.append(msg)
         if batch:
             try:
@@ -681,6 +742,8 @@ class MessageStore:
         cache = self._read_cache
         held = self._read_cache_bytes
         for msg in batch:
+            if msg.topic == LINKS_TOPIC:
+                continue  # read by the index and queues at dispatch, never again by position
             cache[msg.position] = _cached(msg)
             held += msg.size + _CACHED_OBJECT_BYTES
         while held > budget and cache:
@@ -712,6 +775,78 @@ class MessageStore:
         except CorruptRecord:
             self.skipped_damaged += 1
             return None
+
+    def readable_entry(self, topic: str, queue_id: int, queue_offset: int, position: int,
+                       size: int) -> StoredMessage | None:
+        """The message at `queue_offset` of queue (`topic`, `queue_id`), whose entry says
+        (`position`, `size`): `readable`'s answer for it (None: removed by retention, a hole, or
+        damaged and skipped). A link entry (`LINKED` in `size`) is read through its link record,
+        and the linked record (its own topic is another: a fired timer's) is shown as the message
+        the queue holds, as its linker says (`linked_view`)."""
+        try:
+            if not size & LINKED:
+                return self.read_at(position, size)
+            target = self._link_target(position, size & ~LINKED)
+            if target is None:
+                return None
+            position, size, linked_ms = target
+            msg = self.read_at(position, size)
+        except CorruptRecord:
+            self.skipped_damaged += 1
+            return None
+        return None if msg is None else self.linked_view(msg, topic, queue_id, queue_offset, linked_ms)
+
+    def links_in(self, msg: StoredMessage) -> Links:
+        """The links of link record `msg` (decoded at its dispatch, so its listeners read them
+        from the cache)."""
+        cached = self._links_cache.get(msg.position)
+        return cached[0] if cached is not None else decode_links(msg.body, msg.position)
+
+    def _link_target(self, position: int, index: int) -> tuple[int, int, int] | None:
+        """(position, size) of the record link `index` of the link record at `position` names,
+        and the link record's store time; None when retention removed the link record.
+        CorruptRecord if it is damaged (then quarantined) or has no such link."""
+        cached = self._links_cache.get(position)
+        if cached is None:
+            if position < self.log.start_position:
+                return None
+            try:
+                rec = self.log.read_unsized(position)
+                cached = (decode_links(rec.body, position), rec.store_ms)
+            except CorruptRecord as e:
+                if self.log.contains(position) and self.log.is_damaged(position):
+                    self.log.quarantine(position, e.reason)
+                raise
+            self._remember_links(position, *cached)
+        else:
+            self._links_cache.move_to_end(position)
+        links, linked_ms = cached
+        if index >= len(links):
+            raise CorruptRecord(f"a queue entry names link {index} of a link record of {len(links)}", position)
+        return links.positions[index], links.sizes[index], linked_ms
+
+    def _remember_links(self, position: int, links: Links, store_ms: int) -> None:
+        cache = self._links_cache
+        cache[position] = (links, store_ms)
+        while len(cache) > LINKS_CACHED:
+            cache.popitem(last=False)
+
+    def check_records(self, spans: list[tuple[int, int]]) -> dict[int, str]:
+        """Check the records at these (position, size) spans without decoding them: length,
+        magic, position and CRC32C, each run of adjacent records read in one `pread`. Returns
+        {position: why} for those that fail (quarantined, as `read_at` does). A record in the
+        read cache passed its checks when it was written and is not read again."""
+        cache = self._read_cache
+        todo = []
+        for position, size in spans:
+            cached = cache.get(position)
+            if cached is None or cached[_CACHED_SIZE] != size:
+                todo.append((position, size))
+        bad = self.log.check_records(todo) if todo else {}
+        for position, reason in bad.items():
+            if self.log.contains(position) and self.log.is_damaged(position):
+                self.log.quarantine(position, reason)
+        return bad
 
     def scan(self, start: int, end: int | None = None) -> Iterator[StoredMessage]:
         return self.log.scan(start, end)

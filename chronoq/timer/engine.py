@@ -67,6 +67,21 @@ class TimerEntry:
     accepted_ms: int
     """When the broker stored the timer record."""
     keys: tuple[str, ...] = ()
+    tag_hash: int = 0
+    """The tag's hash, as the real topic's queue entry carries it (CRC32C; 0 for no tag)."""
+    queue_id: int | None = None
+    """The real topic's queue the producer chose, if it chose one (`REAL_QID`)."""
+    group_hash: int | None = None
+    """The hash of its message group, if it has one: the group chooses its queue when it fires."""
+
+
+def check_route(entry: TimerEntry) -> None:
+    """Refuse a TimerEntry whose route (tag hash, queue id, group hash) no engine can hold: the
+    one range check both engines apply (a tag hash is a u32, a queue id below 2**31)."""
+    t, q, g = entry.tag_hash, entry.queue_id, entry.group_hash
+    if not (type(t) is int and 0 <= t < 1 << 32 and (q is None or (type(q) is int and 0 <= q < 1 << 31))
+            and (g is None or (type(g) is int and 0 <= g < 1 << 32))):
+        raise ValueError(f"TimerEntry route out of range or not int: tag_hash={t!r} queue_id={q!r} group_hash={g!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +103,9 @@ class IndexBatch:
     leave the pending set as DAMAGED instead of firing (they cannot be read)."""
     level_progress: Mapping[int, int] = field(default_factory=dict)
     """Delay level -> the next offset of its queue to fire (only moves forward)."""
+    link_floors: Sequence[tuple[int, int]] = ()
+    """(base of the segment holding a link record, the lowest timer record position it links):
+    the records a fire linked into their topics stay as long as its link record (`linked_floor`)."""
     indexed_position: int = 0
     """Exclusive end of the log range this batch covers. Must not be below the engine's."""
     applied_ms: int | None = None
@@ -154,6 +172,17 @@ class TimerEngine(Protocol):
         ...
 
     def metrics(self, now_ms: int) -> TimerMetricsSnapshot: ...
+
+    def linked_floor(self, segment_base: int) -> int | None:
+        """The lowest timer record position named by a link record in the segments based at or
+        after `segment_base`, or None: retention, about to keep the log from that segment on,
+        keeps it from there, so no link outlives the record it names (links only point back).
+        Kept per segment, so a retention step reads a row per segment, not per link record."""
+        ...
+
+    def forget_links_below(self, position: int) -> None:
+        """Forget the floors of segments based below `position` (retention deleted them)."""
+        ...
 
     def prune_history(self, before_ms: int) -> int:
         """Forget delivered/cancelled statuses whose fired/cancelled time is before

@@ -89,7 +89,7 @@ from chronoq.errors import (
 from chronoq.model import TimerStatus
 from chronoq.store import fsync
 from chronoq.store.diskspace import DiskSpace, is_disk_full, resource_problem
-from chronoq.timer.engine import IndexBatch, TimerEntry
+from chronoq.timer.engine import IndexBatch, TimerEntry, check_route
 from chronoq.timer.index_codec import (
     CF_COUNTERS,
     CF_HISTORY,
@@ -130,7 +130,7 @@ from chronoq.timer.index_codec import (
 from chronoq.timer.index_txn import IndexTxn
 from chronoq.timer.metrics import TimerLatencies, TimerMetricsSnapshot, pending_by_due
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 log = logging.getLogger("chronoq.timer")
 
 
@@ -153,6 +153,7 @@ def _check_entry(entry: TimerEntry, batch_end: int) -> None:
     """Refuse an entry the layout cannot hold, before anything of its batch is written.
     (`type(x) is int` keeps bools and floats out; it is also the cheapest test, and this runs
     for every timer.)"""
+    check_route(entry)
     d, p, s, a = entry.deliver_at_ms, entry.position, entry.size, entry.accepted_ms
     if (type(d) is int and type(p) is int and type(s) is int and type(a) is int
             and 0 <= d < _LIMIT_63 and 0 <= p < batch_end and 0 <= s < _LIMIT_32 and -_LIMIT_63 <= a < _LIMIT_63):
@@ -307,6 +308,9 @@ class RocksTimerIndex:
         self._minute_slots: dict[int, array[int]] = {}
         """minute -> pending per second of it (60 counts); only minutes with a pending timer."""
         self._hour_counts: dict[int, int] = {}
+        self._link_floors: dict[int, int] = {}
+        """Segment base -> the lowest timer record position a link record in that segment names
+        (mirror of the `f` counters)."""
         self._head: bytes | None = None
         self._levels: dict[int, int] = {}
         """Delay level -> next offset to fire (mirror of the `level:` meta keys)."""
@@ -399,6 +403,10 @@ class RocksTimerIndex:
                     self._minute_slots[U64.unpack_from(key, 1)[0]] = decode_minute_slots(value)
             for key, value in counters.items(from_key=b"t", read_opt=_read_bounded(b"u")):
                 self._topic_counts[key[1:].decode()] = self._counter_value(value)
+            for key, value in counters.items(from_key=b"f", read_opt=_read_bounded(b"g")):
+                if len(key) != 9 or len(value) != 8:
+                    raise MalformedValue(f"link floor {key!r} -> {value!r}")
+                self._link_floors[U64.unpack_from(key, 1)[0]] = U64.unpack(value)[0]
             for key, value in meta.items(from_key=META_LEVEL_PREFIX,
                                          read_opt=_read_bounded(prefix_end(META_LEVEL_PREFIX))):
                 if len(key) != len(META_LEVEL_PREFIX) + 2 or len(value) != 8:
@@ -567,6 +575,10 @@ class RocksTimerIndex:
             if type(level) is not int or not 0 < level < 1 << 16:
                 raise ValueError(f"delay level {level!r} must be an int in [1, 65535]")
             _check_u63("level offset", offset)
+        for base, floor in batch.link_floors:
+            if type(base) is not int or type(floor) is not int or not (0 <= base < _LIMIT_63 and 0 <= floor < end):
+                raise ValueError(f"link floor ({base!r}, {floor!r}) must be two ints in [0, 2**63), the floor "
+                                 f"inside the batch's log range (it ends at {end})")
         with self._guard():
             db = self._writable()  # before the batch is built: it names this handle's column families
             txn = IndexTxn(self)
@@ -582,10 +594,18 @@ class RocksTimerIndex:
                       if offset > self._levels.get(level, -1)}
             for level, offset in levels.items():
                 txn.wb.put(META_LEVEL_PREFIX + U16.pack(level), U64.pack(offset), self._handle[CF_META])
+            floors: dict[int, int] = {}
+            for base, floor in batch.link_floors:
+                known = floors.get(base, self._link_floors.get(base))
+                if known is None or floor < known:
+                    floors[base] = floor
+            for base, floor in floors.items():
+                txn.wb.put(b"f" + U64.pack(base), U64.pack(floor), self._handle[CF_COUNTERS])
             txn.finish(batch.indexed_position)
             db.write(txn.wb, self._write_opt)
             self._commit(txn, batch)
             self._levels.update(levels)
+            self._link_floors.update(floors)
 
     def _commit(self, txn: IndexTxn, batch: IndexBatch) -> None:
         """Bring the in-memory mirrors in line with what was just written."""
@@ -764,6 +784,24 @@ class RocksTimerIndex:
         if minute in minutes:
             total += sum(minutes[minute][:slot_s % 60])
         return total
+
+    def linked_floor(self, segment_base: int) -> int | None:
+        return min((f for b, f in self._link_floors.items() if b >= segment_base), default=None)
+
+    def forget_links_below(self, position: int) -> None:
+        if self._closed:
+            raise TimerIndexClosed(self._path)
+        gone = [b for b in self._link_floors if b < position]
+        if not gone:
+            return
+        with self._guard():
+            db = self._writable()
+            wb = WriteBatch(raw_mode=True)
+            for base in gone:
+                wb.delete(b"f" + U64.pack(base), self._handle[CF_COUNTERS])
+            db.write(wb, self._write_opt)
+        for base in gone:
+            del self._link_floors[base]
 
     def prune_history(self, before_ms: int) -> int:
         if self._closed:

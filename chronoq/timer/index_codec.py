@@ -16,6 +16,8 @@ from chronoq.model import TimerState, TimerStatus
 from chronoq.timer.engine import TimerEntry
 
 VALUE_VERSION = 1
+TIME_VALUE_VERSION = 2
+"""Of `time` values (version 1, index format 3 and before, had no route: tag hash, queue, group)."""
 
 CF_TIME = "time"
 CF_ID = "id"
@@ -43,7 +45,8 @@ U32 = struct.Struct(">I")
 U64 = struct.Struct(">Q")
 I64 = struct.Struct(">q")
 TIME_KEY = struct.Struct(">QQ")
-ENTRY_HEAD = struct.Struct(">BQIq")
+ENTRY_HEAD = struct.Struct(">BQIqIiq")
+"""version, position, size, accepted_ms, tag hash, queue id (-1: none), group hash (-1: none)."""
 FACTS_HEAD = struct.Struct(">BqIq")
 POS_PENDING_HEAD = struct.Struct(">Bq")
 POS_DONE_VALUE = struct.Struct(">BBq")
@@ -152,9 +155,12 @@ def encode_pending(entry: TimerEntry, ik: bytes) -> tuple[bytes, bytes, bytes, b
     value, so it is sliced rather than encoded again."""
     position, deliver_at_ms, size, accepted_ms = entry.position, entry.deliver_at_ms, entry.size, entry.accepted_ms
     packed_keys = pack_keys(entry.keys) if entry.keys else b"\x00\x00"
+    queue_id, group_hash = entry.queue_id, entry.group_hash
     return (
         _TIME_KEY_PACK(deliver_at_ms, position),
-        _ENTRY_HEAD_PACK(VALUE_VERSION, position, size, accepted_ms) + ik[:-8] + packed_keys,
+        _ENTRY_HEAD_PACK(TIME_VALUE_VERSION, position, size, accepted_ms, entry.tag_hash,
+                         -1 if queue_id is None else queue_id, -1 if group_hash is None else group_hash)
+        + ik[:-8] + packed_keys,
         _FACTS_HEAD_PACK(VALUE_VERSION, deliver_at_ms, size, accepted_ms) + packed_keys,
         _POS_PENDING_HEAD_PACK(POS_PENDING, deliver_at_ms) + ik,
     )
@@ -165,9 +171,9 @@ def decode_entry(tk: bytes, value: bytes) -> TimerEntry:
     if len(tk) != TIME_KEY.size or len(value) < ENTRY_HEAD.size + 6:
         raise MalformedValue(f"time key of {len(tk)} bytes / value of {len(value)} bytes")
     deliver_at_ms, position = TIME_KEY.unpack(tk)
-    version, stored_position, size, accepted_ms = ENTRY_HEAD.unpack_from(value)
-    if version != VALUE_VERSION or stored_position != position:
-        raise MalformedValue(f"time entry version {version} (expected {VALUE_VERSION}), position "
+    version, stored_position, size, accepted_ms, tag_hash, queue_id, group_hash = ENTRY_HEAD.unpack_from(value)
+    if version != TIME_VALUE_VERSION or stored_position != position:
+        raise MalformedValue(f"time entry version {version} (expected {TIME_VALUE_VERSION}), position "
                              f"{stored_position} under key position {position}")
     start = ENTRY_HEAD.size + 2
     end = start + (value[start - 2] << 8 | value[start - 1])
@@ -183,7 +189,8 @@ def decode_entry(tk: bytes, value: bytes) -> TimerEntry:
         keys, end = unpack_keys(value, end)
         if end != len(value):
             raise MalformedValue(f"time entry has {len(value) - end} bytes more or less than it says")
-    return TimerEntry(deliver_at_ms, position, size, message_id, topic, accepted_ms, keys)
+    return TimerEntry(deliver_at_ms, position, size, message_id, topic, accepted_ms, keys, tag_hash,
+                      None if queue_id < 0 else queue_id, None if group_hash < 0 else group_hash)
 
 
 def id_key_of_entry(value: bytes) -> tuple[bytes, str]:

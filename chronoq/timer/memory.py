@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from chronoq.errors import IndexPositionWentBack, TimerIndexClosed
 from chronoq.model import TimerState, TimerStatus
-from chronoq.timer.engine import IndexBatch, TimerEntry
+from chronoq.timer.engine import IndexBatch, TimerEntry, check_route
 from chronoq.timer.metrics import TimerLatencies, TimerMetricsSnapshot, pending_by_due
 
 _MAX_ROLL_HOPS = 1024
@@ -47,6 +47,8 @@ class MemoryTimerState:
     history: list[tuple[int, int]] = field(default_factory=list)
     """(done_ms, position) of finished timers and roll redirects, for `prune_history`."""
     levels: dict[int, int] = field(default_factory=dict)
+    link_floors: dict[int, int] = field(default_factory=dict)
+    """Segment base -> the lowest timer record position a link record in that segment names."""
 
 
 class MemoryTimerEngine:
@@ -83,7 +85,7 @@ class MemoryTimerEngine:
         # Copy-on-write: rows are replaced, never changed in place, so copies of the containers
         # are enough for the batch to leave the live state alone until it has all applied.
         new = MemoryTimerState(self.state.indexed_position, dict(self.state.rows), list(self.state.history),
-                               dict(self.state.levels))
+                               dict(self.state.levels), dict(self.state.link_floors))
         fired_times: list[tuple[int, int]] = []
         finished: list[int] = []
         rolled_from: dict[int, int] = {}
@@ -127,8 +129,10 @@ class MemoryTimerEngine:
         for level, offset in batch.level_progress.items():
             if offset > new.levels.get(level, -1):
                 new.levels[level] = offset
+        for base, floor in batch.link_floors:
+            new.link_floors[base] = min(floor, new.link_floors.get(base, floor))
         new.indexed_position = batch.indexed_position
-        for name in ("indexed_position", "rows", "history", "levels"):  # the copy becomes the state
+        for name in ("indexed_position", "rows", "history", "levels", "link_floors"):  # the copy becomes the state
             setattr(self.state, name, getattr(new, name))
         self._handed.difference_update(finished)
         self._latencies.delivery_error_ms.record_many([fired - base for base, fired in fired_times])
@@ -209,6 +213,13 @@ class MemoryTimerEngine:
     def latencies(self) -> TimerLatencies:
         return self._latencies
 
+    def linked_floor(self, segment_base: int) -> int | None:
+        return min((f for b, f in self.state.link_floors.items() if b >= segment_base), default=None)
+
+    def forget_links_below(self, position: int) -> None:
+        self._check_open()
+        self.state.link_floors = {b: f for b, f in self.state.link_floors.items() if b >= position}
+
     def prune_history(self, before_ms: int) -> int:
         self._check_open()
         forgotten = 0
@@ -250,6 +261,7 @@ def _check_batch(batch: IndexBatch) -> None:
     if type(end) is not int or not 0 <= end < 1 << 63:
         raise ValueError(f"indexed_position must be an int in [0, 2**63), not {end!r}")
     for entry in [*batch.adds, *(e for _, e in batch.rolled)]:
+        check_route(entry)
         d, p, s, a = entry.deliver_at_ms, entry.position, entry.size, entry.accepted_ms
         if not (type(d) is int and type(p) is int and type(s) is int and type(a) is int
                 and 0 <= d < 1 << 63 and 0 <= p < end and 0 <= s < 1 << 32 and -(1 << 63) <= a < 1 << 63):
@@ -268,3 +280,7 @@ def _check_batch(batch: IndexBatch) -> None:
     for level in batch.level_progress:
         if type(level) is not int or not 0 < level < 1 << 16:
             raise ValueError(f"delay level {level!r} must be an int in [1, 65535]")
+    for base, floor in batch.link_floors:
+        if type(base) is not int or type(floor) is not int or not (0 <= base < 1 << 63 and 0 <= floor < end):
+            raise ValueError(f"link floor ({base!r}, {floor!r}) must be two ints in [0, 2**63), the floor "
+                             f"inside the batch's log range (it ends at {end})")

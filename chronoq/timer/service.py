@@ -7,15 +7,19 @@ Theory of operation (RocketMQ 5's shape, with RocksDB in place of the timer log 
 2. Index: every durable record is dispatched to `on_dispatch`, which turns timer records,
    tombstones, fired copies and rolled copies into one `IndexBatch` for the engine. The engine is
    derived state: `recover()` replays the log from `engine.indexed_position`; nothing fires then.
-3. Fire: `fire_due(now_ms)` asks the engine for due entries, writes each message to its real
-   topic with the original id (the "fired copy", carrying the timer record's position), and
-   waits for durability; the copy's own dispatch marks the timer fired. A crash between the two
-   cannot fire twice: replay sees the fired copy. Timers stay "firing" (no second fire picks
-   them) until their copies are durable, even if the caller went away meanwhile. Delay-level
-   queues are scanned at their heads (`timer/delay_queues.py`). Who fires and when the
-   broker's loop steps in is the firing policy's (`timer/firing.py`: the broker, or a Spark
-   job with the loop as its backstop).
-   A timer whose record is damaged is marked DAMAGED, not fired.
+3. Fire: `fire_due(now_ms)` asks the engine for due entries and writes ONE link record for
+   them (`store/links.py`): each timer record, where it lies, enters its real topic's queue
+   (the queue the producer chose, its message group's, or the round robin) with the original
+   id; readers see it as `delivered_view` makes it (real topic, timer bookkeeping cleared).
+   RocketMQ 5 re-appends a full copy of each message instead; a link is 30 bytes, and no
+   message is read, decoded or encoded again to fire it (only its frame is checked). The fire
+   waits for durability; the link record's own dispatch marks the timers fired. A crash between
+   the two cannot fire twice: replay sees the link record. Timers stay "firing" (no second fire
+   picks them) until their link record is durable, even if the caller went away meanwhile.
+   Delay-level queues are scanned at their heads and fire as full copies, RocketMQ 4's way
+   (`timer/delay_queues.py`). Who fires and when the broker's loop steps in is the firing
+   policy's (`timer/firing.py`: the broker, or a Spark job with the loop as its backstop).
+   A timer whose record fails its checks (damaged) is marked DAMAGED, not fired.
 4. Cancel: a tombstone record in the timer topic (RocketMQ 5's delete). It names the timer by
    (topic, message id, due time), the three a recall handle carries, and cancels only timers due
    then: an id reused on a topic after the dedupe window names several timers, each with its own
@@ -56,6 +60,7 @@ from chronoq.errors import (
     TimerSlotCongested,
 )
 from chronoq.model import (
+    LINKS_TOPIC,
     SCHEDULE_TOPIC,
     SYS_DELAY_LEVEL,
     SYS_FIRED_FROM,
@@ -75,6 +80,8 @@ from chronoq.model import (
     TimerState,
     TimerStatus,
 )
+from chronoq.store.consumequeue import tag_hash
+from chronoq.store.links import LinkBatch
 from chronoq.store.messagestore import MessageStore, PreparedMessage
 from chronoq.timefmt import instant
 from chronoq.timer.delay_queues import DelayLevelQueues
@@ -194,9 +201,17 @@ class TimerService:
         fired: list[tuple[int, int]] = []
         rolled: list[tuple[int, TimerEntry]] = []
         level_offsets: dict[int, int] = {}
+        link_floors: list[tuple[int, int]] = []
         indexed_seconds: list[int] = []
         for m in msgs:
             sp = m.system_properties
+            if m.topic == LINKS_TOPIC:
+                # Only fires write link records: each link is a timer fired by it.
+                positions = self.store.links_in(m).positions
+                if positions:
+                    fired.extend((position, m.store_ms) for position in positions)
+                    link_floors.append((self.store.log.segment_base(m.position), min(positions)))
+                continue
             if m.topic == TIMER_TOPIC:
                 if SYS_TIMER_DEL_UNIQKEY in sp:
                     # The due time names which timer of the id, on tombstones marked so. Older ones
@@ -208,8 +223,11 @@ class TimerService:
                                     None if due_ms is None else int(due_ms)))
                     continue
                 due = int(sp[SYS_TIMER_OUT_MS])
+                real_qid = sp.get(SYS_REAL_QUEUE_ID)
+                group = sp.get(SYS_MESSAGE_GROUP)
                 entry = TimerEntry(due, m.position, m.size, m.message_id, sp[SYS_REAL_TOPIC],
-                                   int(sp.get(SYS_TIMER_ENQUEUE_MS, m.store_ms)), m.keys)
+                                   int(sp.get(SYS_TIMER_ENQUEUE_MS, m.store_ms)), m.keys, tag_hash(m.tag),
+                                   None if real_qid is None else int(real_qid), tag_hash(group) if group else None)
                 if SYS_TIMER_ROLLED_FROM in sp:
                     rolled.append((int(sp[SYS_TIMER_ROLLED_FROM]), entry))  # reserved nothing: not a send
                 else:
@@ -221,9 +239,12 @@ class TimerService:
                     level = int(sp[SYS_DELAY_LEVEL])
                     level_offsets[level] = max(level_offsets.get(level, 0), int(sp[SYS_FIRED_OFFSET]) + 1)
                 else:
+                    # A fired copy: how timers fired before link records (index format 3 and
+                    # before); a log that holds them is still read so.
                     fired.append((int(sp[SYS_FIRED_FROM]), m.store_ms))
         return IndexBatch(adds=adds, cancels=cancels, fired=fired, rolled=rolled, applied_ms=now_ms,
-                          level_progress=level_offsets, indexed_position=indexed_position), indexed_seconds
+                          level_progress=level_offsets, link_floors=link_floors,
+                          indexed_position=indexed_position), indexed_seconds
 
     def recover(self, end: int | None = None) -> int:
         """Replay the log into the engine from its indexed position up to `end` (the log's end);
@@ -262,25 +283,42 @@ class TimerService:
     async def fire_due(self, now_ms: int) -> int:
         """Fire what is due at `now_ms`, up to `timer_fire_batch`; return how many fired."""
         batch = self.config.timer_fire_batch
-        copies: list[PreparedMessage] = []
         # When a job fires (the Spark engine) this loop is only its backstop: `timer/firing.py`.
         horizon_ms = self.firing.loop_horizon_ms(now_ms)
-        damaged: list[TimerEntry] = []
-        keys: list[tuple[str, str, int]] = []
+        firing, busy = self._firing, self._busy
+        entries: list[TimerEntry] = []
         for entry in self.engine.due(horizon_ms, batch):
-            key = (entry.topic, entry.message_id, entry.deliver_at_ms)
-            if entry.position in self._firing or self._busy(key):
-                continue
-            rec = self._read_timer(entry, damaged)
-            if rec is not None:
-                copies.append(self.delivered_copy(rec))
-                keys.append(key)
+            if entry.position not in firing and not busy((entry.topic, entry.message_id, entry.deliver_at_ms)):
+                entries.append(entry)
+        links, keys, damaged = self._links_for(entries)
         self._mark_damaged(damaged, now_ms)
-        if len(copies) < batch:
-            for level, off, rec in self.delay_queues.due(now_ms, batch - len(copies), self._firing):
+        copies: list[PreparedMessage] = []
+        if len(links) < batch:
+            for level, off, rec in self.delay_queues.due(now_ms, batch - len(links), self._firing):
                 copies.append(self.delivered_copy(rec, {SYS_FIRED_OFFSET: str(off), SYS_DELAY_LEVEL: str(level)}))
-        await self._append_fired(copies, keys)
-        return len(copies) + len(damaged)
+        await self._append_fired(links, keys, copies, now_ms)
+        return len(links) + len(copies) + len(damaged)
+
+    def _links_for(self, entries: list[TimerEntry]) -> tuple[LinkBatch, list[tuple[str, str, int]], list[TimerEntry]]:
+        """The links that fire these pending timers, their (topic, id, due time), and the ones
+        whose records fail their checks (damaged: logged here, marked by the caller). The
+        records' frames are checked (length, position, CRC32C), not decoded: the index holds
+        what a link needs (queue, group, tag hash)."""
+        bad = self.store.check_records([(e.position, e.size) for e in entries]) if entries else {}
+        links = LinkBatch()
+        keys: list[tuple[str, str, int]] = []
+        damaged: list[TimerEntry] = []
+        add = links.add
+        for e in entries:
+            if bad and e.position in bad:
+                log.error("timer message %r on topic %r due at %d cannot be delivered: its commit-log record "
+                          "at position %d is damaged (%s); it is marked damaged", e.message_id, e.topic,
+                          e.deliver_at_ms, e.position, bad[e.position])
+                damaged.append(e)
+                continue
+            add(e.position, e.size, e.topic, e.queue_id, e.group_hash, e.tag_hash)
+            keys.append((e.topic, e.message_id, e.deliver_at_ms))
+        return links, keys, damaged
 
     def _busy(self, key: tuple[str, str, int]) -> bool:
         """A cancel of this timer is being made durable, or its fire is (from any copy: a roll
@@ -308,15 +346,20 @@ class TimerService:
                                          indexed_position=self.engine.indexed_position))
             self.damaged_timers += len(entries)
 
-    async def _append_fired(self, copies: list[PreparedMessage], keys: list[tuple[str, str, int]]) -> None:
-        """Append fired copies (`keys`: (topic, id, due time) of those that are timers, not delay
-        levels); until their dispatch has marked them fired, their timers count as firing, so a
-        concurrent fire (the timer loop and `run_due`, or two Spark `FireTimers` calls, one a
-        retry) cannot pick the same timers and deliver them twice."""
-        if not copies:
+    async def _append_fired(self, links: LinkBatch, keys: list[tuple[str, str, int]],
+                            copies: list[PreparedMessage], now_ms: int) -> None:
+        """Append the link record firing `links` (`keys`: their timers' (topic, id, due time))
+        and the delay levels' fired `copies`; until their dispatch has marked them fired, their
+        timers count as firing, so a concurrent fire (the timer loop and `run_due`, or two Spark
+        `FireTimers` calls, one a retry) cannot pick the same timers and deliver them twice."""
+        if not links and not copies:
             return
-        positions = {int(c.system_properties[SYS_FIRED_FROM]) for c in copies}
+        positions = set(links.positions)
+        positions.update(int(c.system_properties[SYS_FIRED_FROM]) for c in copies)
         ids = set(keys)
+        records = list(copies)
+        if links:
+            records.append(PreparedMessage(LINKS_TOPIC, "", MessageType.NORMAL, b"", now_ms, queue_id=0, links=links))
         self._firing |= positions
         self._firing_ids |= ids
 
@@ -327,8 +370,10 @@ class TimerService:
         # A caller that goes away (a FireTimers deadline) leaves the copies to become durable
         # all the same; until their dispatch marks the timers fired the index calls them
         # pending, so they stay firing until then, or the caller's retry fired them twice.
-        await self._append_settled(copies, release)
+        await self._append_settled(records, release)
         fired = self.fired_by_topic  # for metrics (rocketmq_timer_dequeue_total): once per batch
+        for topic in links.topics:
+            fired[topic] = fired.get(topic, 0) + 1
         for copy in copies:
             fired[copy.topic] = fired.get(copy.topic, 0) + 1
 
@@ -368,9 +413,7 @@ class TimerService:
         so a retried call fires nothing twice."""
         if self.index_damaged is not None:
             raise TimerIndexRebuilding(self.index_damaged)
-        copies = []
-        damaged: list[TimerEntry] = []
-        keys: list[tuple[str, str, int]] = []
+        entries: list[TimerEntry] = []
         for position in dict.fromkeys(positions):
             entry = self._pending_at(position)
             if entry is None:
@@ -378,28 +421,47 @@ class TimerService:
             key = (entry.topic, entry.message_id, entry.deliver_at_ms)
             if position in self._firing or self._busy(key) or entry.deliver_at_ms > now_ms:
                 continue
-            rec = self._read_timer(entry, damaged)
-            if rec is not None:
-                copies.append(self.delivered_copy(rec))
-                keys.append(key)
+            entries.append(entry)
+        links, keys, damaged = self._links_for(entries)
         self._mark_damaged(damaged, now_ms)
-        await self._append_fired(copies, keys)
-        return len(copies), len(positions) - len(copies)
+        await self._append_fired(links, keys, [], now_ms)
+        return len(links), len(positions) - len(links)
 
     def _pending_at(self, position: int) -> TimerEntry | None:
         for entry in self.engine.pending_in(position, position + 1, 1):
             return entry
         return None
 
+    def fired_in(self, link_record: StoredMessage) -> list[tuple[str, str, int]]:
+        """(real topic, message id, due time) of each timer a link record fired, read from
+        their records (the delivery trace's question; the fire path itself reads none)."""
+        out = []
+        links = self.store.links_in(link_record)
+        for i, (position, size) in enumerate(zip(links.positions, links.sizes, strict=True)):
+            rec = self.store.readable(position, size)
+            due = None if rec is None else rec.deliver_at_ms
+            if rec is not None and due is not None:
+                out.append((links.topics[links.topic_indexes[i]], rec.message_id, due))
+        return out
+
+    @staticmethod
+    def delivered_view(rec: StoredMessage, topic: str, queue_id: int, queue_offset: int,
+                       fired_ms: int) -> StoredMessage:
+        """A timer record read through the link that fired it (`store.linked_view`): the message
+        as its consumers see it at `queue_offset` of queue (`topic`, `queue_id`), with its
+        original id, stored there when it fired (its link record's store time), and the system
+        properties a fired copy had (`_delivered_properties`). Its position stays the timer
+        record's."""
+        return StoredMessage(rec.message_id, topic, queue_id, queue_offset, rec.message_type, rec.tag, rec.keys,
+                             rec.properties, _delivered_properties(rec), rec.body, rec.born_ms, fired_ms,
+                             rec.position, rec.size)
+
     def delivered_copy(self, rec: StoredMessage, extra: dict[str, str] | None = None) -> PreparedMessage:
-        """The message as its consumers will see it: real topic, original id, timer bookkeeping
-        cleared (the due time stays, as TIMER_OUT_MS, so a consumer can tell how late it is)."""
-        sp = dict(rec.system_properties)
-        real_topic = sp[SYS_REAL_TOPIC]
-        real_qid = sp.get(SYS_REAL_QUEUE_ID)
-        for k in _TIMER_ONLY_PROPS:
-            sp.pop(k, None)
-        sp[SYS_FIRED_FROM] = str(rec.position)
+        """The message as its consumers will see it, for the delay levels, which fire copies:
+        real topic, original id, timer bookkeeping cleared (`_delivered_properties`)."""
+        real_topic = rec.system_properties[SYS_REAL_TOPIC]
+        real_qid = rec.system_properties.get(SYS_REAL_QUEUE_ID)
+        sp = _delivered_properties(rec)
         sp.update(extra or {})
         topic = self.store.topics.get(real_topic)
         qid = int(real_qid) if real_qid is not None and topic and int(real_qid) < topic.queue_count else None
@@ -529,3 +591,14 @@ class TimerService:
         out["pending_by_delay_level"] = self.delay_queues.pending_by_level()
         out["damaged"] = self.damaged_timers
         return out
+
+
+def _delivered_properties(rec: StoredMessage) -> dict[str, str]:
+    """A fired timer's system properties as its consumers see them: the timer bookkeeping
+    cleared, the due time kept (TIMER_OUT_MS, so a consumer can tell how late it is), and
+    TIMER_FIRED_FROM naming the timer record's position."""
+    sp = dict(rec.system_properties)
+    for k in _TIMER_ONLY_PROPS:
+        sp.pop(k, None)
+    sp[SYS_FIRED_FROM] = str(rec.position)
+    return sp

@@ -26,7 +26,7 @@ import chronoq
 from chronoq import trace
 from chronoq.errors import CorruptRecord, InvalidRecallHandle, InvalidReceiptHandle
 from chronoq.model import MessageType, TopicConfig
-from chronoq.store import commitlog, consumequeue, files, groups, meta, record
+from chronoq.store import commitlog, consumequeue, files, groups, links, meta, record
 from chronoq.timer import index_codec, recall
 
 # -- shared checks --------------------------------------------------------------------------
@@ -75,6 +75,8 @@ def test_sizes_the_layouts_state() -> None:
     assert trace.SEGMENT_HEADER_SIZE == 24 == len(trace.encode_segment_header(0))
     assert (trace.SEGMENT_MAGIC, trace.TRACE_VERSION) == (b"CHRONOQT", 3)
     assert files.trace_segment_name(3) == "00000000000000000003.trace"
+    assert (links.LINKS_VERSION, links.LINKS_HEAD.size, links.LINK_BYTES, consumequeue.LINKED) == (1, 7, 30, 1 << 31)
+    assert index_codec.ENTRY_HEAD.size == 37 and index_codec.TIME_VALUE_VERSION == 2
 
 
 DOC = Path(chronoq.__file__).resolve().parents[1] / "docs" / "disk-format.md"
@@ -91,6 +93,8 @@ DOC_STATES = [  # (what docs/disk-format.md says, with the size as group 1; the 
     (r"\(a (\d+)-byte\s+head\)\s+\|\s+topic\s+UTF-8", recall.RECALL_HEAD.size),
     (r"each a (\d+)-byte\s+head\s+\|\s+topic\s+UTF-8", trace.EVENT_HEAD.size),
     (r"Segment header, (\d+) bytes: magic `b\"CHRONOQT\"`", trace.SEGMENT_HEADER_SIZE),
+    (r"have exactly `(\d+) \S count` bytes of columns", links.LINK_BYTES),
+    (r"top bit set \(`LINKED`, 2\^(\d+)\)", 31),
 ]
 
 
@@ -111,7 +115,7 @@ def test_every_name_in_the_data_directory_has_its_section() -> None:
     for name in names:
         assert name in tree, f"{name!r} (store/files.py) is missing from the directory tree in docs/disk-format.md"
     for heading in ("(`commitlog/*.log`)", "(`queues/<topic>/<qid>/*.cq`)", "(`checkpoint`)", "(`topics`)",
-                    "(`groups/`", "(`timer/`", "(`trace/*.trace`", "## Recall handle"):
+                    "(`groups/`", "(`timer/`", "(`trace/*.trace`", "## Recall handle", "### Link record"):
         assert heading in text, f"docs/disk-format.md has no section {heading}"
 
 

@@ -35,7 +35,7 @@ import pytest
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
 from chronoq.config import Config
-from chronoq.model import OutgoingMessage, StoredMessage
+from chronoq.model import LINKS_TOPIC, OutgoingMessage, StoredMessage
 from chronoq.store import files
 from chronoq.store.check import check_data_dir
 from chronoq.store.commitlog import SEGMENT_HEADER_SIZE
@@ -133,8 +133,10 @@ def test_an_async_power_loss_cuts_the_unsynced_tail_and_brings_derived_state_bac
             assert await _drain(broker, "t") == ["ta"]
             assert broker.stats()["timer"]["damaged"] == 0
             assert not broker.store.log.damage.ranges()
-            fired_copy = next(broker.store.scan(fsynced))  # the log goes on right at the cut
-            assert (fired_copy.position, fired_copy.message_id) == (fsynced, "ta")
+            link = next(broker.store.scan(fsynced))  # the log goes on right at the cut: "ta"'s fire
+            links = broker.store.links_in(link)
+            assert (link.position, link.topic) == (fsynced, LINKS_TOPIC)
+            assert [broker.store.read_at(*links.target(i)).message_id for i in range(len(links))] == ["ta"]
             await broker.send(OutgoingMessage("t", b"next", message_id="next"))
             assert await _drain(broker, "t") == ["next"]
         finally:

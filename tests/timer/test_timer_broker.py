@@ -51,7 +51,7 @@ from chronoq.model import (
 from chronoq.store.check import check_data_dir
 from chronoq.store.messagestore import PreparedMessage
 from chronoq.timer.engine import IndexBatch
-from chronoq.timer.index import RocksTimerIndex
+from chronoq.timer.index import FORMAT_VERSION, RocksTimerIndex
 from chronoq.timer.index_codec import CF_META, META_FORMAT_VERSION
 from chronoq.timer.recall import decode_recall_handle
 
@@ -415,7 +415,8 @@ def test_an_index_of_format_version_2_is_rebuilt_under_the_due_time_rule(tmp_pat
             assert index.lookup_id("X")[0].state is TimerState.CANCELLED
             index._cf[CF_META][META_FORMAT_VERSION] = struct.pack(">I", 2)
         report = check_data_dir(tmp_path)
-        assert any("format version 2, this chronoq reads 3" in r for r in report.repairs), report.repairs
+        assert any(f"format version 2, this chronoq reads {FORMAT_VERSION}" in r for r in report.repairs), \
+            report.repairs
         b = await open_broker(tmp_path, clock, dedupe_window_ms=WINDOW_MS)
         try:
             assert b.query("X") == live
@@ -974,8 +975,9 @@ def test_an_index_of_another_format_is_rebuilt_with_one_line_that_says_so(tmp_pa
 
     run(body())
     [line] = [r.getMessage() for r in caplog.records if "cannot be used" in r.getMessage()]
-    assert line == (f"timer index at {timer_dir(tmp_path)} cannot be used: format version 2; this chronoq reads 3; "
-                    "rebuilding it from the commit log (derived state: nothing acknowledged is lost)")
+    assert line == (f"timer index at {timer_dir(tmp_path)} cannot be used: format version 2; "
+                    f"this chronoq reads {FORMAT_VERSION}; rebuilding it from the commit log (derived state: "
+                    "nothing acknowledged is lost)")
 
 
 @pytest.mark.parametrize("engine", ["rocksdb", "spark"])

@@ -7,6 +7,7 @@ directly. Time is always an argument: nothing here sleeps.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import signal
@@ -652,14 +653,16 @@ def reopen_engine(engine: TimerEngine, engine_name: str, path: Path) -> TimerEng
 def test_byte_layouts_match_docs_disk_format(tmp_path: Path) -> None:
     """The layouts docs/disk-format.md ("Timer index") states, byte for byte."""
     with RocksTimerIndex.open(tmp_path / "idx") as index:
-        e = entry(300, T0 + 61_500, message_id="M1", topic="tp", keys=("k1",), accepted_ms=T0 - 7)
+        e = dataclasses.replace(entry(300, T0 + 61_500, message_id="M1", topic="tp", keys=("k1",), accepted_ms=T0 - 7),
+                                tag_hash=0xABCD1234, queue_id=3)
         index.apply(IndexBatch(adds=[e], indexed_position=400))
         cf = index._cf
         ik = b"\x00\x02M1" + b"\x00\x02tp" + struct.pack(">Q", 300)
         keys = b"\x00\x01" + b"\x00\x02k1"
         tk = struct.pack(">QQ", T0 + 61_500, 300)
         assert list(cf[CF_TIME].items()) == [
-            (tk, b"\x01" + struct.pack(">QIq", 300, STRIDE, T0 - 7) + b"\x00\x02M1\x00\x02tp" + keys)]
+            (tk, b"\x02" + struct.pack(">QIqIiq", 300, STRIDE, T0 - 7, 0xABCD1234, 3, -1)
+             + b"\x00\x02M1\x00\x02tp" + keys)]
         facts = b"\x01" + struct.pack(">qIq", T0 + 61_500, STRIDE, T0 - 7) + keys
         assert list(cf[CF_ID].items()) == [(ik, facts)]
         position_key = struct.pack(">Q", 300)
@@ -673,14 +676,18 @@ def test_byte_layouts_match_docs_disk_format(tmp_path: Path) -> None:
             b"h" + struct.pack(">Q", second // 3600): struct.pack(">q", 1),
             b"ttp": struct.pack(">q", 1),
         }
-        assert dict(cf[CF_META].items()) == {META_FORMAT_VERSION: struct.pack(">I", 3),
+        assert dict(cf[CF_META].items()) == {META_FORMAT_VERSION: struct.pack(">I", 4),
                                               b"indexed_position": struct.pack(">Q", 400), b"head_floor": tk}
-        index.apply(IndexBatch(fired=[(300, T0 + 61_502)], indexed_position=500))
+        # Fired by a link record in the segment based at 0 (its links name 300 at the lowest).
+        index.apply(IndexBatch(fired=[(300, T0 + 61_502)], link_floors=[(0, 300)], indexed_position=500))
         assert list(cf[CF_ID].items()) == [(ik, facts)]  # facts stay; the state moved to `pos`
         assert list(cf[CF_POS].items()) == [(position_key, b"\x03\x02" + struct.pack(">q", T0 + 61_502))]
         assert list(cf[CF_HISTORY].items()) == [(struct.pack(">QQ", T0 + 61_502, 300), b"\x01" + ik)]
         assert list(cf[CF_TIME].items()) == []
-        assert dict(cf[CF_COUNTERS].items()) == {}
+        assert dict(cf[CF_COUNTERS].items()) == {b"f" + struct.pack(">Q", 0): struct.pack(">Q", 300)}
+        assert index.linked_floor(0) == 300
+        index.forget_links_below(1)  # the segment based at 0 is gone
+        assert dict(cf[CF_COUNTERS].items()) == {} and index.linked_floor(0) is None
         assert cf[CF_META][b"head_floor"] == tk  # the old head: at or below anything pending
         index.apply(IndexBatch(indexed_position=600))
         assert cf[CF_META][b"head_floor"] == b""  # nothing pending
