@@ -117,6 +117,7 @@ from chronoq.timer.index_codec import (
     U64,
     MalformedValue,
     decode_entry,
+    decode_handed,
     decode_minute_slots,
     decode_pos_pending,
     decode_status,
@@ -315,10 +316,11 @@ class RocksTimerIndex:
         self._levels: dict[int, int] = {}
         """Delay level -> next offset to fire (mirror of the `level:` meta keys)."""
         self._latencies = TimerLatencies()
-        self._handed: dict[int, tuple[bytes, bytes]] = {}
-        """position -> (`time` key, value) of what `due()` has handed out and not yet seen
-        fired, cancelled or rolled. The fire-lag histogram counts each timer once however often
-        the broker asks, and a fired mark for one of these settles it without reading `pos`."""
+        self._handed: dict[int, tuple[bytes, bytes, str, int, int]] = {}
+        """position -> (`time` key, `id` key, topic, due time, the time its delivery error counts
+        from) of what `due()` has handed out and not yet seen fired, cancelled or rolled. The
+        fire-lag histogram counts each timer once however often the broker asks, and a fired
+        mark for one of these settles it without reading `pos` or decoding anything."""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -666,11 +668,12 @@ class RocksTimerIndex:
         with self._guard():
             upper = time_key(now_ms + 1, 0)
             for tk, value in self._cf[CF_TIME].items(from_key=self._head, read_opt=_read_bounded(upper)):
-                entry = decode_entry(tk, value)
+                entry, ik = decode_handed(tk, value)
                 out.append(entry)
                 if entry.position not in handed:
-                    handed[entry.position] = (tk, value)
-                    lags.append(now_ms - max(entry.deliver_at_ms, entry.accepted_ms))  # as delivery_error_ms
+                    counted_from_ms = max(entry.deliver_at_ms, entry.accepted_ms)  # as delivery_error_ms
+                    handed[entry.position] = (tk, ik, entry.topic, entry.deliver_at_ms, counted_from_ms)
+                    lags.append(now_ms - counted_from_ms)
                 if len(out) >= limit:
                     break
         self._latencies.fire_lag_ms.record_many(lags)

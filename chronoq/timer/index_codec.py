@@ -167,6 +167,12 @@ def encode_pending(entry: TimerEntry, ik: bytes) -> tuple[bytes, bytes, bytes, b
 
 
 def decode_entry(tk: bytes, value: bytes) -> TimerEntry:
+    return decode_handed(tk, value)[0]
+
+
+def decode_handed(tk: bytes, value: bytes) -> tuple[TimerEntry, bytes]:
+    """The entry a `time` row holds, and its timer's `id` key (the value holds the key's message
+    id and topic verbatim, and its position): what settling it needs, read in the one pass."""
     # Inlined string reads: this runs for every timer handed out by `due()`.
     if len(tk) != TIME_KEY.size or len(value) < ENTRY_HEAD.size + 6:
         raise MalformedValue(f"time key of {len(tk)} bytes / value of {len(value)} bytes")
@@ -183,6 +189,7 @@ def decode_entry(tk: bytes, value: bytes) -> TimerEntry:
     start = end + 2
     end = start + (value[start - 2] << 8 | value[start - 1])
     topic = value[start:end].decode()
+    ik = value[ENTRY_HEAD.size:end] + value[1:9]
     if end + 2 == len(value) and value[end] == 0 and value[end + 1] == 0:
         keys: tuple[str, ...] = ()
     else:
@@ -190,21 +197,7 @@ def decode_entry(tk: bytes, value: bytes) -> TimerEntry:
         if end != len(value):
             raise MalformedValue(f"time entry has {len(value) - end} bytes more or less than it says")
     return TimerEntry(deliver_at_ms, position, size, message_id, topic, accepted_ms, keys, tag_hash,
-                      None if queue_id < 0 else queue_id, None if group_hash < 0 else group_hash)
-
-
-def id_key_of_entry(value: bytes) -> tuple[bytes, str]:
-    """(`id` key, topic) of the timer a `time` value describes: the value holds the id key's
-    message id and topic verbatim, and its position, so settling a timer `due()` handed out
-    needs no read."""
-    start = ENTRY_HEAD.size
-    topic_start = start + 2 + (value[start] << 8 | value[start + 1])
-    if topic_start + 2 > len(value):
-        raise MalformedValue("time entry message id runs past the value")
-    topic_end = topic_start + 2 + (value[topic_start] << 8 | value[topic_start + 1])
-    if topic_end + 2 > len(value):
-        raise MalformedValue("time entry topic runs past the value")
-    return value[start:topic_end] + value[1:9], value[topic_start + 2:topic_end].decode()
+                      None if queue_id < 0 else queue_id, None if group_hash < 0 else group_hash), ik
 
 
 def pos_done(state: int, done_ms: int) -> bytes:

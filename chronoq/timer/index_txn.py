@@ -29,7 +29,6 @@ from chronoq.timer.index_codec import (
     CF_META,
     CF_POS,
     CF_TIME,
-    ENTRY_HEAD,
     FACTS_HEAD,
     HIST_REDIRECT,
     HIST_STATUS,
@@ -53,7 +52,6 @@ from chronoq.timer.index_codec import (
     encode_pending,
     facts_keys,
     id_key,
-    id_key_of_entry,
     id_key_topic,
     id_prefix,
     key_cf_key,
@@ -185,30 +183,29 @@ class IndexTxn:
         # since has dropped them from `handed`, or touched `pos` in this batch).
         self._prefetch_pos([position for position, _ in fired if position not in handed or position in pos])
         # The common case, inlined (`_unschedule` + the rest of `_finish`): this loop runs per
-        # timer fired, and needs no read: the handed-out `time` row names everything.
+        # timer fired, and needs no read: what `due()` handed out names everything.
         wb_put, wb_delete, h = self.wb.put, self.wb.delete, self.h
         h_time, h_pos, h_history = h[CF_TIME], h[CF_POS], h[CF_HISTORY]
         slot_delta, topic_delta = self.slot_delta, self.topic_delta
         removed, finished, fired_times = self.removed, self.finished_positions, self.fired_times
-        pack_position, pack_history, unpack_time = U64.pack, HISTORY_KEY.pack, TIME_KEY.unpack
-        unpack_entry_head = ENTRY_HEAD.unpack_from
+        pack_position, pack_history = U64.pack, HISTORY_KEY.pack
+        done_ms, done = -1, b""
         for position, fired_ms in fired:
             if position in pos:
                 self.fire(position, fired_ms)
                 continue
-            tk, value = handed[position]
-            ik, topic = id_key_of_entry(value)
-            deliver_at_ms = unpack_time(tk)[0]
+            tk, ik, topic, deliver_at_ms, counted_from_ms = handed[position]
             wb_delete(tk, h_time)
             removed.add(tk)
             slot_delta[deliver_at_ms // 1000] -= 1
             topic_delta[topic] -= 1
             finished.append(position)
-            done = pos_done(STATE_DELIVERED, fired_ms)
+            if fired_ms != done_ms:  # one link record fires its timers at one time
+                done_ms, done = fired_ms, pos_done(STATE_DELIVERED, fired_ms)
             wb_put(pack_position(position), done, h_pos)
             pos[position] = done
             wb_put(pack_history(fired_ms, position), _HISTORY_STATUS_KIND + ik, h_history)
-            fired_times.append((max(deliver_at_ms, unpack_entry_head(value)[3]), fired_ms))
+            fired_times.append((counted_from_ms, fired_ms))
 
     def _follow(self, position: int) -> tuple[int, bytes | None]:
         """Where the timer first recorded at `position` lives now (roll redirects followed)."""
