@@ -19,7 +19,7 @@ from typing import Any
 from bench.harness.procs import Server, ServerProcess
 
 PROFILED_SYSTEMS = {"chronoq", "chronoq-async", "chronoq-stream", "floor"}
-PROFILED_PHASES = {"accept", "precision"}
+PROFILED_PHASES = {"accept", "precision", "burst"}
 SAMPLE_RATE_HZ = 100
 TOP = 25
 

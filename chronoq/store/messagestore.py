@@ -84,7 +84,7 @@ from chronoq.store import files, fsync
 from chronoq.store.commitlog import CommitLog, RecoveryReport, Segment
 from chronoq.store.consumequeue import ConsumeQueue, OpenFiles, TakenFlush, tag_hash
 from chronoq.store.diskspace import DiskSpace, is_disk_full
-from chronoq.store.links import LINKED, LinkBatch, Links, decode_links, encode_links, link_entries, queue_entries
+from chronoq.store.links import LINKED, LinkBatch, Links, decode_links, encode_links, queue_entries
 from chronoq.store.meta import (
     CHECKPOINT_VERSION,
     decode_topics,
@@ -596,8 +596,12 @@ class MessageStore:
         qids: list[int] = []
         qoffs: list[int] = []
         robin = self._round_robin
+        counts: dict[str, int] = {}  # (a fire step's thousands of links name a few topics)
+        stored_next = self._next_qoff
         for name, qid, group_hash in zip(links.topics, links.queue_ids, links.group_hashes, strict=True):
-            count = self.get_topic(name).queue_count
+            count = counts.get(name)
+            if count is None:
+                count = counts[name] = self.get_topic(name).queue_count
             if qid is None or not 0 <= qid < count:
                 if group_hash is not None:
                     qid = group_hash % count
@@ -606,7 +610,7 @@ class MessageStore:
             key = (name, qid)
             qoff = next_qoff.get(key)
             if qoff is None:
-                qoff = self._next_qoff.get(key, 0)
+                qoff = stored_next.get(key, 0)
             next_qoff[key] = qoff + 1
             qids.append(qid)
             qoffs.append(qoff)
@@ -681,13 +685,19 @@ class MessageStore:
                 entries = per_queue[key] = (msg.queue_offset, [])
             entries[1].append((msg.position, msg.size, tag_hash(msg.tag)))
             if msg.topic == LINKS_TOPIC:
+                # Each link is an entry naming this record (`link_entries`, written out: a
+                # fire step dispatches thousands).
                 links = decode_links(msg.body, msg.position)
                 self._remember_links(msg.position, links, msg.store_ms)  # its consumers read it next
-                for topic, qid, qoff, position, size, th in link_entries(msg.position, links):
-                    entries = per_queue.get((topic, qid))
+                position, topics, linked = msg.position, links.topics, LINKED
+                for ti, qid, qoff, th in zip(links.topic_indexes, links.queue_ids, links.queue_offsets,
+                                             links.tag_hashes, strict=True):
+                    key = (topics[ti], qid)
+                    entries = per_queue.get(key)
                     if entries is None:
-                        entries = per_queue[(topic, qid)] = (qoff, [])
-                    entries[1].append((position, size, th))
+                        entries = per_queue[key] = (qoff, [])
+                    entries[1].append((position, linked, th))
+                    linked += 1
             batch.append(msg)
         if batch:
             try:

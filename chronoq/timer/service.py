@@ -123,7 +123,7 @@ class TimerService:
         nothing fires, cancels or rolls by it, and retention waits."""
         self._reserved: Counter[int] = Counter()
         """Per-second count of timers accepted but not yet indexed (for slot congestion)."""
-        self.fired_by_topic: dict[str, int] = {}
+        self.fired_by_topic: Counter[str] = Counter()
         """Fired copies appended, per real topic, since start (metrics read it at scrape time)."""
 
     # -- accept -----------------------------------------------------------------------------
@@ -285,11 +285,11 @@ class TimerService:
         batch = self.config.timer_fire_batch
         # When a job fires (the Spark engine) this loop is only its backstop: `timer/firing.py`.
         horizon_ms = self.firing.loop_horizon_ms(now_ms)
+        entries = self.engine.due(horizon_ms, batch)
         firing, busy = self._firing, self._busy
-        entries: list[TimerEntry] = []
-        for entry in self.engine.due(horizon_ms, batch):
-            if entry.position not in firing and not busy((entry.topic, entry.message_id, entry.deliver_at_ms)):
-                entries.append(entry)
+        if firing or self._holding or self._firing_ids:  # (none while one step follows another)
+            entries = [e for e in entries
+                       if e.position not in firing and not busy((e.topic, e.message_id, e.deliver_at_ms))]
         links, keys, damaged = self._links_for(entries)
         self._mark_damaged(damaged, now_ms)
         copies: list[PreparedMessage] = []
@@ -305,19 +305,24 @@ class TimerService:
         records' frames are checked (length, position, CRC32C), not decoded: the index holds
         what a link needs (queue, group, tag hash)."""
         bad = self.store.check_records([(e.position, e.size) for e in entries]) if entries else {}
-        links = LinkBatch()
-        keys: list[tuple[str, str, int]] = []
         damaged: list[TimerEntry] = []
-        add = links.add
-        for e in entries:
-            if bad and e.position in bad:
-                log.error("timer message %r on topic %r due at %d cannot be delivered: its commit-log record "
-                          "at position %d is damaged (%s); it is marked damaged", e.message_id, e.topic,
-                          e.deliver_at_ms, e.position, bad[e.position])
-                damaged.append(e)
-                continue
-            add(e.position, e.size, e.topic, e.queue_id, e.group_hash, e.tag_hash)
-            keys.append((e.topic, e.message_id, e.deliver_at_ms))
+        if bad:
+            for e in entries:
+                if e.position in bad:
+                    log.error("timer message %r on topic %r due at %d cannot be delivered: its commit-log record "
+                              "at position %d is damaged (%s); it is marked damaged", e.message_id, e.topic,
+                              e.deliver_at_ms, e.position, bad[e.position])
+                    damaged.append(e)
+            entries = [e for e in entries if e.position not in bad]
+        # Column by column (a fire step adds thousands of links).
+        links = LinkBatch()
+        links.positions = [e.position for e in entries]
+        links.sizes = [e.size for e in entries]
+        links.topics = [e.topic for e in entries]
+        links.queue_ids = [e.queue_id for e in entries]
+        links.group_hashes = [e.group_hash for e in entries]
+        links.tag_hashes = [e.tag_hash for e in entries]
+        keys = [(e.topic, e.message_id, e.deliver_at_ms) for e in entries]
         return links, keys, damaged
 
     def _busy(self, key: tuple[str, str, int]) -> bool:
@@ -371,11 +376,9 @@ class TimerService:
         # all the same; until their dispatch marks the timers fired the index calls them
         # pending, so they stay firing until then, or the caller's retry fired them twice.
         await self._append_settled(records, release)
-        fired = self.fired_by_topic  # for metrics (rocketmq_timer_dequeue_total): once per batch
-        for topic in links.topics:
-            fired[topic] = fired.get(topic, 0) + 1
-        for copy in copies:
-            fired[copy.topic] = fired.get(copy.topic, 0) + 1
+        # For metrics (rocketmq_timer_dequeue_total): once per batch.
+        self.fired_by_topic.update(links.topics)
+        self.fired_by_topic.update(copy.topic for copy in copies)
 
     async def _append_settled(self, records: list[PreparedMessage], settle: Callable[[bool], None]) -> None:
         """Append `records` and wait until they are durable; `settle(durable)` runs once: when
