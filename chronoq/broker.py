@@ -6,8 +6,8 @@ Theory of operation: a message walks through rooms, each a module of its own:
 - the store (`store/`): the commit log, consume queues, and the *dispatch* of durable records to
   their consume queues, the timer index and waiting long polls, before any sender is released,
   so an acknowledged message is durable, visible and indexed;
-- `timer/loop.py` and `timer/service.py`: when timers fire, and what firing writes (a fired copy
-  in the real topic, which dispatch then makes visible);
+- `timer/loop.py` and `timer/service.py`: when timers fire, and what firing writes (a link record
+  entering each timer record into its real topic's queue, which dispatch then makes visible);
 - `deliver.py` over `consumers.py`: receive (long polls), ack, invisible durations, retries, DLQ;
 - `retention.py`: rolling pending timers forward and deleting expired segments.
 This module builds them (`open`), owns their background tasks (the flusher, the timer loop, the

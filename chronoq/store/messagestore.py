@@ -46,7 +46,12 @@ form the garbage collector stops tracking (`_CachedRecord`).
 Reads (`read_at`) return None for a record retention removed or a hole, and raise
 `CorruptRecord` for a damaged one, after quarantining it: each caller decides what a lost
 record means to it (skip it, drop an in-flight entry, mark a timer damaged). `readable` is the
-same read for callers to whom damage means "skip".
+same read for callers to whom damage means "skip", and `readable_entry` the read of a queue
+entry: a link's (`store/links.py`: a link record enters records already in the log into other
+topics' queues, how timers fire) goes through its link record to the linked record, shown as
+the message that queue holds (`linked_view`, which the link's writer sets). A link record's
+links are dispatched, replayed and rebuilt as queue entries by the rule every record's own
+entry follows (`queue_entries`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ Theory of operation: a message sent with a delay level is routed to `SCHEDULE_TO
 is already in due order and only its head needs looking at: the next deadline is the earliest
 head, and firing takes heads while they are due. Progress (the next offset of each level to
 fire) is kept by the timer engine (`engine.level_progress`), in the same atomic batch as its
-`indexed_position`, and moved by the dispatch of the fired copies (which carry
+`indexed_position`, and moved by the dispatch of the fired copies (a level fires a full copy,
+RocketMQ 4's way, not a link; the copies carry
 `TIMER_FIRED_OFFSET` and `DELAY_LEVEL`): derived from the log like the rest of the index, so a
 replay or a rebuild restores it. Entries whose records are gone (expired, holes, quarantined
 damage) are stepped over: none of them can be fired.

@@ -1,7 +1,7 @@
 """The timer engine interface: what the broker asks of any time index.
 
 Theory of operation: a timer engine is *derived state of the commit log*. The broker appends
-every timer record, cancel tombstone, fired copy and rolled copy to the log first, and then
+every timer record, cancel tombstone, link record (firing) and rolled copy to the log first, and then
 applies them to the engine as an `IndexBatch` that also carries `indexed_position`, the
 exclusive end of the log range the batch covers. An engine applies a batch atomically (all of
 it with its `indexed_position`, or none of it), so after any crash the broker replays the log
@@ -20,23 +20,24 @@ in-memory one.
 
 Within one batch the engine applies adds, then rolls, then fired marks, then cancels. That is
 the order the log imposes on records about the *same* timer (a timer record precedes anything
-that refers to it), and where a cancel and a fired copy for one timer meet in the same batch the
-fired copy wins: it is in the log, so consumers can see the message, and calling it cancelled
-would lie. A cancel carries its tombstone's log position and reaches only timers recorded before
-it (a rolled copy counts from its original's position): a timer resent with the same id after
-a cancel, in the same batch, is a new timer the cancel must not touch. It also carries the due
-time of the timer it cancels (the tombstone's TIMER_OUT_MS, as RocketMQ 5 places its delete
-record at the timer's delivery time) and reaches only timers due then: one id reused on a topic
-after the dedupe window names several timers, and a cancel of one must not cancel the others.
-Only a tombstone marked TIMER_DEL_AT_DUE (written since index format version 3) names a due
-time here; an older one reaches every timer of its (topic, id), the rule its cancel was
-acknowledged under (a rebuild must not deliver what it cancelled).
+that refers to it), and where a cancel and a fired mark (a link record's, or an older broker's
+fired copy) for one timer meet in the same batch the fire wins: it is in the log, so consumers
+can see the message, and calling it cancelled would lie. A cancel carries its tombstone's log
+position and reaches only timers recorded before it (a rolled copy counts from its original's
+position): a timer resent with the same id after a cancel, in the same batch, is a new timer the
+cancel must not touch. It also carries the due time of the timer it cancels (the tombstone's
+TIMER_OUT_MS, as RocketMQ 5 places its delete record at the timer's delivery time) and reaches
+only timers due then: one id reused on a topic after the dedupe window names several timers,
+and a cancel of one must not cancel the others. Only a tombstone marked TIMER_DEL_AT_DUE
+(written since index format version 3) names a due time here; an older one reaches every timer
+of its (topic, id), the rule its cancel was acknowledged under (a rebuild must not deliver what
+it cancelled).
 
 Delay-level progress (the next offset of each level's queue to fire) is derived state too, and
 lives in the engine with `indexed_position`, written in the same atomic batch: the fired copies
-that move it are in the log, so a replay restores it, and it can never be ahead of or behind the
-position it was derived up to (two stores with separate write-ahead logs could disagree after a
-power loss, and a delay-level message would fire twice).
+(delay levels fire as copies) that move it are in the log, so a replay restores it, and it can
+never be ahead of or behind the position it was derived up to (two stores with separate
+write-ahead logs could disagree after a power loss, and a delay-level message would fire twice).
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ class IndexBatch:
     (`deliver_at_ms` None: a tombstone written before the due-time rule, which reaches every due
     time)."""
     fired: Sequence[tuple[int, int]] = ()
-    """(timer record position, fired_ms): the fired copy became visible at fired_ms."""
+    """(timer record position, fired_ms): a link record (or an older broker's fired copy) made it
+    visible in its real topic at fired_ms."""
     rolled: Sequence[tuple[int, TimerEntry]] = ()
     """(old position, entry at its new position; same message id, topic and due time)."""
     damaged: Sequence[tuple[int, int]] = ()
@@ -127,7 +129,7 @@ class TimerEngine(Protocol):
     def due(self, now_ms: int, limit: int) -> list[TimerEntry]:
         """Up to `limit` pending entries with `deliver_at_ms <= now_ms`, ordered by
         (deliver_at_ms, position). Does not change what is pending: the broker marks them
-        fired by applying their fired copies."""
+        fired by applying the link records that fire them."""
         ...
 
     def next_deadline_ms(self) -> int | None:

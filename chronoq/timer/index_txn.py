@@ -1,7 +1,7 @@
 """One `apply` of the RocksDB timer index: how an `IndexBatch` becomes one WriteBatch.
 
 Theory of operation: `IndexTxn` reads what it must through an overlay of its own changes, so a
-later record of a batch sees an earlier one (an add and its fired copy, a roll and a fired mark
+later record of a batch sees an earlier one (an add and its fired mark, a roll and a fired mark
 for the old copy), and builds a single RocksDB WriteBatch plus copies of the counters it moved.
 Nothing touches the database or the index's in-memory state until `RocksTimerIndex.apply`
 writes the batch; only then does the index swap in the new counters (`_commit`). So a batch
@@ -69,7 +69,7 @@ _HISTORY_STATUS_KIND = bytes((HIST_STATUS,))
 
 class IndexTxn:
     """One `apply`: the WriteBatch being built plus an overlay of what it changed, so later
-    records of the same batch see earlier ones (an add and its fired copy in one batch)."""
+    records of the same batch see earlier ones (an add and its fired mark in one batch)."""
 
     def __init__(self, index: RocksTimerIndex) -> None:
         self.index = index
@@ -264,8 +264,8 @@ class IndexTxn:
         if old_value is None:
             # The original lies in log the index never saw (a rebuild that starts after its
             # segment was deleted): the copy is the timer. The old position still redirects to
-            # it, so a fired copy written from the old one (it raced the roll, so it follows the
-            # copy in the log) finds the timer, and a rebuild cannot fire it twice. (A fired copy
+            # it, so a fire (a link) written from the old one (it raced the roll, so it follows the
+            # copy in the log) finds the timer, and a rebuild cannot fire it twice. (A fire
             # or a cancel *before* the roll copy cannot exist: the roll skips timers being fired
             # or cancelled, and the index has them done before that.)
             self._insert(entry, new_ik, enqueued=False)

@@ -5,7 +5,7 @@ module decides *when*, against the broker's clock. The loop asks the service to 
 runs again at once while a full batch fired, and otherwise sleeps until the engine's next
 deadline, but no sooner than `timer_fire_gap_ms` after a step that fired (timers falling due
 within the gap share the next step and its fsync; design.md, "The fire gap"). A dispatch that
-brought timer records (a new, earlier timer, a tombstone, a fired copy) or a cancel wakes it
+brought timer records (a new, earlier timer, a tombstone) or a cancel wakes it
 early (`poke`). It never dies of its own faults: a full disk holds firing back
 (`disk_full_retry_ms`, the timers stay pending: nothing lost, nothing early), and a timer index
 found damaged while running is rebuilt from the log in one step on the loop.
@@ -193,7 +193,7 @@ def open_timer_service(config: Config, store: MessageStore, append: Append) -> T
             raise TimerIndexCorrupt(path, f"it covers the log up to {index.indexed_position}, past the log's "
                                           f"end {store.log.end_position}")
         if index.indexed_position < store.log.start_position:
-            # Older than the retained log (restored from an old copy): the fired copies and
+            # Older than the retained log (restored from an old copy): the link records and
             # tombstones that settled some of its timers are deleted, so a replay from the log's
             # start would leave those timers pending for good, and, enough of them, starve
             # every later one of a fire step.

@@ -246,7 +246,7 @@ class TimerLatencies:
     """applied_ms - accepted_ms per live add: from durable in the log to visible in the index."""
     fire_lag_ms: LatencyHistogram = field(default_factory=LatencyHistogram)
     """now_ms - max(deliver_at_ms, accepted_ms) when `due()` first hands a timer to the broker:
-    the engine's own share of the delivery error, before the fired copy is written."""
+    the engine's own share of the delivery error, before the link record that fires it is written."""
 
     def summaries(self) -> dict[str, dict[str, Any]]:
         return {

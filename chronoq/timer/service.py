@@ -5,7 +5,7 @@ Theory of operation (RocketMQ 5's shape, with RocksDB in place of the timer log 
    queue and due time in system properties; the broker appends it, so it is durable when acked.
    Delay-level messages go instead to the schedule topic, one queue per level (RocketMQ 4).
 2. Index: every durable record is dispatched to `on_dispatch`, which turns timer records,
-   tombstones, fired copies and rolled copies into one `IndexBatch` for the engine. The engine is
+   tombstones, link records and rolled copies into one `IndexBatch` for the engine. The engine is
    derived state: `recover()` replays the log from `engine.indexed_position`; nothing fires then.
 3. Fire: `fire_due(now_ms)` asks the engine for due entries and writes ONE link record for
    them (`store/links.py`): each timer record, where it lies, enters its real topic's queue
@@ -26,13 +26,13 @@ Theory of operation (RocketMQ 5's shape, with RocksDB in place of the timer log 
    handle. A cancel by id alone picks the one pending timer of that id, and is refused
    (`TimerIdAmbiguous`, with each one's due time and handle) when there are several. While the
    tombstone is being made durable the fire loop holds that timer back, so a cancel racing the
-   fire has one winner; a cancel of a timer whose fired copy is being made durable is refused
+   fire has one winner; a cancel of a timer whose link record is being made durable is refused
    (it has fired). A caller that goes away meanwhile leaves the hold in place until the
    tombstone is durable.
 5. Roll: before retention deletes a segment, pending timers in it are re-appended (rolled) so a
    timer due in 30 days outlives 72-hour segments, and the index moves to the new copy. A roll
    decides and writes one chunk (`timer_roll_batch`) at a time, in one step, skipping timers
-   being fired or cancelled: so in the log a roll copy never follows the fired copy or the
+   being fired or cancelled: so in the log a roll copy never follows the link record or the
    tombstone of its timer, and an index rebuilt from the log cannot bring either back.
 The service never reads the clock: every entry point takes `now_ms`. The recall handle a send
 returns is encoded by `timer/recall.py`.
@@ -110,7 +110,8 @@ class TimerService:
         """(topic, message id, due time) with a cancel being made durable: fire and roll leave
         those timers alone."""
         self._firing: set[int] = set()
-        """Positions whose fired copies are being made durable: no second fire picks them."""
+        """Positions of timers whose link record (or delay-level copy) is being made durable: no
+        second fire picks them."""
         self._firing_ids: set[tuple[str, str, int]] = set()
         """(topic, message id, due time) of the timers in `_firing`: a cancel of one is refused."""
         self._settling: set[asyncio.Future[None]] = set()
@@ -512,8 +513,8 @@ class TimerService:
                 raise TimerAlreadyCancelled(message_id)
             raise TimerAlreadyFired(message_id, deliver_at_ms)
         key = (topic, message_id, deliver_at_ms)
-        # Its fired copy may be on its way to the disk while the index still says pending: that
-        # copy will be delivered, so the cancel must not be acknowledged. (Checked apart from the
+        # Its link record may be on its way to the disk while the index still says pending: the
+        # timer will be delivered, so the cancel must not be acknowledged. (Checked apart from the
         # due time: a clock that disagrees with the one that fired it must not matter.)
         if deliver_at_ms <= now_ms or key in self._firing_ids:
             raise TimerAlreadyFired(message_id, deliver_at_ms)
@@ -550,7 +551,7 @@ class TimerService:
         One chunk of `timer_roll_batch` timers at a time, so memory holds one chunk's bodies
         however many timers cross the retention horizon; each chunk is read from the index and
         written to the log in one step (no await between), and timers being fired or cancelled
-        are left alone: the fired copy or tombstone already in the log settles them, and a roll
+        are left alone: the link record or tombstone already in the log settles them, and a roll
         copy after it would bring the timer back when the index is rebuilt from the log. What
         is left pending below `position` (skipped, or fired/cancelled after all) keeps its
         segment: `pending_below` says so, and retention waits."""
