@@ -32,9 +32,10 @@ TIMER_TOPIC = "rmq_sys_wheel_timer"
 """Timer messages wait here (RocketMQ 5's TIMER_TOPIC) until due, real topic in properties."""
 SCHEDULE_TOPIC = "SCHEDULE_TOPIC_XXXX"  # RocketMQ 4's own name for it, kept for familiarity
 """Delay-level messages wait here, one queue per level (RocketMQ 4)."""
-LINKS_TOPIC = "rmq_sys_links"
+LINKS_TOPIC = "chronoq.links"
 """Link records: each enters records already in the log into other topics' queues (a fire step's
-timers into their real topics; `store/links.py`)."""
+timers into their real topics; `store/links.py`). A name no producer can give (a '.' is outside
+the topic alphabet), so no topic a user made, before or since, is ever read as link records."""
 DLQ_PREFIX = "%DLQ%"
 SYSTEM_TOPICS = frozenset({TIMER_TOPIC, SCHEDULE_TOPIC, LINKS_TOPIC})
 

@@ -69,11 +69,18 @@ class Retention:
 
     def _linked(self, limit: int) -> int:
         """`limit` lowered until no link record in a segment that stays (the one holding `limit`,
-        and those after it: whole segments go) names a record below it. Links point back, so
-        each step lowers it and the log's start bounds it."""
-        while (floor := self.timer.engine.linked_floor(self.store.log.segment_base(limit))) is not None \
-                and floor < limit:
-            limit = floor
+        and those after it: whole segments go) names a record below it, nor a fire still in
+        flight: a fire that raced the roll links the timer's old record, and until its link
+        record is dispatched the index has no floor for it (the roll copy, made durable first,
+        leaves nothing pending there). Links point back, so each step lowers it; the log's start
+        bounds it."""
+        start = self.store.log.start_position
+        firing = self.timer.min_firing_position()
+        if firing is not None:
+            limit = min(limit, max(firing, start))
+        while limit > start and (floor := self.timer.engine.linked_floor(self.store.log.segment_base(limit))) \
+                is not None and floor < limit:
+            limit = max(floor, start)
         return limit
 
     def _held_in_flight(self, limit: int, hold_limit: int) -> int:

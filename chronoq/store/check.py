@@ -47,13 +47,13 @@ from pathlib import Path
 from rocksdict import AccessType, Options, Rdict
 
 from chronoq.errors import CorruptRecord
-from chronoq.model import is_system_topic
+from chronoq.model import LINKS_TOPIC, is_system_topic
 from chronoq.store import files
 from chronoq.store.commitlog import SEGMENT_HEADER_SIZE, check_frame, decode_segment_header
 from chronoq.store.consumequeue import CQ_HEADER_SIZE, ENTRY, ENTRY_SIZE, decode_cq_header, decode_entry
 from chronoq.store.damage import DAMAGED, Pread, classify
 from chronoq.store.diskspace import resource_problem
-from chronoq.store.links import queue_entries
+from chronoq.store.links import decode_links, queue_entries
 from chronoq.store.meta import CHECKPOINT_VERSION, decode_checkpoint_versioned, decode_topics
 from chronoq.store.record import HEADER, HEADER_SIZE, RECORD_MAGIC, RECORD_VERSION, decode_record
 from chronoq.timer.index import FORMAT_VERSION as TIMER_INDEX_FORMAT_VERSION
@@ -452,6 +452,12 @@ def _check_segment(report: CheckReport, queues: dict[tuple[str, int], _Queue], e
             # A record's own entry, and each link of a link record (`store/links.py`).
             for topic, qid, qoff, at, entry_size, th in queue_entries(msg):
                 _check_entry(report, queues, entries, topic, qid, qoff, at, entry_size, th, checkpoint)
+            if msg.topic == LINKS_TOPIC:
+                low = min(decode_links(msg.body, position).positions, default=None)
+                if low is not None and low < report.log_start:
+                    report.problems.append(
+                        f"{path}: link record at position {position} names a record at {low}, below the log's "
+                        f"start {report.log_start}: the message it fired is gone (retention must keep it)")
         except CorruptRecord as e:
             report.problems.append(f"{path}: link record at position {position} cannot be read: {e.reason}; "
                                    "the messages it fired are missing from their consume queues")

@@ -582,6 +582,11 @@ class TimerService:
                 await self._append(copies)
                 rolled += len(copies)
 
+    def min_firing_position(self) -> int | None:
+        """The lowest record position a fire in flight names (its link record or copies are not
+        dispatched yet, so the index has no link floor for them): retention keeps it."""
+        return min(self._firing) if self._firing else None
+
     def pending_below(self, position: int) -> bool:
         """Whether a pending timer's record still lies below `position` (retention must wait)."""
         return bool(self.engine.pending_in(self.store.log.start_position, position, 1))

@@ -9,13 +9,28 @@ long as a fired copy would have (as long as the record that fired it).
 
 from __future__ import annotations
 
+import asyncio
+import os
+import threading
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from timer_helpers import START_MS, drain, open_broker, run
+import pytest
+from timer_helpers import START_MS, drain, fired_messages, open_broker, run
 
+from chronoq.broker import Broker
 from chronoq.clock import FakeClock
-from chronoq.config import HOUR_MS, MINUTE_MS
-from chronoq.model import LINKS_TOPIC, SYS_FIRED_FROM, SYS_TIMER_OUT_MS, TIMER_TOPIC, OutgoingMessage
+from chronoq.config import HOUR_MS, MINUTE_MS, Config
+from chronoq.model import (
+    LINKS_TOPIC,
+    SYS_FIRED_FROM,
+    SYS_TIMER_OUT_MS,
+    TIMER_TOPIC,
+    OutgoingMessage,
+    topic_name_problem,
+)
+from chronoq.store import files
+from chronoq.store.check import check_data_dir
 
 
 def test_a_fired_timer_reads_as_its_fired_copy_did(tmp_path: Path) -> None:
@@ -121,3 +136,114 @@ def test_retention_keeps_a_fired_timer_as_long_as_the_link_record_that_fired_it(
             await b.close()
 
     run(body())
+
+
+def test_no_topic_a_producer_can_name_is_read_as_link_records() -> None:
+    """Link records are known by their topic's name alone, so it is one no door accepts: a
+    user's topic of any valid name, made before this format or since, is never taken for one."""
+    assert topic_name_problem(LINKS_TOPIC, Config().max_topic_name_length) is not None
+
+
+# --- a fire racing the roll ------------------------------------------------------------------------
+
+_SMALL = {"segment_size_bytes": 64 * 1024, "max_message_size_bytes": 4096, "retention_ms": HOUR_MS}
+
+
+def _hold_two_segment_syncs(monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, object], list[threading.Event],
+                                                                        list[threading.Event]]:
+    """(state, held, release): once `state["armed"]`, the next two group commits of a segment each
+    wait for their own release (a real fdatasync then runs)."""
+    held = [threading.Event(), threading.Event()]
+    release = [threading.Event(), threading.Event()]
+    state: dict[str, object] = {"armed": False, "n": 0}
+    real = os.fdatasync
+
+    def fdatasync(fd: int) -> None:
+        n = state["n"]
+        assert isinstance(n, int)
+        if state["armed"] and n < 2 and os.readlink(f"/proc/self/fd/{fd}").endswith(files.SEGMENT_SUFFIX):
+            state["n"] = n + 1
+            held[n].set()
+            assert release[n].wait(10)
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    return state, held, release
+
+
+async def _until(event: threading.Event) -> None:
+    while not event.is_set():
+        await asyncio.sleep(0.001)
+
+
+@pytest.mark.parametrize("fire_by", ["loop", "spark"])
+def test_a_fire_racing_the_roll_keeps_the_record_it_links(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          fire_by: str) -> None:
+    """Retention rolls a due timer forward, and its roll copy waits for its group commit; the
+    timer fires meanwhile from its old record (still the indexed one), so the link record follows
+    the roll copy and names the old position. The roll copy is made durable first: the timer is
+    pending at the copy, nothing is pending below the limit, and the link record, not yet
+    dispatched, has no floor in the index. Retention deleted the old segment, and the fired
+    message was lost (found by a review; the fire in flight now holds retention back)."""
+    state, held, release = _hold_two_segment_syncs(monkeypatch)
+
+    async def body() -> None:
+        clock = FakeClock(START_MS)
+        broker = await open_broker(tmp_path / "data", clock, **_SMALL)
+        fire_now: dict[str, Callable[[], Awaitable[object]]] = {
+            "loop": broker.run_due, "spark": lambda: broker.fire_timers([sent.position])}
+        try:
+            sent = await broker.send(OutgoingMessage("orders", b"t", message_id="t1",
+                                                     deliver_at_ms=START_MS + HOUR_MS))
+            for i in range(150):  # the timer's segment is sealed
+                await broker.send(OutgoingMessage("filler", b"f" * 600, message_id=f"f{i}"))
+            clock.advance(2 * HOUR_MS)  # due, and its segment past retention
+            for i in range(150):
+                await broker.send(OutgoingMessage("filler", b"f" * 600, message_id=f"g{i}"))
+            assert await broker.store.expired_before(clock.now_ms()) > sent.position
+            state["armed"] = True
+            retention = asyncio.ensure_future(broker.enforce_retention())
+            await asyncio.wait_for(_until(held[0]), 5)  # the roll copy's group commit waits
+            fire = asyncio.ensure_future(fire_now[fire_by]())
+            await asyncio.sleep(0.05)  # the link record is written after the roll copy
+            release[0].set()
+            await asyncio.wait_for(_until(held[1]), 5)  # the link record's group commit waits
+            await asyncio.wait_for(asyncio.shield(retention), 5)
+            assert broker.store.log.start_position <= sent.position, "the linked record was deleted"
+            release[1].set()
+            await fire
+            assert [m.message_id for m in await drain(broker, "orders")] == ["t1"]
+            assert [m.message_id for m in fired_messages(broker.store, "orders")] == ["t1"]
+            await broker.enforce_retention()  # and retention goes on working
+        finally:
+            release[0].set()
+            release[1].set()
+            await broker.close()
+        assert check_data_dir(tmp_path / "data").ok
+
+    run(body())
+
+
+def test_check_reports_a_link_whose_record_is_gone(tmp_path: Path) -> None:
+    """A link record naming a record below the log's start (what the race above left) is a
+    problem `chronoq check` names: the message it fired is gone."""
+    data = tmp_path / "data"
+
+    async def body() -> None:
+        clock = FakeClock(START_MS)
+        b: Broker = await open_broker(data, clock, segment_size_bytes=64 * 1024, max_message_size_bytes=4096)
+        try:
+            await b.send(OutgoingMessage("orders", b"t", message_id="t1", delay_ms=1_000))
+            for i in range(150):
+                await b.send(OutgoingMessage("filler", b"f" * 600, message_id=f"f{i}"))
+            clock.advance(1_000)
+            assert await b.run_due() == 1
+        finally:
+            await b.close()
+
+    run(body())
+    assert check_data_dir(data).ok
+    first = sorted((data / files.COMMITLOG_DIR).iterdir())[0]
+    first.unlink()  # the timer's segment, as a retention that ignored the link would have
+    report = check_data_dir(data)
+    assert any("names a record at 0, below the log's start" in p for p in report.problems), report.problems
