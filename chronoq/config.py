@@ -172,8 +172,12 @@ class Config:
     it: timers falling due in between fire together and share one group commit, instead of one
     step (and one fsync) each. Adds at most this much lateness while timers come due faster than
     one per gap; a timer due after a quiet spell fires at once. 0: every due time its own step."""
-    timer_fire_batch: int = limit(2048)
-    """Timers fired per step; the loop steps again at once while due timers remain."""
+    timer_fire_batch: int = limit(8192, maximum=1_000_000)
+    """Timers fired per step; the loop steps again at once while due timers remain. A step holds
+    the loop ~4 µs a timer (~35 ms at 8,192) and hands it back while its group commit runs, so
+    bigger steps fire a backlog sooner (100,000 due at once, with a consumer reading them: all
+    fired after ~0.86 s at 8,192, ~1.2-1.4 s at 2,048) and make other calls wait longer meanwhile.
+    A steady stream fires in small steps (`timer_fire_gap_ms`) whatever this is."""
     timer_roll_batch: int = limit(1024)
     """Timers rolled forward per step before retention (their bodies are in memory meanwhile)."""
     timer_index_block_cache_bytes: int = limit(32 * MiB)

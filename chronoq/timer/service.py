@@ -364,8 +364,10 @@ class TimerService:
         positions.update(int(c.system_properties[SYS_FIRED_FROM]) for c in copies)
         ids = set(keys)
         records = list(copies)
-        if links:
-            records.append(PreparedMessage(LINKS_TOPIC, "", MessageType.NORMAL, b"", now_ms, queue_id=0, links=links))
+        # One link record per step, or a few when they would outgrow the largest record the
+        # broker writes (`max_message_size_bytes`; a step of `timer_fire_batch` may not fit one).
+        for part in links.split(self.config.max_message_size_bytes):
+            records.append(PreparedMessage(LINKS_TOPIC, "", MessageType.NORMAL, b"", now_ms, queue_id=0, links=part))
         self._firing |= positions
         self._firing_ids |= ids
 

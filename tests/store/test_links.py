@@ -242,3 +242,15 @@ def test_check_holds_the_queues_to_the_links(tmp_path: Path) -> None:
         assert any("pay/0 offset 0 says" in p for p in report.problems), report.problems
 
     asyncio.run(body())
+
+
+def test_a_batch_too_big_for_one_record_splits_into_records_that_fit() -> None:
+    """A fire step of thousands of links becomes several link records, each within the largest
+    record the broker writes, in order, every link kept once."""
+    batch = _batch([(i * 100, 80, f"topic-{i % 7}", None, None, i) for i in range(1_000)])
+    parts = batch.split(4096)
+    assert len(parts) > 1 and [p for part in parts for p in part.positions] == batch.positions
+    for part in parts:
+        body = encode_links(part, [0] * len(part), list(range(len(part))))
+        assert 72 + len(LINKS_TOPIC) + len(body) <= 4096
+    assert batch.split(1 << 20)[0].positions == batch.positions  # one record when it fits
