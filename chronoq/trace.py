@@ -54,6 +54,7 @@ import crc32c
 
 from chronoq.model import (
     LINKS_TOPIC,
+    SYS_DLQ_ORIGIN_TOPIC,
     SYS_FIRED_FROM,
     SYS_REAL_TOPIC,
     SYS_TIMER_DEL_UNIQKEY,
@@ -275,7 +276,8 @@ class TraceJournal:
                     self.record(CANCELLED, sp[SYS_REAL_TOPIC], sp[SYS_TIMER_DEL_UNIQKEY], m.store_ms, due)
                 elif SYS_TIMER_ROLLED_FROM not in sp:
                     self.record(ACCEPTED, sp[SYS_REAL_TOPIC], m.message_id, m.store_ms, due)
-            elif SYS_FIRED_FROM in sp:
+            elif SYS_FIRED_FROM in sp and SYS_DLQ_ORIGIN_TOPIC not in sp:
+                # (A dead letter copies a fired message's properties: it did not fire again.)
                 self.record(FIRED, m.topic, m.message_id, m.store_ms, due)
 
     def received(self, topic: str, message_id: str, ts_ms: int, due_ms: int) -> None:

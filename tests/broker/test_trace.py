@@ -219,6 +219,22 @@ def test_a_cancel_is_journaled_once_durable_and_the_row_says_cancelled(run_broke
     assert again["fired_ms"] == again["due_ms"]
 
 
+def test_a_fired_timer_dead_lettered_is_journaled_fired_once(run_broker: Callable, data_dir: Path) -> None:
+    """A dead letter copies the fired message's properties (TIMER_FIRED_FROM among them), and
+    its copy was journaled as a second fire, of the DLQ topic (found by a review)."""
+    async def body(broker: Broker, clock: FakeClock) -> None:
+        await broker.send(OutgoingMessage("tp", b"x", message_id="D", deliver_at_ms=clock.now_ms() + 1_000))
+        clock.advance(1_000)
+        assert await broker.run_due() == 1
+        [rm] = await broker.receive("g", "tp", batch_size=1)
+        await broker.forward_to_dlq("g", "tp", rm.receipt_handle)
+        broker.trace.flush()
+
+    run_broker(body, **TRACED)
+    fired = [(e[3], e[4]) for e in trace.read_events(data_dir) if e[0] == trace.FIRED]
+    assert fired == [("tp", "D")]
+
+
 def test_a_version_2_segment_is_read_and_not_appended_to(data_dir: Path) -> None:
     """Version 2 had no cancel kind: its reader takes a 4 for the end of what it can read (and
     cut the segment there at its next open). This version reads a version-2 segment whole and
