@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--keep-data", action="store_true", help="keep the servers' temporary data dirs")
     p.add_argument("--profile", action="store_true",
-                   help="record the Python servers (chronoq, floor) with py-spy in the accept, precision and burst phases")
+                   help="record the Python servers (chronoq, floor) with py-spy in the accept, precision and "
+                        "burst phases")
     return p
 
 
