@@ -58,9 +58,10 @@ def _timed(fn: Callable[..., Any], spent: collections.Counter[str], label: str) 
     return wrapper
 
 
-async def measure(n: int, data: Path) -> dict[str, float]:
+async def measure(n: int, data: Path, fire_batch: int | None = None) -> dict[str, float]:
     clock = FakeClock(START_MS)
-    broker = await Broker.open(Config(data_dir=data), clock=clock, background=False)
+    config = Config(data_dir=data) if fire_batch is None else Config(data_dir=data, timer_fire_batch=fire_batch)
+    broker = await Broker.open(config, clock=clock, background=False)
     try:
         await broker.create_topic("orders", 4)
         due = START_MS + 60_000
@@ -89,9 +90,10 @@ async def measure(n: int, data: Path) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--timers", type=int, default=100_000)
+    parser.add_argument("--fire-batch", type=int, default=None, help="timer_fire_batch (default: the config's)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        out = asyncio.run(measure(args.timers, Path(tmp)))
+        out = asyncio.run(measure(args.timers, Path(tmp), args.fire_batch))
     print(f"fire, all stages: {out.pop('fire_cpu_us_per_timer'):.1f} us of CPU per timer ({out.pop('timers')} timers)")
     for label, us in sorted(out.items(), key=lambda kv: -kv[1]):
         print(f"  {label:45s} {us:6.2f} us")
