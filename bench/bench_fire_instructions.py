@@ -1,0 +1,59 @@
+"""Benchmark: instructions per fired timer, counted by valgrind's callgrind (repeatable, unlike time).
+
+Theory of operation: one in-process broker (FakeClock, no background tasks) accepts N timers in
+batches of 100, all due at once, and either fires them (`fire`) or not (`accept`). Run each under
+`valgrind --tool=callgrind` (every thread counted, RocksDB's included): the difference of the two
+totals over N is what firing costs, in instructions per timer, whatever else the machine is doing.
+`--code DIR` runs another tree's chronoq (a clone of an older commit), for a before/after.
+
+    valgrind --tool=callgrind --callgrind-out-file=/tmp/a.out .venv/bin/python bench/bench_fire_instructions.py accept
+    valgrind --tool=callgrind --callgrind-out-file=/tmp/f.out .venv/bin/python bench/bench_fire_instructions.py fire
+    # ("Collected" on valgrind's stderr: (fire - accept) / N)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+from pathlib import Path
+
+START_MS = 1_800_000_000_000
+
+
+async def run(data: Path, n: int, fire: bool) -> None:
+    from chronoq.broker import Broker
+    from chronoq.clock import FakeClock
+    from chronoq.config import Config
+    from chronoq.model import OutgoingMessage
+
+    clock = FakeClock(START_MS)
+    broker = await Broker.open(Config(data_dir=data, timer_fire_batch=8192), clock=clock, background=False)
+    try:
+        await broker.create_topic("orders", 4)
+        due = START_MS + 60_000
+        msgs = [OutgoingMessage("orders", b"b" * 100, message_id=f"m{i:08d}", deliver_at_ms=due) for i in range(n)]
+        for i in range(0, n, 100):
+            await broker.send_batch(msgs[i:i + 100])
+        clock.advance(60_000)
+        if fire:
+            assert await broker.run_due() == n
+    finally:
+        await broker.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("mode", choices=("accept", "fire"))
+    parser.add_argument("--timers", type=int, default=20_000)
+    parser.add_argument("--code", type=Path, default=Path(__file__).resolve().parent.parent,
+                        help="the tree whose chronoq to run (default: this one)")
+    args = parser.parse_args()
+    sys.path.insert(0, str(args.code))
+    with tempfile.TemporaryDirectory() as tmp:
+        asyncio.run(run(Path(tmp) / "data", args.timers, args.mode == "fire"))
+
+
+if __name__ == "__main__":
+    main()
