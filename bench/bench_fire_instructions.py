@@ -18,18 +18,24 @@ import asyncio
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 START_MS = 1_800_000_000_000
 
 
-async def run(data: Path, n: int, fire: bool) -> None:
+async def broker_with_due_timers(data: Path, n: int, fire_batch: int | None = None) -> Any:
+    """An in-process broker (FakeClock, no background tasks) holding `n` timers accepted in
+    batches of 100 and all due now; `fire_batch`: its `timer_fire_batch` (None: the default).
+    The set-up `bench_fire_stages.py` measures from too. chronoq is imported here, so that
+    `--code` chooses which one."""
     from chronoq.broker import Broker
     from chronoq.clock import FakeClock
     from chronoq.config import Config
     from chronoq.model import OutgoingMessage
 
     clock = FakeClock(START_MS)
-    broker = await Broker.open(Config(data_dir=data, timer_fire_batch=8192), clock=clock, background=False)
+    config = Config(data_dir=data) if fire_batch is None else Config(data_dir=data, timer_fire_batch=fire_batch)
+    broker = await Broker.open(config, clock=clock, background=False)
     try:
         await broker.create_topic("orders", 4)
         due = START_MS + 60_000
@@ -37,6 +43,15 @@ async def run(data: Path, n: int, fire: bool) -> None:
         for i in range(0, n, 100):
             await broker.send_batch(msgs[i:i + 100])
         clock.advance(60_000)
+    except BaseException:
+        await broker.close()
+        raise
+    return broker
+
+
+async def run(data: Path, n: int, fire: bool) -> None:
+    broker = await broker_with_due_timers(data, n, 8192)
+    try:
         if fire:
             assert await broker.run_due() == n
     finally:

@@ -27,16 +27,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from chronoq.broker import Broker  # noqa: E402
-from chronoq.clock import FakeClock  # noqa: E402
-from chronoq.config import Config  # noqa: E402
-from chronoq.model import OutgoingMessage  # noqa: E402
+from bench.bench_fire_instructions import broker_with_due_timers  # noqa: E402
 from chronoq.store.consumequeue import ConsumeQueue  # noqa: E402
 from chronoq.store.messagestore import MessageStore  # noqa: E402
 from chronoq.timer.index import RocksTimerIndex  # noqa: E402
 from chronoq.timer.service import TimerService  # noqa: E402
 
-START_MS = 1_800_000_000_000
 STAGES: tuple[tuple[type, str, str], ...] = (
     (RocksTimerIndex, "due", "due scan"),
     (MessageStore, "check_records", "check the timer records' frames"),
@@ -59,16 +55,8 @@ def _timed(fn: Callable[..., Any], spent: collections.Counter[str], label: str) 
 
 
 async def measure(n: int, data: Path, fire_batch: int | None = None) -> dict[str, float]:
-    clock = FakeClock(START_MS)
-    config = Config(data_dir=data) if fire_batch is None else Config(data_dir=data, timer_fire_batch=fire_batch)
-    broker = await Broker.open(config, clock=clock, background=False)
+    broker = await broker_with_due_timers(data, n, fire_batch)
     try:
-        await broker.create_topic("orders", 4)
-        due = START_MS + 60_000
-        msgs = [OutgoingMessage("orders", b"b" * 100, message_id=f"m{i:08d}", deliver_at_ms=due) for i in range(n)]
-        for i in range(0, n, 100):
-            await broker.send_batch(msgs[i:i + 100])
-        clock.advance(60_000)
         spent: collections.Counter[str] = collections.Counter()
         originals = [(cls, name, getattr(cls, name)) for cls, name, _ in STAGES]
         for (cls, name, label), (_, _, fn) in zip(STAGES, originals, strict=True):

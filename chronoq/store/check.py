@@ -50,10 +50,10 @@ from chronoq.errors import CorruptRecord
 from chronoq.model import LINKS_TOPIC, is_system_topic
 from chronoq.store import files
 from chronoq.store.commitlog import SEGMENT_HEADER_SIZE, check_frame, decode_segment_header
-from chronoq.store.consumequeue import CQ_HEADER_SIZE, ENTRY, ENTRY_SIZE, decode_cq_header, decode_entry
+from chronoq.store.consumequeue import CQ_HEADER_SIZE, ENTRY, ENTRY_SIZE, decode_cq_header, decode_entry, tag_hash
 from chronoq.store.damage import DAMAGED, Pread, classify
 from chronoq.store.diskspace import resource_problem
-from chronoq.store.links import decode_links, queue_entries
+from chronoq.store.links import decode_links, link_entries
 from chronoq.store.meta import CHECKPOINT_VERSION, decode_checkpoint_versioned, decode_topics
 from chronoq.store.record import HEADER, HEADER_SIZE, RECORD_MAGIC, RECORD_VERSION, decode_record
 from chronoq.timer.index import FORMAT_VERSION as TIMER_INDEX_FORMAT_VERSION
@@ -450,10 +450,13 @@ def _check_segment(report: CheckReport, queues: dict[tuple[str, int], _Queue], e
         report.records += 1
         try:
             # A record's own entry, and each link of a link record (`store/links.py`).
-            for topic, qid, qoff, at, entry_size, th in queue_entries(msg):
-                _check_entry(report, queues, entries, topic, qid, qoff, at, entry_size, th, checkpoint)
+            _check_entry(report, queues, entries, msg.topic, msg.queue_id, msg.queue_offset, position, size,
+                         tag_hash(msg.tag), checkpoint)
             if msg.topic == LINKS_TOPIC:
-                low = min(decode_links(msg.body, position).positions, default=None)
+                links = decode_links(msg.body, position)
+                for topic, qid, qoff, at, entry_size, th in link_entries(position, links):
+                    _check_entry(report, queues, entries, topic, qid, qoff, at, entry_size, th, checkpoint)
+                low = min(links.positions, default=None)
                 if low is not None and low < report.log_start:
                     report.problems.append(
                         f"{path}: link record at position {position} names a record at {low}, below the log's "

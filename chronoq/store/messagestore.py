@@ -89,7 +89,7 @@ from chronoq.store import files, fsync
 from chronoq.store.commitlog import CommitLog, RecoveryReport, Segment
 from chronoq.store.consumequeue import ConsumeQueue, OpenFiles, TakenFlush, tag_hash
 from chronoq.store.diskspace import DiskSpace, is_disk_full
-from chronoq.store.links import LINKED, LinkBatch, Links, decode_links, encode_links, queue_entries
+from chronoq.store.links import LINKED, LinkBatch, Links, decode_links, encode_links, link_entries, queue_entries
 from chronoq.store.meta import (
     CHECKPOINT_VERSION,
     decode_topics,
@@ -529,14 +529,19 @@ class MessageStore:
         return cq
 
     def _pick_queue(self, topic: TopicConfig, msg: PreparedMessage) -> int:
-        if msg.queue_id is not None:
-            if not 0 <= msg.queue_id < topic.queue_count:
-                raise InvalidQueueId(topic.name, msg.queue_id, topic.queue_count)
-            return msg.queue_id
-        if msg.queue_key is not None:
-            return tag_hash(msg.queue_key) % topic.queue_count
-        rr = self._round_robin.setdefault(topic.name, itertools.count())
-        return next(rr) % topic.queue_count
+        if msg.queue_id is not None and not 0 <= msg.queue_id < topic.queue_count:
+            raise InvalidQueueId(topic.name, msg.queue_id, topic.queue_count)
+        return self._queue_for(topic.name, topic.queue_count, msg.queue_id,
+                               None if msg.queue_key is None else tag_hash(msg.queue_key))
+
+    def _queue_for(self, name: str, count: int, queue_id: int | None, key_hash: int | None) -> int:
+        """The queue a record joins, of the topic's `count`: the one named (in range), else its
+        key's (a message group's hash), else the topic's next in round robin."""
+        if queue_id is not None:
+            return queue_id
+        if key_hash is not None:
+            return key_hash % count
+        return next(self._round_robin.setdefault(name, itertools.count())) % count
 
     def append(self, msgs: list[PreparedMessage], store_ms: int) -> list[StoredMessage]:
         """Write `msgs` (validated, topics existing) to the log; return them as stored.
@@ -601,18 +606,15 @@ class MessageStore:
         the round robin) and given the next offset there, counted in `next_qoff` with the batch's."""
         qids: list[int] = []
         qoffs: list[int] = []
-        robin = self._round_robin
         counts: dict[str, int] = {}  # (a fire step's thousands of links name a few topics)
         stored_next = self._next_qoff
         for name, qid, group_hash in zip(links.topics, links.queue_ids, links.group_hashes, strict=True):
             count = counts.get(name)
             if count is None:
                 count = counts[name] = self.get_topic(name).queue_count
-            if qid is None or not 0 <= qid < count:
-                if group_hash is not None:
-                    qid = group_hash % count
-                else:
-                    qid = next(robin.setdefault(name, itertools.count())) % count
+            # A queue named when the timer was sent that the topic no longer has is not refused
+            # now (the send was acknowledged): the timer takes the next rule's queue.
+            qid = self._queue_for(name, count, qid if qid is not None and 0 <= qid < count else None, group_hash)
             key = (name, qid)
             qoff = next_qoff.get(key)
             if qoff is None:
@@ -691,19 +693,13 @@ class MessageStore:
                 entries = per_queue[key] = (msg.queue_offset, [])
             entries[1].append((msg.position, msg.size, tag_hash(msg.tag)))
             if msg.topic == LINKS_TOPIC:
-                # Each link is an entry naming this record (`link_entries`, written out: a
-                # fire step dispatches thousands).
                 links = decode_links(msg.body, msg.position)
                 self._remember_links(msg.position, links, msg.store_ms)  # its consumers read it next
-                position, topics, linked = msg.position, links.topics, LINKED
-                for ti, qid, qoff, th in zip(links.topic_indexes, links.queue_ids, links.queue_offsets,
-                                             links.tag_hashes, strict=True):
-                    key = (topics[ti], qid)
-                    entries = per_queue.get(key)
+                for topic, qid, qoff, position, size, th in link_entries(msg.position, links):
+                    entries = per_queue.get((topic, qid))
                     if entries is None:
-                        entries = per_queue[key] = (qoff, [])
-                    entries[1].append((position, linked, th))
-                    linked += 1
+                        entries = per_queue[(topic, qid)] = (qoff, [])
+                    entries[1].append((position, size, th))
             batch.append(msg)
         if batch:
             try:
@@ -779,8 +775,7 @@ class MessageStore:
         try:
             return self.log.read(position, size)
         except CorruptRecord as e:
-            if self.log.contains(position) and self.log.is_damaged(position):
-                self.log.quarantine(position, e.reason)
+            self._quarantine_if_damaged(position, e.reason)
             raise
 
     def readable(self, position: int, size: int) -> StoredMessage | None:
@@ -830,8 +825,7 @@ class MessageStore:
                 rec = self.log.read_unsized(position)
                 cached = (decode_links(rec.body, position), rec.store_ms)
             except CorruptRecord as e:
-                if self.log.contains(position) and self.log.is_damaged(position):
-                    self.log.quarantine(position, e.reason)
+                self._quarantine_if_damaged(position, e.reason)
                 raise
             self._remember_links(position, *cached)
         else:
@@ -860,9 +854,14 @@ class MessageStore:
                 todo.append((position, size))
         bad = self.log.check_records(todo) if todo else {}
         for position, reason in bad.items():
-            if self.log.contains(position) and self.log.is_damaged(position):
-                self.log.quarantine(position, reason)
+            self._quarantine_if_damaged(position, reason)
         return bad
+
+    def _quarantine_if_damaged(self, position: int, reason: str) -> None:
+        """A read at `position` failed: quarantine the record if it fails its own checks (not
+        only the size an index gave for it), as damage found by any reader is."""
+        if self.log.contains(position) and self.log.is_damaged(position):
+            self.log.quarantine(position, reason)
 
     def scan(self, start: int, end: int | None = None) -> Iterator[StoredMessage]:
         return self.log.scan(start, end)
