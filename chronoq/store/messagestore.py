@@ -104,6 +104,10 @@ DispatchListener = Callable[[list[StoredMessage]], None]
 LinkedView = Callable[[StoredMessage, str, int, int, int], StoredMessage]
 """(linked record, the topic, queue id and offset it was read at, when it was linked there: its
 link record's store time) -> the message it is there."""
+NextRead = Callable[[StoredMessage], int | None]
+"""A record just dispatched -> the broker time before which nothing reads it by position (a
+timer's due time), `NEVER_READ`, or None: it may be read at once. The read cache asks it."""
+NEVER_READ = -1
 _CACHED_OBJECT_BYTES = 400
 """What a decoded record costs in memory beyond its bytes (the StoredMessage, its strings, dicts
 and the cache's slot), roughly, for a small message: what `read_cache_bytes` counts per record."""
@@ -120,6 +124,8 @@ on the event loop under load (the delivery-error tail). Building the StoredMessa
 hit costs ~1 µs, and gives the caller its own copy."""
 _CACHED_SIZE = 13
 """The index of `size` in a `_CachedRecord`."""
+_CACHED_STORE_MS = 11
+"""The index of `store_ms` in a `_CachedRecord`."""
 LINKS_CACHED = 64
 """Decoded link records kept (`MessageStore._links_cache`): ~30 bytes a link (~250 KB for a full
 fire step of 8,192), so at most ~16 MB at the default step."""
@@ -178,6 +184,10 @@ def _cached(m: StoredMessage) -> _CachedRecord:
     # sees the entry has untracked them when it reaches it.
     return (m.message_id, m.topic, m.queue_id, m.queue_offset, int(m.message_type), m.tag, (*m.keys,),
             _flat(m.properties), _flat(m.system_properties), m.body, m.born_ms, m.store_ms, m.position, m.size)
+
+
+def _read_at_once(msg: StoredMessage) -> int | None:
+    return None
 
 
 def _flat(d: Mapping[str, str]) -> tuple[str, ...]:
@@ -260,6 +270,9 @@ class MessageStore:
         self.linked_view: LinkedView = _relabelled
         """How a record read through a link looks in the queue it was linked into: the writer of
         the links says (the broker sets the timer room's `delivered_view`)."""
+        self.next_read_ms: NextRead = _read_at_once
+        """When a record just dispatched is next read (the broker sets the timer room's
+        `next_read_ms`): the read cache leaves out a record it would evict before then."""
         self.skipped_damaged = 0
         self._read_cache: OrderedDict[int, _CachedRecord] = OrderedDict()
         """position -> record, in dispatch order (`_cache_records`). An OrderedDict, not a dict:
@@ -747,15 +760,29 @@ class MessageStore:
     def _cache_records(self, batch: list[StoredMessage]) -> None:
         """Keep the records just dispatched, decoded, for the reads that usually follow at once
         (a consumer keeping up, a short timer firing): first in, first out, within
-        `read_cache_bytes`. Records never change once written, so a cached one is the record."""
+        `read_cache_bytes`. Records never change once written, so a cached one is the record.
+
+        Once the cache is full, it holds what was dispatched over its last `span` ms (the oldest
+        entry's store time to now): a record not read before then (`next_read_ms`: a timer due
+        later, a tombstone) would be evicted unread, so it is left out, and costs neither the
+        entry's building (a few µs a timer accepted) nor the room of a record read sooner."""
         budget = self.config.read_cache_bytes
         if not budget:
             return
         cache = self._read_cache
         held = self._read_cache_bytes
+        next_read_ms = self.next_read_ms
+        horizon_ms = None  # not full: everything is kept
+        if held + batch[-1].size + _CACHED_OBJECT_BYTES > budget and cache:
+            now_ms = batch[-1].store_ms
+            horizon_ms = now_ms + max(0, now_ms - next(iter(cache.values()))[_CACHED_STORE_MS])
         for msg in batch:
             if msg.topic == LINKS_TOPIC:
                 continue  # read by the index and queues at dispatch, never again by position
+            if horizon_ms is not None:
+                read_ms = next_read_ms(msg)
+                if read_ms is not None and (read_ms < 0 or read_ms > horizon_ms):
+                    continue
             cache[msg.position] = _cached(msg)
             held += msg.size + _CACHED_OBJECT_BYTES
         while held > budget and cache:

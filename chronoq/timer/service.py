@@ -82,7 +82,7 @@ from chronoq.model import (
 )
 from chronoq.store.consumequeue import tag_hash
 from chronoq.store.links import LinkBatch
-from chronoq.store.messagestore import MessageStore, PreparedMessage
+from chronoq.store.messagestore import NEVER_READ, MessageStore, PreparedMessage
 from chronoq.timefmt import instant
 from chronoq.timer.delay_queues import DelayLevelQueues
 from chronoq.timer.engine import IndexBatch, TimerEngine, TimerEntry
@@ -449,6 +449,19 @@ class TimerService:
             if rec is not None and due is not None:
                 out.append((links.topics[links.topic_indexes[i]], rec.message_id, due))
         return out
+
+    @staticmethod
+    def next_read_ms(rec: StoredMessage) -> int | None:
+        """When a record just dispatched is next read by position (`store.next_read_ms`, for the
+        read cache): a timer when it is due (its fire checks it, its consumers read it), a
+        tombstone never (`NEVER_READ`); anything else may be read at once (None)."""
+        if rec.topic != TIMER_TOPIC:
+            return None
+        sp = rec.system_properties
+        if SYS_TIMER_DEL_UNIQKEY in sp:
+            return NEVER_READ
+        due = sp.get(SYS_TIMER_OUT_MS)
+        return int(due) if due is not None and due.isascii() and due.isdigit() else None
 
     @staticmethod
     def delivered_view(rec: StoredMessage, topic: str, queue_id: int, queue_offset: int,

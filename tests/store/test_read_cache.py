@@ -2,7 +2,8 @@
 
 What it must keep true: a hit is the record (equal to a read from the log, and a fresh object a
 caller may change without changing the cache); the budget (`read_cache_bytes`) bounds it, oldest
-out first; and its entries are ones the garbage collector stops tracking (most in a young collection, the
+out first; once full it leaves out what it would evict before it is read (a timer due later than
+the span it holds, a tombstone); and its entries are ones the garbage collector stops tracking (most in a young collection, the
 rest in the first full one that sees them), so a full collection on the broker's event loop does
 not walk every cached record (a pause that grew with the cache).
 """
@@ -14,7 +15,7 @@ from collections.abc import Callable
 
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
-from chronoq.model import MessageType, OutgoingMessage
+from chronoq.model import TIMER_TOPIC, MessageType, OutgoingMessage
 
 
 async def _send(broker: Broker, n: int) -> None:
@@ -73,3 +74,47 @@ def test_cached_records_leave_the_collectors_view(run_broker: Callable[..., None
         assert not tracked, f"{len(tracked)} of {len(cached)} cached records still tracked, e.g. {tracked[0]!r}"
 
     run_broker(body)
+
+
+def _cached(broker: Broker, message_id: str) -> bool:
+    store = broker.store
+    return any(c[0] == message_id for c in store._read_cache.values())
+
+
+def test_a_full_cache_leaves_out_what_it_would_evict_before_it_is_read(run_broker: Callable[..., None]) -> None:
+    """Once full, the cache spans the records dispatched over its last `span` ms: a timer due
+    later than that (or a tombstone, never read by position) is left out; a message read at once
+    and a timer due within the span are kept. Before it is full, everything is kept."""
+    async def body(broker: Broker, clock: FakeClock) -> None:
+        now = clock.now_ms()
+        await broker.create_topic("orders", 2)
+        await broker.send(OutgoingMessage("orders", b"x", message_id="early-far", deliver_at_ms=now + 3_600_000))
+        assert _cached(broker, "early-far"), "a cache with room keeps everything"
+        for second in range(20):  # fill it, a batch a second: it then spans about 20 s
+            await broker.send_batch([OutgoingMessage("orders", b"f" * 200, message_id=f"fill-{second}-{i}")
+                                     for i in range(20)])
+            clock.advance(1000)
+        store = broker.store
+        assert store._read_cache_bytes + 1000 > broker.config.read_cache_bytes, "the cache is full"
+        now = clock.now_ms()
+        await broker.send_batch([
+            OutgoingMessage("orders", b"x", message_id="plain"),
+            OutgoingMessage("orders", b"x", message_id="soon", deliver_at_ms=now + 5_000),
+            OutgoingMessage("orders", b"x", message_id="far", deliver_at_ms=now + 3_600_000),
+        ])
+        assert _cached(broker, "plain") and _cached(broker, "soon")
+        assert not _cached(broker, "far"), "a timer due an hour on would be evicted long before it fires"
+        # A tombstone is never read by position: left out too.
+        await broker.cancel(topic="orders", message_id="soon")
+        tombstones = [c for c in store._read_cache.values() if c[0] == "soon" and c[1] == TIMER_TOPIC and not c[9]]
+        assert not tombstones
+        # Left out is only not cached: it fires and is read from the log as ever.
+        clock.advance(3_600_000)
+        assert await broker.run_due() == 2  # "early-far" and "far"
+        got = []
+        while batch := await broker.receive("g", "orders", batch_size=64, invisible_duration_ms=60_000):
+            got += batch
+        far = [r.message for r in got if r.message.message_id == "far"]
+        assert len(far) == 1 and far[0].body == b"x"
+
+    run_broker(body, read_cache_bytes=64 * 1024)
