@@ -99,6 +99,7 @@ from chronoq.timer.index_codec import (
     CF_POS,
     CF_TIME,
     COLUMN_FAMILIES,
+    HIST_FIRED,
     HIST_REDIRECT,
     HIST_STATUS,
     HISTORY_KEY,
@@ -126,12 +127,13 @@ from chronoq.timer.index_codec import (
     key_cf_key,
     pack_str,
     prefix_end,
+    split_id_keys,
     time_key,
 )
 from chronoq.timer.index_txn import IndexTxn
 from chronoq.timer.metrics import TimerLatencies, TimerMetricsSnapshot, pending_by_due
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 log = logging.getLogger("chronoq.timer")
 
 
@@ -828,8 +830,11 @@ class RocksTimerIndex:
         h = self._handle
         finished = [(HISTORY_KEY.unpack(hk)[1], hv[1:]) for hk, hv in rows if hv[0] == HIST_STATUS]
         redirects = [HISTORY_KEY.unpack(hk)[1] for hk, hv in rows if hv[0] == HIST_REDIRECT]
-        if len(finished) + len(redirects) != len(rows):
+        fired_rows = [hv for _, hv in rows if hv[0] == HIST_FIRED]
+        if len(finished) + len(redirects) + len(fired_rows) != len(rows):
             raise MalformedValue("history row of unknown kind")
+        for hv in fired_rows:
+            finished.extend((U64.unpack_from(ik, len(ik) - 8)[0], ik) for ik in split_id_keys(hv, 1))
         forgotten = 0
         if finished:
             facts = self._cf[CF_ID].get([ik for _, ik in finished])

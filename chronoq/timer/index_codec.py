@@ -38,7 +38,9 @@ STATE_PENDING, STATE_DELIVERED, STATE_CANCELLED, STATE_DAMAGED = 1, 2, 3, 4
 CODE_STATE = {STATE_PENDING: TimerState.PENDING, STATE_DELIVERED: TimerState.DELIVERED,
               STATE_CANCELLED: TimerState.CANCELLED, STATE_DAMAGED: TimerState.DAMAGED}
 POS_PENDING, POS_ROLLED, POS_DONE = 1, 2, 3
-HIST_STATUS, HIST_REDIRECT = 1, 2
+HIST_STATUS, HIST_REDIRECT, HIST_FIRED = 1, 2, 3
+"""`history` value kinds: one finished timer (its `id` key follows), a roll redirect, the timers
+one batch fired at one time (their `id` keys follow, one after another: `split_id_keys`)."""
 
 U16 = struct.Struct(">H")
 U32 = struct.Struct(">I")
@@ -114,6 +116,21 @@ def id_prefix(message_id: str, topic: str | None = None) -> bytes:
 def id_key(message_id: str, topic: str, position: int, topic_str: bytes | None = None) -> bytes:
     """`topic_str`: `pack_str(topic)` when the caller has it cached (it does, per batch)."""
     return pack_str(message_id) + (topic_str or pack_str(topic)) + U64.pack(position)
+
+
+def split_id_keys(buf: bytes, offset: int = 0) -> list[bytes]:
+    """The `id` keys laid end to end from `offset` (a `history` row of kind `HIST_FIRED`): each
+    is message id str · topic str · position u64, so its own lengths say where it ends."""
+    keys: list[bytes] = []
+    n = len(buf)
+    while offset < n:
+        end = offset + 2 + (buf[offset] << 8 | buf[offset + 1]) if offset + 2 <= n else n + 1
+        end = end + 2 + (buf[end] << 8 | buf[end + 1]) + 8 if end + 2 <= n else n + 1
+        if end > n:
+            raise MalformedValue(f"an id key at {offset} of a fired history row runs past its {n} bytes")
+        keys.append(buf[offset:end])
+        offset = end
+    return keys
 
 
 def split_id_key(ik: bytes) -> tuple[str, str, int]:

@@ -30,6 +30,7 @@ from chronoq.timer.index_codec import (
     CF_POS,
     CF_TIME,
     FACTS_HEAD,
+    HIST_FIRED,
     HIST_REDIRECT,
     HIST_STATUS,
     HISTORY_KEY,
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
 _MAX_ROLL_HOPS = 1024
 """A fired mark follows roll redirects at most this far (a chain longer than any real one)."""
 _HISTORY_STATUS_KIND = bytes((HIST_STATUS,))
+_HISTORY_FIRED_KIND = bytes((HIST_FIRED,))
 
 
 class IndexTxn:
@@ -188,8 +190,12 @@ class IndexTxn:
         h_time, h_pos, h_history = h[CF_TIME], h[CF_POS], h[CF_HISTORY]
         slot_delta, topic_delta = self.slot_delta, self.topic_delta
         removed, finished, fired_times = self.removed, self.finished_positions, self.fired_times
-        pack_position, pack_history = U64.pack, HISTORY_KEY.pack
+        pack_position = U64.pack
         done_ms, done = -1, b""
+        # One `history` row per fire time (a link record fires its timers at one time), not one
+        # per timer: the `id` keys of all it fired, for `prune_history` to forget them together.
+        fired_keys: dict[int, tuple[int, list[bytes]]] = {}
+        iks: list[bytes] = []
         for position, fired_ms in fired:
             if position in pos:
                 self.fire(position, fired_ms)
@@ -200,12 +206,19 @@ class IndexTxn:
             slot_delta[deliver_at_ms // 1000] -= 1
             topic_delta[topic] -= 1
             finished.append(position)
-            if fired_ms != done_ms:  # one link record fires its timers at one time
+            if fired_ms != done_ms:
                 done_ms, done = fired_ms, pos_done(STATE_DELIVERED, fired_ms)
+                first = fired_keys.get(fired_ms)
+                if first is None:
+                    first = fired_keys[fired_ms] = (position, [])
+                iks = first[1]
             wb_put(pack_position(position), done, h_pos)
             pos[position] = done
-            wb_put(pack_history(fired_ms, position), _HISTORY_STATUS_KIND + ik, h_history)
+            iks.append(ik)
             fired_times.append((counted_from_ms, fired_ms))
+        for fired_ms, (first_position, keys) in fired_keys.items():
+            # Keyed by the first timer it fired: a timer fires once, so no two rows share a key.
+            wb_put(HISTORY_KEY.pack(fired_ms, first_position), _HISTORY_FIRED_KIND + b"".join(keys), h_history)
 
     def _follow(self, position: int) -> tuple[int, bytes | None]:
         """Where the timer first recorded at `position` lives now (roll redirects followed)."""

@@ -3,9 +3,10 @@
 What it must keep true: a hit is the record (equal to a read from the log, and a fresh object a
 caller may change without changing the cache); the budget (`read_cache_bytes`) bounds it, oldest
 out first; once full it leaves out what it would evict before it is read (a timer due later than
-the span it holds, a tombstone); and its entries are ones the garbage collector stops tracking (most in a young collection, the
-rest in the first full one that sees them), so a full collection on the broker's event loop does
-not walk every cached record (a pause that grew with the cache).
+the span it holds, a tombstone); and its entries are ones the garbage collector stops tracking
+(most in a young collection, the rest in the first full one that sees them), so a full
+collection on the broker's event loop does not walk every cached record (a pause that grew with
+the cache).
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ from chronoq.timer.index import (
     TimerIndexClosed,
     TimerIndexCorrupt,
 )
+from chronoq.timer.index_codec import split_id_keys
 from chronoq.timer.memory import MemoryTimerEngine, MemoryTimerState
 
 T0 = 1_700_000_000_000
@@ -676,7 +677,7 @@ def test_byte_layouts_match_docs_disk_format(tmp_path: Path) -> None:
             b"h" + struct.pack(">Q", second // 3600): struct.pack(">q", 1),
             b"ttp": struct.pack(">q", 1),
         }
-        assert dict(cf[CF_META].items()) == {META_FORMAT_VERSION: struct.pack(">I", 4),
+        assert dict(cf[CF_META].items()) == {META_FORMAT_VERSION: struct.pack(">I", 5),
                                               b"indexed_position": struct.pack(">Q", 400), b"head_floor": tk}
         # Fired by a link record in the segment based at 0 (its links name 300 at the lowest).
         index.apply(IndexBatch(fired=[(300, T0 + 61_502)], link_floors=[(0, 300)], indexed_position=500))
@@ -691,6 +692,17 @@ def test_byte_layouts_match_docs_disk_format(tmp_path: Path) -> None:
         assert cf[CF_META][b"head_floor"] == tk  # the old head: at or below anything pending
         index.apply(IndexBatch(indexed_position=600))
         assert cf[CF_META][b"head_floor"] == b""  # nothing pending
+        # Timers a fire step took from `due()` and fired together: one `history` row of kind 3,
+        # keyed by the first of them, their `id` keys end to end.
+        index.apply(IndexBatch(adds=[entry(700, T0 + 1, message_id="M7", topic="tp"),
+                                      entry(800, T0 + 2, message_id="M22", topic="tp")], indexed_position=900))
+        assert [e.position for e in index.due(T0 + 2, 10)] == [700, 800]
+        index.apply(IndexBatch(fired=[(700, T0 + 5), (800, T0 + 5)], indexed_position=1000))
+        ik7 = b"\x00\x02M7" + b"\x00\x02tp" + struct.pack(">Q", 700)
+        ik8 = b"\x00\x03M22" + b"\x00\x02tp" + struct.pack(">Q", 800)
+        history = dict(cf[CF_HISTORY].items())
+        assert len(history) == 2 and history[struct.pack(">QQ", T0 + 5, 700)] == b"\x03" + ik7 + ik8
+        assert split_id_keys(b"\x03" + ik7 + ik8, 1) == [ik7, ik8]
 
 
 def test_open_creates_a_fresh_index_and_refuses_a_missing_one_when_asked(tmp_path: Path) -> None:
