@@ -772,19 +772,20 @@ class MessageStore:
         cache = self._read_cache
         held = self._read_cache_bytes
         next_read_ms = self.next_read_ms
-        horizon_ms = None  # not full: everything is kept
-        if held + batch[-1].size + _CACHED_OBJECT_BYTES > budget and cache:
-            now_ms = batch[-1].store_ms
-            horizon_ms = now_ms + max(0, now_ms - next(iter(cache.values()))[_CACHED_STORE_MS])
+        horizon_ms = None  # until the cache is full: everything is kept
         for msg in batch:
             if msg.topic == LINKS_TOPIC:
                 continue  # read by the index and queues at dispatch, never again by position
+            cost = msg.size + _CACHED_OBJECT_BYTES
+            if horizon_ms is None and held + cost > budget and cache:
+                now_ms = msg.store_ms  # (a clock stepped back reads as a span of 0)
+                horizon_ms = now_ms + max(0, now_ms - next(iter(cache.values()))[_CACHED_STORE_MS])
             if horizon_ms is not None:
                 read_ms = next_read_ms(msg)
                 if read_ms is not None and (read_ms < 0 or read_ms > horizon_ms):
                     continue
             cache[msg.position] = _cached(msg)
-            held += msg.size + _CACHED_OBJECT_BYTES
+            held += cost
         while held > budget and cache:
             held -= cache.popitem(last=False)[1][_CACHED_SIZE] + _CACHED_OBJECT_BYTES
         self._read_cache_bytes = held

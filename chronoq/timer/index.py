@@ -118,16 +118,17 @@ from chronoq.timer.index_codec import (
     U64,
     MalformedValue,
     decode_entry,
+    decode_fired_history,
     decode_handed,
     decode_minute_slots,
     decode_pos_pending,
     decode_status,
     facts_keys,
+    history_timers,
     id_prefix,
     key_cf_key,
     pack_str,
     prefix_end,
-    split_id_keys,
     time_key,
 )
 from chronoq.timer.index_txn import IndexTxn
@@ -820,6 +821,14 @@ class RocksTimerIndex:
                 rows = self._scan_range(CF_HISTORY, start, upper, limit=_PRUNE_CHUNK)
                 if not rows:
                     return pruned
+                # About `_PRUNE_CHUNK` timers a write, not rows: a fired row speaks for up to
+                # HISTORY_FIRED_MAX (the last row taken may run past the chunk by less than that).
+                timers = 0
+                for i, (_, hv) in enumerate(rows):
+                    timers += history_timers(hv)
+                    if timers >= _PRUNE_CHUNK:
+                        rows = rows[:i + 1]
+                        break
                 pruned += self._prune_rows(rows)
                 start = rows[-1][0] + b"\x00"  # past what was just deleted: no tombstone walk
 
@@ -834,7 +843,7 @@ class RocksTimerIndex:
         if len(finished) + len(redirects) + len(fired_rows) != len(rows):
             raise MalformedValue("history row of unknown kind")
         for hv in fired_rows:
-            finished.extend((U64.unpack_from(ik, len(ik) - 8)[0], ik) for ik in split_id_keys(hv, 1))
+            finished.extend((U64.unpack_from(ik, len(ik) - 8)[0], ik) for ik in decode_fired_history(hv))
         forgotten = 0
         if finished:
             facts = self._cf[CF_ID].get([ik for _, ik in finished])

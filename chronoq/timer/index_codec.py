@@ -39,8 +39,12 @@ CODE_STATE = {STATE_PENDING: TimerState.PENDING, STATE_DELIVERED: TimerState.DEL
               STATE_CANCELLED: TimerState.CANCELLED, STATE_DAMAGED: TimerState.DAMAGED}
 POS_PENDING, POS_ROLLED, POS_DONE = 1, 2, 3
 HIST_STATUS, HIST_REDIRECT, HIST_FIRED = 1, 2, 3
-"""`history` value kinds: one finished timer (its `id` key follows), a roll redirect, the timers
-one batch fired at one time (their `id` keys follow, one after another: `split_id_keys`)."""
+"""`history` value kinds: one finished timer (its `id` key follows), a roll redirect, timers one
+batch fired at one time (their count u32, then their `id` keys one after another:
+`decode_fired_history`)."""
+HISTORY_FIRED_MAX = 1024
+"""At most this many timers in one `HIST_FIRED` row (a fire step of 8,192 writes eight), so a
+row stays small and `prune_history` forgets about `_PRUNE_CHUNK` timers a write, not rows."""
 
 U16 = struct.Struct(">H")
 U32 = struct.Struct(">I")
@@ -116,6 +120,25 @@ def id_prefix(message_id: str, topic: str | None = None) -> bytes:
 def id_key(message_id: str, topic: str, position: int, topic_str: bytes | None = None) -> bytes:
     """`topic_str`: `pack_str(topic)` when the caller has it cached (it does, per batch)."""
     return pack_str(message_id) + (topic_str or pack_str(topic)) + U64.pack(position)
+
+
+def encode_fired_history(id_keys: list[bytes]) -> bytes:
+    return bytes((HIST_FIRED,)) + U32.pack(len(id_keys)) + b"".join(id_keys)
+
+
+def decode_fired_history(value: bytes) -> list[bytes]:
+    """The `id` keys of a `HIST_FIRED` history value (its count checked)."""
+    if len(value) < 5 or value[0] != HIST_FIRED:
+        raise MalformedValue(f"fired history value of {len(value)} bytes, kind {value[:1]!r}")
+    keys = split_id_keys(value, 5)
+    if len(keys) != U32.unpack_from(value, 1)[0]:
+        raise MalformedValue(f"fired history row says {U32.unpack_from(value, 1)[0]} timers, holds {len(keys)}")
+    return keys
+
+
+def history_timers(value: bytes) -> int:
+    """How many timers a `history` value speaks for (a fired row its count, any other one)."""
+    return U32.unpack_from(value, 1)[0] if len(value) >= 5 and value[0] == HIST_FIRED else 1
 
 
 def split_id_keys(buf: bytes, offset: int = 0) -> list[bytes]:

@@ -30,9 +30,9 @@ from chronoq.timer.index_codec import (
     CF_POS,
     CF_TIME,
     FACTS_HEAD,
-    HIST_FIRED,
     HIST_REDIRECT,
     HIST_STATUS,
+    HISTORY_FIRED_MAX,
     HISTORY_KEY,
     I64,
     META_HEAD_FLOOR,
@@ -49,6 +49,7 @@ from chronoq.timer.index_codec import (
     MalformedValue,
     decode_pos_pending,
     empty_minute_slots,
+    encode_fired_history,
     encode_minute_slots,
     encode_pending,
     facts_keys,
@@ -66,7 +67,6 @@ if TYPE_CHECKING:
 _MAX_ROLL_HOPS = 1024
 """A fired mark follows roll redirects at most this far (a chain longer than any real one)."""
 _HISTORY_STATUS_KIND = bytes((HIST_STATUS,))
-_HISTORY_FIRED_KIND = bytes((HIST_FIRED,))
 
 
 class IndexTxn:
@@ -192,9 +192,12 @@ class IndexTxn:
         removed, finished, fired_times = self.removed, self.finished_positions, self.fired_times
         pack_position = U64.pack
         done_ms, done = -1, b""
-        # One `history` row per fire time (a link record fires its timers at one time), not one
-        # per timer: the `id` keys of all it fired, for `prune_history` to forget them together.
-        fired_keys: dict[int, tuple[int, list[bytes]]] = {}
+        # One `history` row per fire time (a link record fires its timers at one time) and up to
+        # HISTORY_FIRED_MAX timers, not one per timer: the `id` keys of what it fired, for
+        # `prune_history` to forget together. Keyed by the first timer in it: a timer fires
+        # once, so no two rows share a key.
+        rows: list[tuple[int, int, list[bytes]]] = []
+        row_of: dict[int, list[bytes]] = {}
         iks: list[bytes] = []
         for position, fired_ms in fired:
             if position in pos:
@@ -208,17 +211,16 @@ class IndexTxn:
             finished.append(position)
             if fired_ms != done_ms:
                 done_ms, done = fired_ms, pos_done(STATE_DELIVERED, fired_ms)
-                first = fired_keys.get(fired_ms)
-                if first is None:
-                    first = fired_keys[fired_ms] = (position, [])
-                iks = first[1]
+                iks = row_of.get(fired_ms, [])
+            if not iks or len(iks) >= HISTORY_FIRED_MAX:  # (a row is never empty once listed)
+                iks = row_of[fired_ms] = []
+                rows.append((fired_ms, position, iks))
             wb_put(pack_position(position), done, h_pos)
             pos[position] = done
             iks.append(ik)
             fired_times.append((counted_from_ms, fired_ms))
-        for fired_ms, (first_position, keys) in fired_keys.items():
-            # Keyed by the first timer it fired: a timer fires once, so no two rows share a key.
-            wb_put(HISTORY_KEY.pack(fired_ms, first_position), _HISTORY_FIRED_KIND + b"".join(keys), h_history)
+        for fired_ms, first_position, keys in rows:
+            wb_put(HISTORY_KEY.pack(fired_ms, first_position), encode_fired_history(keys), h_history)
 
     def _follow(self, position: int) -> tuple[int, bytes | None]:
         """Where the timer first recorded at `position` lives now (roll redirects followed)."""

@@ -461,7 +461,8 @@ class TimerService:
         if SYS_TIMER_DEL_UNIQKEY in sp:
             return NEVER_READ
         due = sp.get(SYS_TIMER_OUT_MS)
-        return int(due) if due is not None and due.isascii() and due.isdigit() else None
+        # Never raises (it runs in dispatch): a value that is not a u63 in decimal says nothing.
+        return int(due) if due is not None and len(due) <= 19 and due.isascii() and due.isdigit() else None
 
     @staticmethod
     def delivered_view(rec: StoredMessage, topic: str, queue_id: int, queue_offset: int,

@@ -166,7 +166,7 @@ DISK_DECODERS: list[tuple[str, Callable[[bytes], Any]]] = [
     ("timer pos", index_codec.decode_pos_pending),
     ("timer minute slots", index_codec.decode_minute_slots),
     ("timer facts keys", index_codec.facts_keys),
-    ("timer fired history", index_codec.split_id_keys),
+    ("timer fired history", index_codec.decode_fired_history),
 ]
 
 

@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
-from chronoq.model import TIMER_TOPIC, MessageType, OutgoingMessage
+from chronoq.model import LINKS_TOPIC, SYS_TIMER_OUT_MS, TIMER_TOPIC, MessageType, OutgoingMessage, StoredMessage
+from chronoq.timer.service import TimerService
 
 
 async def _send(broker: Broker, n: int) -> None:
@@ -119,3 +120,38 @@ def test_a_full_cache_leaves_out_what_it_would_evict_before_it_is_read(run_broke
         assert len(far) == 1 and far[0].body == b"x"
 
     run_broker(body, read_cache_bytes=64 * 1024)
+
+
+def _record(topic: str, position: int, size: int, store_ms: int) -> StoredMessage:
+    return StoredMessage(f"m{position}", topic, 0, 0, MessageType.NORMAL, "", (), {}, {}, b"", store_ms, store_ms,
+                         position, size)
+
+
+def test_the_cache_is_full_at_the_record_that_fills_it_and_links_never_count(run_broker: Callable[..., None]) -> None:
+    """"Full" is decided record by record: a batch that fills the cache leaves out its far timers
+    from the record that would overflow it on (and evicts nothing read sooner for them); a link
+    record, never cached, never makes a roomy cache count as full."""
+    async def body(broker: Broker, clock: FakeClock) -> None:
+        store, now = broker.store, clock.now_ms()
+        store.next_read_ms = lambda m: now + 10**9 if m.topic == "far" else None
+        budget = broker.config.read_cache_bytes
+        plain = [_record("orders", 10**12 + i * 10_000, 1_000, now) for i in range(budget // 1_400)]
+        store._cache_records(plain)
+        assert len(store._read_cache) == len(plain)
+        store._cache_records([_record("far", 2 * 10**12 + i * 10_000, 100, now) for i in range(20)])
+        assert all(m.position in store._read_cache for m in plain), "nothing read sooner was evicted"
+        store._read_cache.clear()
+        store._read_cache_bytes = 0
+        store._cache_records([_record("orders", 10**12, 100, now)])
+        timer = _record("far", 3 * 10**12, 100, now)
+        store._cache_records([timer, _record(LINKS_TOPIC, 3 * 10**12 + 10_000, 100_000, now)])
+        assert timer.position in store._read_cache, "a cache with room keeps everything"
+
+    run_broker(body, read_cache_bytes=64 * 1024)
+
+
+def test_next_read_ms_never_raises_on_an_odd_due_time() -> None:
+    for due in ("9" * 5_000, "1_000", " 5", "٣", "-1", ""):
+        rec = StoredMessage("m", TIMER_TOPIC, 0, 0, MessageType.DELAY, "", (), {}, {SYS_TIMER_OUT_MS: due}, b"x",
+                            0, 0, 0, 100)
+        assert TimerService.next_read_ms(rec) is None

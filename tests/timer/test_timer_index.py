@@ -26,6 +26,7 @@ import chronoq
 from chronoq.errors import DataDirLocked, IndexPositionWentBack
 from chronoq.model import TimerState
 from chronoq.timer import index as index_module
+from chronoq.timer import index_txn as index_txn_module
 from chronoq.timer.engine import IndexBatch, TimerEngine, TimerEntry
 from chronoq.timer.index import (
     CF_COUNTERS,
@@ -40,7 +41,7 @@ from chronoq.timer.index import (
     TimerIndexClosed,
     TimerIndexCorrupt,
 )
-from chronoq.timer.index_codec import split_id_keys
+from chronoq.timer.index_codec import decode_fired_history
 from chronoq.timer.memory import MemoryTimerEngine, MemoryTimerState
 
 T0 = 1_700_000_000_000
@@ -548,6 +549,27 @@ def test_prune_history_forgets_old_finished_statuses_only(engine: TimerEngine) -
     assert engine.due(T0 + 99_000, 10) == [pending]
 
 
+def test_fired_history_rows_hold_a_bounded_number_and_prune_forgets_about_a_chunk_a_write(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fire step writes a `history` row per HISTORY_FIRED_MAX timers it fired, and a prune
+    write forgets about `_PRUNE_CHUNK` timers (whole rows), however big the step was."""
+    monkeypatch.setattr(index_txn_module, "HISTORY_FIRED_MAX", 4)
+    monkeypatch.setattr(index_module, "_PRUNE_CHUNK", 3)
+    with RocksTimerIndex.open(tmp_path / "idx") as index:
+        log = Log(index)
+        fired = log.add(*(T0 + i for i in range(10)))
+        assert len(log.fire(T0 + 100)) == 10  # one step, through due()
+        rows = list(index._cf[CF_HISTORY].values())
+        assert [len(decode_fired_history(v)) for v in rows] == [4, 4, 2]
+        per_write: list[int] = []
+        prune_rows = index._prune_rows
+        monkeypatch.setattr(index, "_prune_rows", lambda rows: per_write.append(prune_rows(rows)) or per_write[-1])
+        assert index.prune_history(T0 + 1_000) == len(fired)
+        assert per_write == [4, 4, 2]
+        assert all(index.lookup("orders", e.message_id) is None for e in fired)
+        assert list(index._cf[CF_HISTORY].keys()) == [] and list(index._cf[CF_POS].keys()) == []
+
+
 def test_prune_history_in_chunks_and_roll_redirects(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(index_module, "_PRUNE_CHUNK", 3)
     with RocksTimerIndex.open(tmp_path / "idx") as index:
@@ -701,8 +723,9 @@ def test_byte_layouts_match_docs_disk_format(tmp_path: Path) -> None:
         ik7 = b"\x00\x02M7" + b"\x00\x02tp" + struct.pack(">Q", 700)
         ik8 = b"\x00\x03M22" + b"\x00\x02tp" + struct.pack(">Q", 800)
         history = dict(cf[CF_HISTORY].items())
-        assert len(history) == 2 and history[struct.pack(">QQ", T0 + 5, 700)] == b"\x03" + ik7 + ik8
-        assert split_id_keys(b"\x03" + ik7 + ik8, 1) == [ik7, ik8]
+        fired_row = b"\x03" + struct.pack(">I", 2) + ik7 + ik8
+        assert len(history) == 2 and history[struct.pack(">QQ", T0 + 5, 700)] == fired_row
+        assert decode_fired_history(fired_row) == [ik7, ik8]
 
 
 def test_open_creates_a_fresh_index_and_refuses_a_missing_one_when_asked(tmp_path: Path) -> None:
