@@ -147,8 +147,12 @@ def split_id_keys(buf: bytes, offset: int = 0) -> list[bytes]:
     keys: list[bytes] = []
     n = len(buf)
     while offset < n:
-        end = offset + 2 + (buf[offset] << 8 | buf[offset + 1]) if offset + 2 <= n else n + 1
-        end = end + 2 + (buf[end] << 8 | buf[end + 1]) + 8 if end + 2 <= n else n + 1
+        end = offset
+        for _ in range(2):  # the message id str, then the topic str
+            if end + 2 > n:
+                raise MalformedValue(f"an id key at {offset} of a fired history row runs past its {n} bytes")
+            end += 2 + (buf[end] << 8 | buf[end + 1])
+        end += 8  # the position u64
         if end > n:
             raise MalformedValue(f"an id key at {offset} of a fired history row runs past its {n} bytes")
         keys.append(buf[offset:end])

@@ -198,7 +198,7 @@ class IndexTxn:
         # once, so no two rows share a key.
         rows: list[tuple[int, int, list[bytes]]] = []
         row_of: dict[int, list[bytes]] = {}
-        iks: list[bytes] = []
+        iks: list[bytes] | None = None
         for position, fired_ms in fired:
             if position in pos:
                 self.fire(position, fired_ms)
@@ -211,8 +211,8 @@ class IndexTxn:
             finished.append(position)
             if fired_ms != done_ms:
                 done_ms, done = fired_ms, pos_done(STATE_DELIVERED, fired_ms)
-                iks = row_of.get(fired_ms, [])
-            if not iks or len(iks) >= HISTORY_FIRED_MAX:  # (a row is never empty once listed)
+                iks = row_of.get(fired_ms)
+            if iks is None or len(iks) >= HISTORY_FIRED_MAX:
                 iks = row_of[fired_ms] = []
                 rows.append((fired_ms, position, iks))
             wb_put(pack_position(position), done, h_pos)
