@@ -89,7 +89,7 @@ from chronoq.errors import (
 from chronoq.model import TimerStatus
 from chronoq.store import fsync
 from chronoq.store.diskspace import DiskSpace, is_disk_full, resource_problem
-from chronoq.timer.engine import IndexBatch, TimerEntry, check_route
+from chronoq.timer.engine import DueRow, DueTimers, IndexBatch, TimerEntry, check_route
 from chronoq.timer.index_codec import (
     CF_COUNTERS,
     CF_HISTORY,
@@ -661,21 +661,30 @@ class RocksTimerIndex:
         return it.key() if it.valid() else None
 
     def due(self, now_ms: int, limit: int) -> list[TimerEntry]:
+        return [TimerEntry(*row) for row in self._due_rows(now_ms, limit)]
+
+    def due_timers(self, now_ms: int, limit: int) -> DueTimers:
+        return DueTimers(self._due_rows(now_ms, limit))
+
+    def _due_rows(self, now_ms: int, limit: int) -> list[DueRow]:
         if self._closed:
             raise TimerIndexClosed(self._path)
         if limit <= 0 or self._head is None or TIME_KEY.unpack(self._head)[0] > now_ms:
             return []
-        out: list[TimerEntry] = []
+        out: list[DueRow] = []
         handed = self._handed
         lags: list[int] = []
         with self._guard():
             upper = time_key(now_ms + 1, 0)
             for tk, value in self._cf[CF_TIME].items(from_key=self._head, read_opt=_read_bounded(upper)):
-                entry, ik = decode_handed(tk, value)
-                out.append(entry)
-                if entry.position not in handed:
-                    counted_from_ms = max(entry.deliver_at_ms, entry.accepted_ms)  # as delivery_error_ms
-                    handed[entry.position] = (tk, ik, entry.topic, entry.deliver_at_ms, counted_from_ms)
+                row, ik = decode_handed(tk, value)
+                out.append(row)
+                position = row[1]
+                if position not in handed:
+                    deliver_at_ms, accepted_ms = row[0], row[5]
+                    # As delivery_error_ms: from the due time, or from acceptance if that came later.
+                    counted_from_ms = deliver_at_ms if deliver_at_ms >= accepted_ms else accepted_ms
+                    handed[position] = (tk, ik, row[4], deliver_at_ms, counted_from_ms)
                     lags.append(now_ms - counted_from_ms)
                 if len(out) >= limit:
                     break

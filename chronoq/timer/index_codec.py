@@ -13,7 +13,7 @@ import sys
 from array import array
 
 from chronoq.model import TimerState, TimerStatus
-from chronoq.timer.engine import TimerEntry
+from chronoq.timer.engine import DueRow, TimerEntry
 
 VALUE_VERSION = 1
 TIME_VALUE_VERSION = 2
@@ -211,12 +211,13 @@ def encode_pending(entry: TimerEntry, ik: bytes) -> tuple[bytes, bytes, bytes, b
 
 
 def decode_entry(tk: bytes, value: bytes) -> TimerEntry:
-    return decode_handed(tk, value)[0]
+    return TimerEntry(*decode_handed(tk, value)[0])
 
 
-def decode_handed(tk: bytes, value: bytes) -> tuple[TimerEntry, bytes]:
-    """The entry a `time` row holds, and its timer's `id` key (the value holds the key's message
-    id and topic verbatim, and its position): what settling it needs, read in the one pass."""
+def decode_handed(tk: bytes, value: bytes) -> tuple[DueRow, bytes]:
+    """The entry a `time` row holds, as a row (`TimerEntry`'s fields in order: a fire step takes
+    thousands, as columns), and its timer's `id` key (the value holds the key's message id and
+    topic verbatim, and its position): what settling it needs, read in the one pass."""
     # Inlined string reads: this runs for every timer handed out by `due()`.
     if len(tk) != TIME_KEY.size or len(value) < ENTRY_HEAD.size + 6:
         raise MalformedValue(f"time key of {len(tk)} bytes / value of {len(value)} bytes")
@@ -240,8 +241,8 @@ def decode_handed(tk: bytes, value: bytes) -> tuple[TimerEntry, bytes]:
         keys, end = unpack_keys(value, end)
         if end != len(value):
             raise MalformedValue(f"time entry has {len(value) - end} bytes more or less than it says")
-    return TimerEntry(deliver_at_ms, position, size, message_id, topic, accepted_ms, keys, tag_hash,
-                      None if queue_id < 0 else queue_id, None if group_hash < 0 else group_hash), ik
+    return (deliver_at_ms, position, size, message_id, topic, accepted_ms, keys, tag_hash,
+            None if queue_id < 0 else queue_id, None if group_hash < 0 else group_hash), ik
 
 
 def pos_done(state: int, done_ms: int) -> bytes:

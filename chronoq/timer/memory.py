@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from chronoq.errors import IndexPositionWentBack, TimerIndexClosed
 from chronoq.model import TimerState, TimerStatus
-from chronoq.timer.engine import IndexBatch, TimerEntry, check_route
+from chronoq.timer.engine import DueTimers, IndexBatch, TimerEntry, check_route
 from chronoq.timer.metrics import TimerLatencies, TimerMetricsSnapshot, pending_by_due
 
 _MAX_ROLL_HOPS = 1024
@@ -154,6 +154,9 @@ class MemoryTimerEngine:
         self._handed.update(e.position for e in out)
         self._latencies.fire_lag_ms.record_many(lags)
         return out
+
+    def due_timers(self, now_ms: int, limit: int) -> DueTimers:
+        return DueTimers.of(self.due(now_ms, limit))
 
     def next_deadline_ms(self) -> int | None:
         pending = self._pending()

@@ -85,7 +85,7 @@ from chronoq.store.links import LinkBatch
 from chronoq.store.messagestore import NEVER_READ, MessageStore, PreparedMessage
 from chronoq.timefmt import instant
 from chronoq.timer.delay_queues import DelayLevelQueues
-from chronoq.timer.engine import IndexBatch, TimerEngine, TimerEntry
+from chronoq.timer.engine import DueTimers, IndexBatch, TimerEngine, TimerEntry
 from chronoq.timer.firing import firing_policy
 from chronoq.timer.levels import DelayLevels
 from chronoq.timer.recall import encode_recall_handle
@@ -286,12 +286,11 @@ class TimerService:
         batch = self.config.timer_fire_batch
         # When a job fires (the Spark engine) this loop is only its backstop: `timer/firing.py`.
         horizon_ms = self.firing.loop_horizon_ms(now_ms)
-        entries = self.engine.due(horizon_ms, batch)
+        due = self.engine.due_timers(horizon_ms, batch)
         firing, busy = self._firing, self._busy
-        if firing or self._holding or self._firing_ids:  # (none while one step follows another)
-            entries = [e for e in entries
-                       if e.position not in firing and not busy((e.topic, e.message_id, e.deliver_at_ms))]
-        links, keys, damaged = self._links_for(entries)
+        if due.rows and (firing or self._holding or self._firing_ids):  # (none while one step follows another)
+            due = due.without({row[1] for row in due.rows if row[1] in firing or busy((row[4], row[3], row[0]))})
+        links, keys, damaged = self._links_for(due)
         self._mark_damaged(damaged, now_ms)
         copies: list[PreparedMessage] = []
         if len(links) < batch:
@@ -300,31 +299,30 @@ class TimerService:
         await self._append_fired(links, keys, copies, now_ms)
         return len(links) + len(copies) + len(damaged)
 
-    def _links_for(self, entries: list[TimerEntry]) -> tuple[LinkBatch, list[tuple[str, str, int]], list[TimerEntry]]:
+    def _links_for(self, due: DueTimers) -> tuple[LinkBatch, list[tuple[str, str, int]], list[TimerEntry]]:
         """The links that fire these pending timers, their (topic, id, due time), and the ones
         whose records fail their checks (damaged: logged here, marked by the caller). The
         records' frames are checked (length, position, CRC32C), not decoded: the index holds
         what a link needs (queue, group, tag hash)."""
-        bad = self.store.check_records([(e.position, e.size) for e in entries]) if entries else {}
+        bad = self.store.check_records(list(zip(due.positions, due.sizes, strict=True))) if due.rows else {}
         damaged: list[TimerEntry] = []
         if bad:
-            for e in entries:
+            for e in due.entries():
                 if e.position in bad:
                     log.error("timer message %r on topic %r due at %d cannot be delivered: its commit-log record "
                               "at position %d is damaged (%s); it is marked damaged", e.message_id, e.topic,
                               e.deliver_at_ms, e.position, bad[e.position])
                     damaged.append(e)
-            entries = [e for e in entries if e.position not in bad]
-        # Column by column (a fire step adds thousands of links).
+            due = due.without(bad)
+        # Column by column (a fire step adds thousands of links): the due timers' own columns.
         links = LinkBatch()
-        links.positions = [e.position for e in entries]
-        links.sizes = [e.size for e in entries]
-        links.topics = [e.topic for e in entries]
-        links.queue_ids = [e.queue_id for e in entries]
-        links.group_hashes = [e.group_hash for e in entries]
-        links.tag_hashes = [e.tag_hash for e in entries]
-        keys = [(e.topic, e.message_id, e.deliver_at_ms) for e in entries]
-        return links, keys, damaged
+        links.positions = list(due.positions)
+        links.sizes = list(due.sizes)
+        links.topics = list(due.topics)
+        links.queue_ids = list(due.queue_ids)
+        links.group_hashes = list(due.group_hashes)
+        links.tag_hashes = list(due.tag_hashes)
+        return links, list(zip(due.topics, due.message_ids, due.deliver_at_ms, strict=True)), damaged
 
     def _busy(self, key: tuple[str, str, int]) -> bool:
         """A cancel of this timer is being made durable, or its fire is (from any copy: a roll
@@ -428,7 +426,7 @@ class TimerService:
             if position in self._firing or self._busy(key) or entry.deliver_at_ms > now_ms:
                 continue
             entries.append(entry)
-        links, keys, damaged = self._links_for(entries)
+        links, keys, damaged = self._links_for(DueTimers.of(entries))
         self._mark_damaged(damaged, now_ms)
         await self._append_fired(links, keys, [], now_ms)
         return len(links), len(positions) - len(links)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -21,8 +22,8 @@ from chronoq.broker import Broker
 from chronoq.cli import COMMAND_MODULES
 from chronoq.cli import serve as serve_cli
 from chronoq.client.testing import free_port
-from chronoq.config import Config
-from chronoq.server.serve import serve
+from chronoq.config import Config, ConfigError
+from chronoq.server.serve import GC_OLDER_THRESHOLDS, serve, settle_heap
 
 ROOT = Path(chronoq.__file__).resolve().parent.parent
 
@@ -224,3 +225,16 @@ def test_sighup_reloads_the_auth_table_and_keeps_it_when_the_file_is_bad(tmp_pat
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_settle_heap_freezes_start_up_and_collects_as_gc_young_objects_says(tmp_path: Path) -> None:
+    before = gc.get_threshold()
+    try:
+        settle_heap(Config(data_dir=tmp_path, gc_young_objects=12_345))
+        assert gc.get_threshold() == (12_345, *GC_OLDER_THRESHOLDS)
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
+    with pytest.raises(ConfigError, match="gc_young_objects"):
+        Config(data_dir=tmp_path, gc_young_objects=0)

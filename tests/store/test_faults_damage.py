@@ -370,13 +370,13 @@ def test_a_timer_index_that_fails_while_running_is_rebuilt_and_nothing_fires_twi
                     break
                 await asyncio.sleep(0.01)
             # The index starts failing as a damaged RocksDB block would.
-            real_due = broker.timer.engine.due
+            real_due = broker.timer.engine.due_timers  # what a fire step reads
 
             def broken(now_ms: int, limit: int) -> list:  # type: ignore[type-arg]
                 from chronoq.errors import TimerIndexCorrupt
                 raise TimerIndexCorrupt(data / files.TIMER_DIR, "Corruption: block checksum mismatch (injected)")
 
-            broker.timer.engine.due = broken  # type: ignore[method-assign]
+            broker.timer.engine.due_timers = broken  # type: ignore[method-assign]
             second = await broker.send(OutgoingMessage("t", b"2", message_id="two", delay_ms=1_000))
             clock.advance(1_000)
             for _ in range(200):
@@ -384,7 +384,7 @@ def test_a_timer_index_that_fails_while_running_is_rebuilt_and_nothing_fires_twi
                 if broker.index_rebuilds and statuses and statuses[0].state is TimerState.DELIVERED:
                     break
                 await asyncio.sleep(0.01)
-            assert broker.index_rebuilds == 1 and broker.timer.engine.due is not broken
+            assert broker.index_rebuilds == 1 and broker.timer.engine.due_timers is not broken
             assert broker.fatal is None
             got = [m.message_id for m in await _drain(broker, "t")]
             assert sorted(got) == sorted([first.message_id, second.message_id])  # each once

@@ -144,6 +144,31 @@ def test_due_returns_only_pending_at_or_before_now_in_time_then_position_order(e
     assert engine.due(T0 + 10, 100) == [b, d]
 
 
+def test_due_timers_are_dues_entries_as_rows_and_columns(engine: TimerEngine) -> None:
+    """The fire path takes `due_timers` (columns, no entry per timer); every other caller
+    `due`: the same timers, every field, in the same order."""
+    log = Log(engine)
+    a, b = log.add(T0 + 30, T0 + 10)
+    routed = dataclasses.replace(entry(log.position(), T0 + 10, keys=("k1", "k2"), accepted_ms=T0 + 20),
+                                 tag_hash=7, queue_id=3, group_hash=11)
+    log.apply(adds=[routed])
+    assert engine.due_timers(T0 + 9, 100).rows == []
+    assert len(engine.due_timers(T0 + 9, 100).positions) == 0
+    for now, limit in ((T0 + 10, 100), (T0 + 30, 100), (T0 + 30, 2), (T0 + 30, 0)):
+        entries = engine.due(now, limit)
+        timers = engine.due_timers(now, limit)
+        assert timers.entries() == entries
+        assert len(timers) == len(entries)
+        assert list(timers.positions) == [e.position for e in entries]
+        assert list(zip(timers.topics, timers.message_ids, timers.deliver_at_ms, timers.keys, strict=True)) == [
+            (e.topic, e.message_id, e.deliver_at_ms, e.keys) for e in entries]
+        routes = zip(timers.sizes, timers.accepted_ms, timers.tag_hashes, timers.queue_ids, timers.group_hashes,
+                     strict=True)
+        assert list(routes) == [(e.size, e.accepted_ms, e.tag_hash, e.queue_id, e.group_hash) for e in entries]
+    assert engine.due_timers(T0 + 30, 100).entries() == [b, routed, a]
+    assert engine.due_timers(T0 + 30, 100).without({routed.position}).entries() == [b, a]
+
+
 def test_ten_thousand_due_in_the_same_millisecond_come_back_in_acceptance_order(engine: TimerEngine) -> None:
     n = 10_000
     positions = [STRIDE * (i + 1) for i in range(n)]
