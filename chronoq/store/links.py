@@ -107,6 +107,10 @@ class LinkBatch:
             return []
         # A record of one link always fits: the linked record, which named the same topic, did.
         fixed = HEADER_SIZE + len(LINKS_TOPIC.encode()) + LINKS_HEAD.size
+        # The usual step fits one record whole: priced by its few distinct topics, not link by link.
+        whole = fixed + len(self.positions) * LINK_BYTES + sum(2 + len(t.encode()) for t in set(self.topics))
+        if whole <= max_record_bytes:
+            return [self]
         out: list[LinkBatch] = []
         start, size, seen = 0, fixed, set[str]()
         for i, topic in enumerate(self.topics):

@@ -54,7 +54,7 @@ into one WriteBatch; `index_codec.py` holds the encoders for the layouts. Only t
 broker's timer task calls in (single-threaded; nothing here takes a lock or reads the clock).
 
 Byte layouts: `docs/disk-format.md` ("Timer index") is the one description of every column
-family, key and value (format version 3); `index_codec.py` encodes them and
+family, key and value (`FORMAT_VERSION`); `index_codec.py` encodes them and
 `tests/timer/test_timer_index.py` checks stored bytes against what the document says.
 """
 

@@ -41,6 +41,7 @@ returns is encoded by `timer/recall.py`.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -210,7 +211,7 @@ class TimerService:
                 # Only fires write link records: each link is a timer fired by it.
                 positions = self.store.links_in(m).positions
                 if positions:
-                    fired.extend((position, m.store_ms) for position in positions)
+                    fired.extend(zip(positions, itertools.repeat(m.store_ms, len(positions)), strict=True))
                     link_floors.append((self.store.log.segment_base(m.position), min(positions)))
                 continue
             if m.topic == TIMER_TOPIC:
