@@ -251,11 +251,14 @@ def reload_auth(authenticator: Authenticator, auth_file: str | Path, host: str, 
     return True
 
 
-GC_OLDER_THRESHOLDS = (20, 100)
+GC_OLDER_THRESHOLDS = (2, 10)
 """The cyclic collector's thresholds for its middle and oldest generations (CPython's: 10, 10):
-young collections before a middle one, middle ones before a full one. A full collection walks
-every object made since start-up (the read cache's records, the dedupe window's results), so
-it comes rarely; CPython 3.11 also holds it back until a quarter of the old objects are new."""
+young collections before a middle one, middle ones before a full one. A middle collection walks
+every object the young ones kept, so with young collections `gc_young_objects` apart it comes
+every 2 of them: at most ~100,000 objects, a pause of a few ms (7.7 ms at most, where 10 let
+it reach 32 ms and 20 60 ms, with 1.5 M objects kept: design.md, "The garbage collector"). A
+full collection comes as in CPython 3.11: once a quarter of the old objects are new. (CPython
+3.14's incremental collector reads these numbers differently.)"""
 
 
 def settle_heap(config: Config) -> None:
