@@ -631,7 +631,9 @@ class RocksTimerIndex:
             else:
                 self._topic_counts.pop(topic, None)
         removed = txn.removed
-        lowest_added = min((tk for tk in txn.added_time_keys if tk not in removed), default=None)
+        added = txn.added_time_keys
+        lowest_added = (min(added, default=None) if not removed  # (a batch of sends: nothing removed)
+                        else min((tk for tk in added if tk not in removed), default=None))
         old_head = self._head
         # No live key lies below the old head, so if it went, the new head is the first key
         # from there on, or one of this batch's adds that is lower still.
@@ -645,9 +647,8 @@ class RocksTimerIndex:
                 handed.pop(position, None)
             if len(handed) > _HANDED_LIMIT:
                 handed.clear()  # a broker that asks and never fires: forget, rather than grow
-        if txn.fired_times:
-            self._latencies.delivery_error_ms.record_many(
-                [fired_ms - counted_from_ms for counted_from_ms, fired_ms in txn.fired_times])
+        if txn.delivery_errors_ms:
+            self._latencies.delivery_error_ms.record_many(txn.delivery_errors_ms)
         if batch.applied_ms is not None and txn.added_entries:
             applied_ms = batch.applied_ms
             self._latencies.enqueue_lag_ms.record_many([applied_ms - e.accepted_ms for e in txn.added_entries])

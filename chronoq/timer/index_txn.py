@@ -87,8 +87,8 @@ class IndexTxn:
         self.added_ids: list[bytes] = []
         self.removed: set[bytes] = set()
         self.added_entries: list[TimerEntry] = []
-        self.fired_times: list[tuple[int, int]] = []
-        """(due_or_accepted_ms, fired_ms) per timer fired: the delivery error counts from the due
+        self.delivery_errors_ms: list[int] = []
+        """fired_ms - max(due, accepted) per timer fired: the delivery error counts from the due
         time, or from the acceptance when the due time had already passed then (a deliver-at in
         the past fires at once and is late by no more than the time since it was accepted)."""
         self.finished_positions: list[int] = []
@@ -189,7 +189,7 @@ class IndexTxn:
         wb_put, wb_delete, h = self.wb.put, self.wb.delete, self.h
         h_time, h_pos, h_history = h[CF_TIME], h[CF_POS], h[CF_HISTORY]
         slot_delta, topic_delta = self.slot_delta, self.topic_delta
-        removed, finished, fired_times = self.removed, self.finished_positions, self.fired_times
+        removed, finished, errors = self.removed, self.finished_positions, self.delivery_errors_ms
         pack_position = U64.pack
         done_ms, done = -1, b""
         # One `history` row per fire time (a link record fires its timers at one time) and up to
@@ -218,7 +218,7 @@ class IndexTxn:
             wb_put(pack_position(position), done, h_pos)
             pos[position] = done
             iks.append(ik)
-            fired_times.append((counted_from_ms, fired_ms))
+            errors.append(fired_ms - counted_from_ms)
         for fired_ms, first_position, keys in rows:
             wb_put(HISTORY_KEY.pack(fired_ms, first_position), encode_fired_history(keys), h_history)
 
@@ -241,7 +241,7 @@ class IndexTxn:
         facts = self.get_facts(decode_pos_pending(pos_value)[1])
         deliver_at_ms = self._finish(position, pos_value, STATE_DELIVERED, fired_ms)
         accepted_ms = FACTS_HEAD.unpack_from(facts)[3] if facts and len(facts) >= FACTS_HEAD.size else deliver_at_ms
-        self.fired_times.append((max(deliver_at_ms, accepted_ms), fired_ms))
+        self.delivery_errors_ms.append(fired_ms - max(deliver_at_ms, accepted_ms))
 
     def damage(self, position: int, damaged_ms: int) -> None:
         """Take the pending timer recorded at `position` out of the time order as DAMAGED."""

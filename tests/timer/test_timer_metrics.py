@@ -58,6 +58,9 @@ def test_percentiles_on_random_data_are_within_half_a_percent(seed: int) -> None
 def test_record_many_matches_record() -> None:
     rng = random.Random(5)
     values = [rng.randrange(-100_000, 10_000_000) for _ in range(5_000)]
+    # and runs of equal values, as a fire step's lags come (counted once per distinct value)
+    values += [rng.choice((0, 7, 7, 300, 300, 300, -2, 5_000_000)) for _ in range(3_000)]
+    rng.shuffle(values)
     one, many = LatencyHistogram(), LatencyHistogram()
     for v in values:
         one.record(v)
