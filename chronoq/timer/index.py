@@ -60,6 +60,7 @@ family, key and value (`FORMAT_VERSION`); `index_codec.py` encodes them and
 
 from __future__ import annotations
 
+import itertools
 import logging
 import shutil
 import struct
@@ -677,7 +678,8 @@ class RocksTimerIndex:
         lags: list[int] = []
         with self._guard():
             upper = time_key(now_ms + 1, 0)
-            for tk, value in self._cf[CF_TIME].items(from_key=self._head, read_opt=_read_bounded(upper)):
+            rows = self._cf[CF_TIME].items(from_key=self._head, read_opt=_read_bounded(upper))
+            for tk, value in itertools.islice(rows, limit):
                 row, ik = decode_handed(tk, value)
                 out.append(row)
                 position = row[1]
@@ -687,8 +689,6 @@ class RocksTimerIndex:
                     counted_from_ms = deliver_at_ms if deliver_at_ms >= accepted_ms else accepted_ms
                     handed[position] = (tk, ik, row[4], deliver_at_ms, counted_from_ms)
                     lags.append(now_ms - counted_from_ms)
-                if len(out) >= limit:
-                    break
         self._latencies.fire_lag_ms.record_many(lags)
         return out
 

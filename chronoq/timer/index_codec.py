@@ -63,6 +63,10 @@ _ENTRY_HEAD_PACK = ENTRY_HEAD.pack
 _FACTS_HEAD_PACK = FACTS_HEAD.pack
 _POS_PENDING_HEAD_PACK = POS_PENDING_HEAD.pack
 _POS_DONE_PACK = POS_DONE_VALUE.pack
+_TIME_KEY_SIZE = TIME_KEY.size
+_TIME_KEY_UNPACK = TIME_KEY.unpack
+_ENTRY_HEAD_SIZE = ENTRY_HEAD.size
+_ENTRY_HEAD_UNPACK_FROM = ENTRY_HEAD.unpack_from
 MAX_STR_BYTES = 0xFFFF
 
 
@@ -218,29 +222,30 @@ def decode_handed(tk: bytes, value: bytes) -> tuple[DueRow, bytes]:
     """The entry a `time` row holds, as a row (`TimerEntry`'s fields in order: a fire step takes
     thousands, as columns), and its timer's `id` key (the value holds the key's message id and
     topic verbatim, and its position): what settling it needs, read in the one pass."""
-    # Inlined string reads: this runs for every timer handed out by `due()`.
-    if len(tk) != TIME_KEY.size or len(value) < ENTRY_HEAD.size + 6:
-        raise MalformedValue(f"time key of {len(tk)} bytes / value of {len(value)} bytes")
-    deliver_at_ms, position = TIME_KEY.unpack(tk)
-    version, stored_position, size, accepted_ms, tag_hash, queue_id, group_hash = ENTRY_HEAD.unpack_from(value)
+    # Inlined string reads and bound struct methods: this runs for every timer a fire step takes.
+    n = len(value)
+    if len(tk) != _TIME_KEY_SIZE or n < _ENTRY_HEAD_SIZE + 6:
+        raise MalformedValue(f"time key of {len(tk)} bytes / value of {n} bytes")
+    deliver_at_ms, position = _TIME_KEY_UNPACK(tk)
+    version, stored_position, size, accepted_ms, tag_hash, queue_id, group_hash = _ENTRY_HEAD_UNPACK_FROM(value)
     if version != TIME_VALUE_VERSION or stored_position != position:
         raise MalformedValue(f"time entry version {version} (expected {TIME_VALUE_VERSION}), position "
                              f"{stored_position} under key position {position}")
-    start = ENTRY_HEAD.size + 2
+    start = _ENTRY_HEAD_SIZE + 2
     end = start + (value[start - 2] << 8 | value[start - 1])
-    if end + 2 > len(value):
+    if end + 2 > n:
         raise MalformedValue("time entry message id runs past the value")
     message_id = value[start:end].decode()
     start = end + 2
     end = start + (value[start - 2] << 8 | value[start - 1])
     topic = value[start:end].decode()
-    ik = value[ENTRY_HEAD.size:end] + value[1:9]
-    if end + 2 == len(value) and value[end] == 0 and value[end + 1] == 0:
+    ik = value[_ENTRY_HEAD_SIZE:end] + value[1:9]
+    if end + 2 == n and value[end] == 0 and value[end + 1] == 0:
         keys: tuple[str, ...] = ()
     else:
         keys, end = unpack_keys(value, end)
-        if end != len(value):
-            raise MalformedValue(f"time entry has {len(value) - end} bytes more or less than it says")
+        if end != n:
+            raise MalformedValue(f"time entry has {n - end} bytes more or less than it says")
     return (deliver_at_ms, position, size, message_id, topic, accepted_ms, keys, tag_hash,
             None if queue_id < 0 else queue_id, None if group_hash < 0 else group_hash), ik
 
