@@ -12,12 +12,15 @@ totals over N is what firing costs, in instructions per timer, whatever else the
 
 The accept alone, per timer: `accept --timers 25000` minus `accept --timers 5000`, over 20,000
 (`--read-cache-bytes 1048576`: with the read cache full, as in a broker that has run a while).
+`--serve-gc`: the cyclic collector's thresholds as `chronoq serve` sets them (`settle_heap`),
+rather than CPython's.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import sys
 import tempfile
 from pathlib import Path
@@ -76,9 +79,16 @@ def main() -> None:
                         help="the broker's read_cache_bytes (default: the broker's default)")
     parser.add_argument("--code", type=Path, default=Path(__file__).resolve().parent.parent,
                         help="the tree whose chronoq to run (default: this one)")
+    parser.add_argument("--serve-gc", action="store_true",
+                        help="the collector's thresholds as `chronoq serve` sets them (default: CPython's)")
     args = parser.parse_args()
     sys.path.insert(0, str(args.code))
     with tempfile.TemporaryDirectory() as tmp:
+        if args.serve_gc:
+            from chronoq.config import Config
+            from chronoq.server.serve import GC_OLDER_THRESHOLDS
+
+            gc.set_threshold(Config(data_dir=Path(tmp)).gc_young_objects, *GC_OLDER_THRESHOLDS)
         asyncio.run(run(Path(tmp) / "data", args.timers, args.mode == "fire", args.read_cache_bytes))
 
 

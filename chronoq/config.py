@@ -161,8 +161,8 @@ class Config:
     collections. CPython's default, 700, is a collection every few dozen timers a fire step
     handles, and each moves the step's live objects on to older generations, collected again:
     with 50,000 (and the older generations' `GC_OLDER_THRESHOLDS`, `server/serve.py`) a fired
-    timer costs 7 % fewer instructions (68.9 k -> 64.3 k, `bench/bench_fire_instructions.py`),
-    an accepted one ~1 %; a young collection of 100,000 objects held the loop 3 ms (measured
+    timer costs 6 % fewer instructions (65.0 k -> 60.9 k, `bench/bench_fire_instructions.py
+    --serve-gc`), an accepted one ~1 %; a young collection of 100,000 objects held the loop 3 ms (measured
     2026-11-27). Only cycles wait for it: most objects are freed by their reference count as
     soon as they are dropped."""
 

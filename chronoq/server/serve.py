@@ -268,7 +268,7 @@ def settle_heap(config: Config) -> None:
     loop every message goes through. What is frozen lives as long as the process, or is freed by
     its reference count as usual. Then collect less often (`gc_young_objects`,
     `GC_OLDER_THRESHOLDS`): a fire step or a batch of sends makes thousands of short-lived
-    objects, and a collection every 700 of them cost a fired timer 7 % of its instructions."""
+    objects, and a collection every 700 of them cost a fired timer 6 % of its instructions."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(config.gc_young_objects, *GC_OLDER_THRESHOLDS)
