@@ -680,7 +680,7 @@ class RocksTimerIndex:
             upper = time_key(now_ms + 1, 0)
             rows = self._cf[CF_TIME].items(from_key=self._head, read_opt=_read_bounded(upper))
             for tk, value in itertools.islice(rows, limit):
-                row, ik = decode_handed(tk, value)
+                row, ik = decode_handed(tk, value)  # row: TimerEntry's fields, in order (`DueRow`)
                 out.append(row)
                 position = row[1]
                 if position not in handed:
