@@ -43,7 +43,7 @@ write-ahead logs could disagree after a power loss, and a delay-level message wo
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -91,7 +91,8 @@ class DueTimers:
 
     def __init__(self, rows: list[DueRow]) -> None:
         self.rows = rows
-        columns: Sequence[tuple[object, ...]] = tuple(zip(*rows, strict=True)) if rows else ((),) * 10
+        empty: Sequence[tuple[object, ...]] = ((),) * len(fields(TimerEntry))
+        columns = tuple(zip(*rows, strict=True)) if rows else empty
         (self.deliver_at_ms, self.positions, self.sizes, self.message_ids, self.topics, self.accepted_ms,
          self.keys, self.tag_hashes, self.queue_ids, self.group_hashes) = columns  # type: ignore[assignment]
 
@@ -105,6 +106,10 @@ class DueTimers:
 
     def entries(self) -> list[TimerEntry]:
         return [TimerEntry(*row) for row in self.rows]
+
+    def ids(self) -> list[tuple[str, str, int]]:
+        """Each timer's (topic, message id, due time): what a cancel of it names."""
+        return list(zip(self.topics, self.message_ids, self.deliver_at_ms, strict=True))
 
     def without(self, positions: set[int] | dict[int, object]) -> DueTimers:
         """These timers less those at `positions`."""

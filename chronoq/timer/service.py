@@ -290,7 +290,7 @@ class TimerService:
         due = self.engine.due_timers(horizon_ms, batch)
         firing, busy = self._firing, self._busy
         if due.rows and (firing or self._holding or self._firing_ids):  # (none while one step follows another)
-            due = due.without({position for position, key in zip(due.positions, self._keys_of(due), strict=True)
+            due = due.without({position for position, key in zip(due.positions, due.ids(), strict=True)
                                if position in firing or busy(key)})
         links, keys, damaged = self._links_for(due)
         self._mark_damaged(damaged, now_ms)
@@ -324,12 +324,7 @@ class TimerService:
         links.queue_ids = list(due.queue_ids)
         links.group_hashes = list(due.group_hashes)
         links.tag_hashes = list(due.tag_hashes)
-        return links, self._keys_of(due), damaged
-
-    @staticmethod
-    def _keys_of(due: DueTimers) -> list[tuple[str, str, int]]:
-        """Each timer's (topic, id, due time): what a cancel of it names (`_busy`)."""
-        return list(zip(due.topics, due.message_ids, due.deliver_at_ms, strict=True))
+        return links, due.ids(), damaged
 
     def _busy(self, key: tuple[str, str, int]) -> bool:
         """A cancel of this timer is being made durable, or its fire is (from any copy: a roll
