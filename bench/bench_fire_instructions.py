@@ -12,6 +12,9 @@ totals over N is what firing costs, in instructions per timer, whatever else the
 
 The accept alone, per timer: `accept --timers 25000` minus `accept --timers 5000`, over 20,000
 (`--read-cache-bytes 1048576`: with the read cache full, as in a broker that has run a while).
+The gRPC door's decoding, which the in-process accept skips: `decode` minus `requests` (the same
+SendMessage requests of 100 timers, as chronoq's SDK encodes them, parsed and then decoded, or
+only parsed), over `--timers`.
 `--serve-gc`: the cyclic collector's thresholds as `chronoq serve` sets them (`settle_heap`),
 rather than CPython's.
 """
@@ -71,9 +74,27 @@ async def run(data: Path, n: int, fire: bool, read_cache_bytes: int | None) -> N
         await broker.close()
 
 
+def requests(n: int, decode: bool, data: Path) -> None:
+    """Parse `n` timers in SendMessage requests of 100 and, with `decode`, decode them as the
+    server does (`protocol.requests.decode_send`)."""
+    from chronoq.client import outgoing, wire
+    from chronoq.config import Config
+    from chronoq.protocol.requests import decode_send
+    from chronoq.protocol.v2 import service
+
+    config = Config(data_dir=data)
+    due = START_MS + 60_000
+    msgs = [outgoing("orders", b"b" * 100, deliver_at=due, message_id=f"m{i:08d}") for i in range(n)]
+    parsed = [service.SendMessageRequest.FromString(service.SendMessageRequest(
+        messages=[wire.encode_message(m, START_MS) for m in msgs[i:i + 100]]).SerializeToString())
+        for i in range(0, n, 100)]
+    if decode:
+        assert sum(len(decode_send(request, config).messages) for request in parsed) == n
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=("accept", "fire"))
+    parser.add_argument("mode", choices=("accept", "fire", "requests", "decode"))
     parser.add_argument("--timers", type=int, default=20_000)
     parser.add_argument("--read-cache-bytes", type=int, default=None,
                         help="the broker's read_cache_bytes (default: the broker's default)")
@@ -89,7 +110,10 @@ def main() -> None:
             from chronoq.server.serve import GC_OLDER_THRESHOLDS
 
             gc.set_threshold(Config(data_dir=Path(tmp)).gc_young_objects, *GC_OLDER_THRESHOLDS)
-        asyncio.run(run(Path(tmp) / "data", args.timers, args.mode == "fire", args.read_cache_bytes))
+        if args.mode in ("requests", "decode"):
+            requests(args.timers, args.mode == "decode", Path(tmp) / "data")
+        else:
+            asyncio.run(run(Path(tmp) / "data", args.timers, args.mode == "fire", args.read_cache_bytes))
 
 
 if __name__ == "__main__":

@@ -292,15 +292,71 @@ def _check_type_consistency(model_type: MessageType | None, deliver_at_ms: int |
         raise MessageTypeConflict(name, "it has no message group")
 
 
-def decode_message(message: definition.Message, config: Config) -> OutgoingMessage:
+_USUAL_BODY_ENCODINGS = (definition.ENCODING_UNSPECIFIED, definition.IDENTITY)
+
+
+def _decode_usual(message: definition.Message, config: Config, topics_ok: set[str]) -> OutgoingMessage | None:
+    """The usual message, or None for anything else: a NORMAL message, or a DELAY one with an
+    epoch-seconds `delivery_timestamp`, with an id, a topic already checked in this request
+    (`topics_ok`), an identity body and nothing optional but a tag and a born time. The general
+    path (`decode_message`'s rest) decides everything else, errors included, from scratch: this
+    one only skips its helper calls, ~2 µs of a batched send's ~30 µs per message
+    (`test_usual_messages_decode_as_the_general_path_does` pins that both give the same answer)."""
+    resource = message.topic
+    name = resource.name
+    system = message.system_properties
+    if (name not in topics_ok or resource.resource_namespace or system.lite_topic or system.keys
+            or message.user_properties or system.message_group
+            or system.body_encoding not in _USUAL_BODY_ENCODINGS or system.HasField("priority")):
+        return None
+    message_id = system.message_id
+    if not message_id:
+        return None
+    wire_type = system.message_type
+    if wire_type == definition.DELAY:
+        if not system.HasField("delivery_timestamp"):
+            return None
+        stamp = system.delivery_timestamp
+        seconds, nanos = stamp.seconds, stamp.nanos
+        if not (EPOCH_SECONDS_MIN <= seconds < EPOCH_SECONDS_END and 0 <= nanos < 1_000_000_000):
+            return None
+        deliver_at_ms: int | None = seconds * 1000 + nanos // NANOS_PER_MS
+        model_type = MessageType.DELAY
+    elif wire_type == definition.NORMAL and not system.HasField("delivery_timestamp"):
+        deliver_at_ms = None
+        model_type = MessageType.NORMAL
+    else:
+        return None
+    born_ms = None
+    if system.HasField("born_timestamp"):
+        born = system.born_timestamp
+        seconds, nanos = born.seconds, born.nanos
+        if seconds < 0 or not 0 <= nanos < 1_000_000_000:
+            return None
+        born_ms = seconds * 1000 + nanos // NANOS_PER_MS
+    check_message_id(message_id, config)
+    return OutgoingMessage(name, message.body, message_id, system.tag or None, (), {}, None, None, born_ms,
+                           model_type, deliver_at_ms)
+
+
+def decode_message(message: definition.Message, config: Config,
+                   topics_ok: set[str] | None = None) -> OutgoingMessage:
     """One `apache.rocketmq.v2.Message` from a SendMessage request -> an `OutgoingMessage`.
 
     The wire's own rules are checked here (namespaces, encodings, timestamps, types); the rules
     every door shares (names, ids, counts) through `chronoq.validate`'s checkers, the same
     functions admission runs, so a message is refused alike whichever door it came through.
     Fields are read only when set (an empty repeated field or map still costs a conversion):
-    this runs for every message a producer sends."""
+    this runs for every message a producer sends. `topics_ok`: topic names this request has
+    already checked (a request's messages usually name one topic); a name that passes its check
+    here is added, and a message of one takes the usual message's path (`_decode_usual`)."""
+    if topics_ok is not None:
+        usual = _decode_usual(message, config, topics_ok)
+        if usual is not None:
+            return usual
     topic = decode_topic(message.topic, config, "SendMessage")
+    if topics_ok is not None:
+        topics_ok.add(topic)
     system = message.system_properties
     if system.lite_topic:
         raise Unsupported("lite topics")
@@ -350,7 +406,8 @@ def decode_send(request: service.SendMessageRequest, config: Config) -> SendComm
         raise MissingField("messages", "SendMessage")
     if count > config.max_send_batch:
         raise InvalidBatchSize(count, config.max_send_batch)
-    return SendCommand(tuple(decode_message(m, config) for m in request.messages))
+    topics_ok: set[str] = set()
+    return SendCommand(tuple(decode_message(m, config, topics_ok) for m in request.messages))
 
 
 def decode_route(request: service.QueryRouteRequest, config: Config) -> RouteQuery:

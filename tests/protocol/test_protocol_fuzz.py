@@ -109,3 +109,125 @@ def test_admin_message_decoder_on_arbitrary_json(doc):
         admin.message_from_json(doc, CONFIG)
     except ChronoqError as err:
         assert err.code >= 40000
+
+
+def _usual_message(message_id: str, normal: bool, nanos: int, born: int | None, tag: str) -> definition.Message:
+    m = definition.Message(body=b"payload")
+    m.topic.name = "orders"
+    sp = m.system_properties
+    sp.message_id = message_id
+    sp.body_encoding = definition.IDENTITY
+    sp.tag = tag
+    if normal:
+        sp.message_type = definition.NORMAL
+    else:
+        sp.message_type = definition.DELAY
+        sp.delivery_timestamp.seconds = 1_800_000_000
+        sp.delivery_timestamp.nanos = nanos
+    if born is not None:
+        sp.born_timestamp.seconds = born
+    return m
+
+
+_USUAL = st.builds(_usual_message, st.sampled_from(["m-1", "01AABBCCDDEEFF", "Z" * 64]), st.booleans(),
+                   st.sampled_from([0, 7_000_000, 999_999_999]), st.sampled_from([None, 0, 1_799_999_000]),
+                   st.sampled_from(["", "TagA"]))
+
+
+_SECONDS = [rq.EPOCH_SECONDS_MIN - 1, rq.EPOCH_SECONDS_MIN, rq.EPOCH_SECONDS_END - 1, rq.EPOCH_SECONDS_END,
+            rq.EPOCH_MILLIS_MIN, 1_800_000_000_000, -1, 0, 5]
+_NANOS = [1, 999_999, 1_000_000, 999_999_999, 1_000_000_000, -1]
+_PERTURBATIONS: list[tuple[str, object]] = [
+    *(("topic", name) for name in ("other", "", "bad name", "x" * 300)),
+    ("namespace", "ns"),
+    *(("message_id", i) for i in ("", "has space", "é", "x" * 200, "01AABBCCDDEEFF")),
+    *(("message_type", t) for t in (definition.NORMAL, definition.FIFO, definition.MESSAGE_TYPE_UNSPECIFIED,
+                                    definition.TRANSACTION, definition.PRIORITY)),
+    *(("body_encoding", e) for e in (definition.ENCODING_UNSPECIFIED, definition.GZIP)),
+    *(("delivery_seconds", v) for v in _SECONDS),
+    *(("delivery_nanos", v) for v in _NANOS),
+    ("no_delivery", None), ("no_born", None),
+    *(("born_seconds", v) for v in (0, -1)),
+    *(("born_nanos", v) for v in _NANOS),
+    ("tag", "TagA"), ("tag", "bad\ntag"), ("body", b""),
+    ("keys", "k1"), ("user_properties", "1000"), ("message_group", "g"), ("lite_topic", "l"), ("priority", 3),
+]
+
+
+def _perturbed(m: definition.Message, changes: list[tuple[str, object]]) -> definition.Message:
+    sp = m.system_properties
+    for name, value in changes:
+        if name == "topic":
+            m.topic.name = value
+        elif name == "namespace":
+            m.topic.resource_namespace = value
+        elif name == "body":
+            m.body = value
+        elif name == "delivery_seconds":
+            sp.delivery_timestamp.seconds = value
+        elif name == "delivery_nanos":
+            sp.delivery_timestamp.nanos = value
+        elif name == "no_delivery":
+            sp.ClearField("delivery_timestamp")
+        elif name == "no_born":
+            sp.ClearField("born_timestamp")
+        elif name == "born_seconds":
+            sp.born_timestamp.seconds = value
+        elif name == "born_nanos":
+            sp.born_timestamp.nanos = value
+        elif name == "keys":
+            sp.keys.append(value)
+        elif name == "user_properties":
+            m.user_properties["TIMER_DELAY_MS"] = value
+        else:
+            setattr(sp, name, value)
+    return m
+
+
+def _near_usual_message() -> st.SearchStrategy[definition.Message]:
+    """The usual message (`rq._decode_usual`), as is or with up to three fields moved to a value
+    around or past one of its conditions, so both paths and their borders are hit."""
+    return st.builds(_perturbed, _USUAL, st.one_of(st.just([]), st.lists(st.sampled_from(_PERTURBATIONS), max_size=3)))
+
+
+@FUZZ
+@given(st.one_of(_near_usual_message(), _near_usual_message(), message_strategy(definition.Message)),
+       st.sampled_from([set(), {"orders"}, {"orders"}, {"orders", "other"}]))
+def test_usual_messages_decode_as_the_general_path_does(message, checked):
+    """A request's later messages may take `_decode_usual`: whatever it decides must be what the
+    general path decides, value for value and error for error. `checked` is what earlier messages
+    of the request put in `topics_ok`: names that passed the topic check."""
+    general = _decode_or_error(rq.decode_message, message)
+    topics_ok = {name for name in checked if topic_name_problem(name, CONFIG.max_topic_name_length) is None}
+    try:
+        fast: object = rq.decode_message(message, CONFIG, topics_ok)
+    except ChronoqError as err:
+        fast = err
+    if isinstance(general, ChronoqError):
+        assert type(fast) is type(general) and fast.message == general.message
+    else:
+        assert fast == general
+        assert general.topic in topics_ok  # a decoded message's topic is checked for the rest of the request
+
+
+def test_the_usual_path_takes_usual_messages():
+    """The equivalence above would hold trivially if the usual path never answered: it does,
+    for a DELAY message with an epoch-seconds due time and for a NORMAL one, and builds what the
+    general path builds."""
+    delay = definition.Message(body=b"b")
+    delay.topic.name = "orders"
+    delay.system_properties.message_id = "m1"
+    delay.system_properties.message_type = definition.DELAY
+    delay.system_properties.delivery_timestamp.seconds = 1_800_000_000
+    delay.system_properties.delivery_timestamp.nanos = 7_000_000
+    delay.system_properties.born_timestamp.seconds = 1_799_999_000
+    normal = definition.Message(body=b"b")
+    normal.topic.name = "orders"
+    normal.system_properties.message_id = "m2"
+    normal.system_properties.message_type = definition.NORMAL
+    normal.system_properties.tag = "TagA"
+    for message in (delay, normal):
+        usual = rq._decode_usual(message, CONFIG, {"orders"})
+        assert usual is not None and usual == rq.decode_message(message, CONFIG)
+        assert rq._decode_usual(message, CONFIG, set()) is None  # the topic not yet checked
+    assert rq.decode_message(delay, CONFIG, {"orders"}).deliver_at_ms == 1_800_000_000_007
