@@ -190,13 +190,12 @@ def _near_usual_message() -> st.SearchStrategy[definition.Message]:
     return st.builds(_perturbed, _USUAL, st.one_of(st.just([]), st.lists(st.sampled_from(_PERTURBATIONS), max_size=3)))
 
 
-@FUZZ
-@given(st.one_of(_near_usual_message(), _near_usual_message(), message_strategy(definition.Message)),
-       st.sampled_from([set(), {"orders"}, {"orders"}, {"orders", "other"}]))
-def test_usual_messages_decode_as_the_general_path_does(message, checked):
-    """A request's later messages may take `_decode_usual`: whatever it decides must be what the
-    general path decides, value for value and error for error. `checked` is what earlier messages
-    of the request put in `topics_ok`: names that passed the topic check."""
+def _assert_both_paths_agree(message: definition.Message, checked: set[str]) -> None:
+    """`decode_message` with `topics_ok` (the usual path may answer) decides what it decides
+    without (the general path): the same value, field by field and type by type (`MessageType` is
+    an IntEnum: a bare int would compare equal and fail later, in admission), or the same error.
+    `checked` is what earlier messages of the request put in `topics_ok`; only names that pass
+    the topic check get there."""
     general = _decode_or_error(rq.decode_message, message)
     topics_ok = {name for name in checked if topic_name_problem(name, CONFIG.max_topic_name_length) is None}
     try:
@@ -205,9 +204,34 @@ def test_usual_messages_decode_as_the_general_path_does(message, checked):
         fast = err
     if isinstance(general, ChronoqError):
         assert type(fast) is type(general) and fast.message == general.message
-    else:
-        assert fast == general
-        assert general.topic in topics_ok  # a decoded message's topic is checked for the rest of the request
+        return
+    assert fast == general
+    for name in general.__slots__:
+        assert type(getattr(fast, name)) is type(getattr(general, name)), name
+    assert general.topic in topics_ok  # a decoded message's topic is checked for the rest of the request
+
+
+@pytest.mark.parametrize("normal", [False, True], ids=["delay", "normal"])
+@pytest.mark.parametrize("change", _PERTURBATIONS, ids=lambda c: f"{c[0]}={c[1]!r}"[:40])
+def test_each_border_of_the_usual_path_decodes_as_the_general_path_does(change, normal):
+    """Each condition of `_decode_usual`, moved to a value around or past it, on a usual DELAY and
+    a usual NORMAL message whose topic the request has checked."""
+    _assert_both_paths_agree(_perturbed(_usual_message("m-1", normal, 7_000_000, 1_799_999_000, "TagA"),
+                                        [change]), {"orders"})
+
+
+@FUZZ
+@given(_near_usual_message(), st.sampled_from([set(), {"orders"}, {"orders", "other"}]))
+def test_usual_messages_decode_as_the_general_path_does(message, checked):
+    """Combinations of those moves, with the topic checked or not."""
+    _assert_both_paths_agree(message, checked)
+
+
+@FUZZ
+@given(message_strategy(definition.Message))
+def test_arbitrary_messages_decode_alike_with_their_topic_checked(message):
+    """Arbitrary messages, their own topic taken as checked when it is a valid name."""
+    _assert_both_paths_agree(message, {message.topic.name})
 
 
 def test_the_usual_path_takes_usual_messages():
