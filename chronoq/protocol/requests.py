@@ -53,6 +53,7 @@ from chronoq.protocol.errors import (
 )
 from chronoq.protocol.v2 import (
     NANOS_PER_MS,
+    NANOS_PER_SECOND,
     WIRE_TO_MODEL_TYPE,
     WireValueError,
     definition,
@@ -300,8 +301,9 @@ def _decode_usual(message: definition.Message, config: Config, topics_ok: set[st
     epoch-seconds `delivery_timestamp`, with an id, a topic already checked in this request
     (`topics_ok`), an identity body and nothing optional but a tag and a born time. The general
     path (`decode_message`'s rest) decides everything else, errors included, from scratch: this
-    one only skips its helper calls, ~2 µs of a batched send's ~30 µs per message
-    (`test_usual_messages_decode_as_the_general_path_does` pins that both give the same answer)."""
+    one only skips its helper calls, ~2 µs of a batched send's ~30 µs per message.
+    `tests/protocol/test_protocol_fuzz.py` pins that both give the same answer, at each border of
+    each condition here (`test_each_border_of_the_usual_path_decodes_as_the_general_path_does`)."""
     resource = message.topic
     name = resource.name
     system = message.system_properties
@@ -318,7 +320,7 @@ def _decode_usual(message: definition.Message, config: Config, topics_ok: set[st
             return None
         stamp = system.delivery_timestamp
         seconds, nanos = stamp.seconds, stamp.nanos
-        if not (EPOCH_SECONDS_MIN <= seconds < EPOCH_SECONDS_END and 0 <= nanos < 1_000_000_000):
+        if not (EPOCH_SECONDS_MIN <= seconds < EPOCH_SECONDS_END and 0 <= nanos < NANOS_PER_SECOND):
             return None
         deliver_at_ms: int | None = seconds * 1000 + nanos // NANOS_PER_MS
         model_type = MessageType.DELAY
@@ -331,7 +333,7 @@ def _decode_usual(message: definition.Message, config: Config, topics_ok: set[st
     if system.HasField("born_timestamp"):
         born = system.born_timestamp
         seconds, nanos = born.seconds, born.nanos
-        if seconds < 0 or not 0 <= nanos < 1_000_000_000:
+        if seconds < 0 or not 0 <= nanos < NANOS_PER_SECOND:
             return None
         born_ms = seconds * 1000 + nanos // NANOS_PER_MS
     check_message_id(message_id, config)
