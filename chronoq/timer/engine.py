@@ -78,6 +78,8 @@ class TimerEntry:
 
 DueRow = tuple[int, int, int, str, str, int, tuple[str, ...], int, int | None, int | None]
 """A due timer as a tuple in `TimerEntry`'s field order (`TimerEntry(*row)` is the entry)."""
+_NO_COLUMNS: Sequence[tuple[object, ...]] = ((),) * len(fields(TimerEntry))
+"""The columns of no due timers: one empty column per `TimerEntry` field."""
 
 
 class DueTimers:
@@ -91,8 +93,7 @@ class DueTimers:
 
     def __init__(self, rows: list[DueRow]) -> None:
         self.rows = rows
-        empty: Sequence[tuple[object, ...]] = ((),) * len(fields(TimerEntry))
-        columns = tuple(zip(*rows, strict=True)) if rows else empty
+        columns = tuple(zip(*rows, strict=True)) if rows else _NO_COLUMNS
         (self.deliver_at_ms, self.positions, self.sizes, self.message_ids, self.topics, self.accepted_ms,
          self.keys, self.tag_hashes, self.queue_ids, self.group_hashes) = columns  # type: ignore[assignment]
 
