@@ -155,3 +155,30 @@ def test_next_read_ms_never_raises_on_an_odd_due_time() -> None:
         rec = StoredMessage("m", TIMER_TOPIC, 0, 0, MessageType.DELAY, "", (), {}, {SYS_TIMER_OUT_MS: due}, b"x",
                             0, 0, 0, 100)
         assert TimerService.next_read_ms(rec) is None
+
+
+def test_append_returns_each_record_as_the_log_holds_it(run_broker: Callable[..., None]) -> None:
+    """`MessageStore.append` builds its `StoredMessage`s positionally (the cheaper call): each
+    must equal the record decoded from the log, field by field. The five records' values differ
+    between fields of a type (offsets 0-4 against queue 2, born against store time), so two
+    swapped fields would show."""
+    from dataclasses import fields
+
+    from chronoq.store.messagestore import PreparedMessage
+
+    async def body(broker: Broker, clock: FakeClock) -> None:
+        await broker.create_topic("orders", 3)
+        store = broker.store
+        clock.advance(5_000)
+        msgs = [PreparedMessage("orders", f"m{i}", MessageType.FIFO, f"body-{i}".encode(), 1_000 + i, f"tag{i}",
+                                (f"k{i}", "k"), {"a": str(i)}, {"S": str(i)}, queue_id=2) for i in range(5)]
+        stored = store.append(msgs, clock.now_ms())
+        await store.wait_durable(stored[-1].position + stored[-1].size)
+        for i, rec in enumerate(stored):
+            on_disk = store.log.read(rec.position, rec.size)
+            for f in fields(StoredMessage):
+                assert getattr(rec, f.name) == getattr(on_disk, f.name), f.name
+            assert (rec.message_id, rec.tag, rec.keys, rec.born_ms, rec.queue_id, rec.queue_offset) == (
+                f"m{i}", f"tag{i}", (f"k{i}", "k"), 1_000 + i, 2, i)
+
+    run_broker(body)
