@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
+from dataclasses import fields
 
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
 from chronoq.model import LINKS_TOPIC, SYS_TIMER_OUT_MS, TIMER_TOPIC, MessageType, OutgoingMessage, StoredMessage
+from chronoq.store.messagestore import PreparedMessage
 from chronoq.timer.service import TimerService
 
 
@@ -162,9 +164,6 @@ def test_append_returns_each_record_as_the_log_holds_it(run_broker: Callable[...
     must equal the record decoded from the log, field by field. The five records' values differ
     between fields of a type (offsets 0-4 against queue 2, born against store time), so two
     swapped fields would show."""
-    from dataclasses import fields
-
-    from chronoq.store.messagestore import PreparedMessage
 
     async def body(broker: Broker, clock: FakeClock) -> None:
         await broker.create_topic("orders", 3)
