@@ -14,6 +14,8 @@ itself with `flush = "async"`; the bench's own message building is left out).
     .venv/bin/py-spy record -r 997 -f raw -o accept.txt -- \
         .venv/bin/python docs/results/s29-bounds-20261127/accept_rooms.py run --timers 205000
     .venv/bin/python docs/results/s29-bounds-20261127/accept_rooms.py fold accept.txt --us 17.9
+    .venv/bin/python docs/results/s29-bounds-20261127/accept_rooms.py fold accept.txt --us 17.9 \
+        --within RocksTimerIndex.apply   # one function, shared out among what it calls
 """
 
 from __future__ import annotations
@@ -85,20 +87,27 @@ async def accept(timers: int, batch: int, flush: str) -> None:
             print(f"  {'event loop' if tid == main_id else 'thread ' + str(tid)}: {spent / n * 1e6:.2f} µs a message")
 
 
-def fold(path: str, us: float | None) -> None:
+def fold(path: str, us: float | None, within: str | None = None) -> None:
     shares: collections.Counter[str] = collections.Counter()
-    total = 0
+    total = inside = 0
     for line in Path(path).read_text().splitlines():
         stack, _, count = line.rstrip().rpartition(" ")
         if "Handle._run" not in stack or "_find_and_load" in stack or "accept.<locals>.<listcomp>" in stack:
             continue
         n = int(count)
         total += n
+        if within is not None:
+            frames = [f.split(" (")[0] for f in stack.split(";")]
+            if within in frames:
+                inside += n
+                at = frames.index(within)
+                shares[frames[at + 1] if at + 1 < len(frames) else within + " itself"] += n
+            continue
         leaf = stack.split(";")[-1]
         room = next((name for name, marks in ROOMS
                      if any(leaf.startswith(m[5:]) if m.startswith("leaf:") else m in stack for m in marks)), None)
         shares[room or "other: " + leaf.split(" (")[0]] += n
-    print(f"{total} event-loop samples")
+    print(f"{total} event-loop samples" + (f", {inside} of them in {within}" if within else ""))
     for room, n in shares.most_common(14):
         print(f"{n / total * 100:5.1f} %" + (f" {n / total * us:5.2f} µs" if us else "") + f"  {room}")
 
@@ -113,11 +122,12 @@ def main() -> None:
     f = sub.add_parser("fold")
     f.add_argument("profile")
     f.add_argument("--us", type=float, default=None, help="the event loop's µs a message, to share out")
+    f.add_argument("--within", default=None, help="a function: share out its samples among the functions it calls")
     args = ap.parse_args()
     if args.cmd == "run":
         asyncio.run(accept(args.timers, args.batch, args.flush))
     else:
-        fold(args.profile, args.us)
+        fold(args.profile, args.us, args.within)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,12 @@ plain floor and `fused` this probe, in the same run:
 
     PYTHONPATH=. .venv/bin/python docs/results/s29-bounds-20261127/fused_floor_probe.py --modes aio,fused,aio,fused
 
+`--in-process N` runs the fused accept alone, in this process, over N timers in batches of 100
+(built before timing), and prints its process CPU a message: the figure to set beside
+`accept_rooms.py run`'s for chronoq's rooms.
+
+    PYTHONPATH=. .venv/bin/python docs/results/s29-bounds-20261127/fused_floor_probe.py --in-process 200000
+
 Not a broker: no recovery, no reads. A bound, kept beside the figures it produced.
 """
 
@@ -28,6 +34,7 @@ import os
 import struct
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +179,22 @@ def serve(mode: str, port: int, threads: int, ready: Any) -> None:
     asyncio.run(run())
 
 
+def in_process(n: int) -> None:
+    now_ms = 1_800_000_000_000
+    batches = [[("orders", f"m{i:08d}", b"b" * 100, now_ms + 60_000 + i) for i in range(start, min(n, start + 100))]
+               for start in range(0, n, 100)]
+    with tempfile.TemporaryDirectory(prefix="fused-probe-") as tmp:
+        fused = FusedAccept(Path(tmp))
+        cpu = time.process_time()
+        for batch in batches:
+            fused.accept(batch, now_ms)
+        cpu = time.process_time() - cpu
+    print(f"fused accept in process: {n} timers in batches of 100, process CPU {cpu / n * 1e6:.2f} µs a message")
+
+
 if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--in-process":
+        in_process(int(sys.argv[2]))
+        raise SystemExit(0)
     bench_floor_modes.serve = serve  # run_mode starts `serve` by this name, in a spawned child
     raise SystemExit(bench_floor_modes.main())
