@@ -48,22 +48,7 @@ def serve(mode: str, port: int, threads: int, ready: Any) -> None:
 
     send = FloorService("127.0.0.1", port).send_message  # the floor's own handler body
     if mode == "aio":
-        async def run() -> None:
-            async def send_async(request: Any, context: Any) -> Any:
-                return send(request)
-
-            aio_handler = grpc.unary_unary_rpc_method_handler(
-                send_async, request_deserializer=svc.SendMessageRequest.FromString,
-                response_serializer=svc.SendMessageResponse.SerializeToString)
-            server = grpc.aio.server()
-            methods = {"SendMessage": aio_handler}
-            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, methods),))
-            server.add_insecure_port(f"127.0.0.1:{port}")
-            await server.start()
-            ready.set()
-            await server.wait_for_termination()
-
-        asyncio.run(run())
+        serve_aio(send, port, ready)
         return
     sync_handler = grpc.unary_unary_rpc_method_handler(
         lambda request, context: send(request), request_deserializer=svc.SendMessageRequest.FromString,
@@ -74,6 +59,28 @@ def serve(mode: str, port: int, threads: int, ready: Any) -> None:
     server.start()
     ready.set()
     server.wait_for_termination()
+
+
+def serve_aio(send: Any, port: int, ready: Any) -> None:
+    """Serve `send` (a SendMessageRequest to its response) as SendMessage on grpc.aio until killed."""
+    import grpc
+    from rocketmq.grpc_protocol import service_pb2 as svc
+
+    async def run() -> None:
+        async def send_async(request: Any, context: Any) -> Any:
+            return send(request)
+
+        handler = grpc.unary_unary_rpc_method_handler(
+            send_async, request_deserializer=svc.SendMessageRequest.FromString,
+            response_serializer=svc.SendMessageResponse.SerializeToString)
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"SendMessage": handler}),))
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        ready.set()
+        await server.wait_for_termination()
+
+    asyncio.run(run())
 
 
 def encoded_requests(n: int, batch: int, producer: int) -> list[bytes]:

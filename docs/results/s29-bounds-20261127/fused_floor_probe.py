@@ -28,7 +28,6 @@ Not a broker: no recovery, no reads. A bound, kept beside the figures it produce
 
 from __future__ import annotations
 
-import asyncio
 import binascii
 import os
 import struct
@@ -140,7 +139,6 @@ def serve(mode: str, port: int, threads: int, ready: Any) -> None:
     if mode != "fused":
         bench_floor_modes.serve(mode, port, threads, ready)
         return
-    import grpc
     from rocketmq.grpc_protocol import service_pb2 as svc
 
     from bench.peers.floor_server import FloorService
@@ -161,22 +159,7 @@ def serve(mode: str, port: int, threads: int, ready: Any) -> None:
             {"status": ok, "message_id": mid, "offset": offset, "recall_handle": handle}
             for mid, _queue, offset, handle in fused.accept(batch, now)])
 
-    async def run() -> None:
-        async def send_async(request: Any, context: Any) -> Any:
-            return send(request)
-
-        handler = grpc.unary_unary_rpc_method_handler(
-            send_async, request_deserializer=svc.SendMessageRequest.FromString,
-            response_serializer=svc.SendMessageResponse.SerializeToString)
-        server = grpc.aio.server()
-        server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(bench_floor_modes.SERVICE, {"SendMessage": handler}),))
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        ready.set()
-        await server.wait_for_termination()
-
-    asyncio.run(run())
+    bench_floor_modes.serve_aio(send, port, ready)
 
 
 def in_process(n: int) -> None:
