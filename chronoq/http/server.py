@@ -12,7 +12,8 @@ Routes:
   names every topic and consumer group, so with auth on it asks for an admin user's HTTP Basic
   credentials (`Access.check(request, "admin")`; Prometheus: `basic_auth` in the scrape config).
 - `GET /healthz`: 200 `{"ready": true, ...}` while the broker accepts sends; otherwise 503 with
-  the reason (the broker failed, shutting down, the disk below `disk_min_free_bytes`).
+  the reason (the broker failed, shutting down, the disk below `disk_min_free_bytes`, or starting:
+  `serve` starts this side before the gRPC port opens, and says when that port serves).
 - `GET /`: the console page (`static/`); its script calls the JSON endpoints under `/api/` and
   shows the SVG charts under `/chart/`. They call the admin service's methods in process (the same
   API as the gRPC admin service and the CLI), each through `HttpServer.call`: the access check
@@ -109,6 +110,9 @@ class HttpServer:
             "PendingByDue": admin.pending_by_due,
         }
         self.history = ErrorHistory(broker.timer.engine.latencies.delivery_error_ms, config.console_history_samples)
+        self.starting = True
+        """Until `serve` sets it False, once its gRPC port serves: an HTTP readiness probe must not
+        say ready before a gRPC client can be answered."""
         self.stopping = False
         self.port = 0
         self._runner: web.AppRunner | None = None
@@ -170,6 +174,8 @@ class HttpServer:
             return f"the broker failed: {broker.fatal!r}; it refuses all work and is stopping"
         if self.stopping or broker.closed:
             return "shutting down"
+        if self.starting:
+            return "starting: the gRPC port does not serve yet"
         disk = broker.store.disk_stats()
         if disk["min_free_bytes"] and disk["free_bytes"] < disk["min_free_bytes"]:
             return (f"disk full: {disk['free_bytes']} bytes free, below disk_min_free_bytes "

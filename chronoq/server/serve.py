@@ -1,29 +1,37 @@
 """The chronoq server process: one `grpc.aio` server over one `Broker`.
 
-Theory of operation: `serve(config)` opens the broker, binds the gRPC port (TLS when a certificate
-and key are configured), and registers four services: `apache.rocketmq.v2.MessagingService`
-(the official clients), `chronoq.receive.v1.Receive` (the same receive with the messages in one
-response, `chronoq.protocol.batch_receive`; chronoq's SDK), `chronoq.admin.v1.Admin` (JSON
-admin), and the standard
-`grpc.health.v1.Health` (SERVING while the broker is open). With `http_port` set it also starts
-the HTTP side on the same loop (`chronoq/http/`: /metrics, /healthz, the web console) and prints
-a second line naming its URL. It then waits for `stop` (SIGTERM or
-SIGINT when run from the CLI). Shutdown runs in the reverse order of start: health says
-NOT_SERVING, the server refuses new calls and gives running ones `SHUTDOWN_GRACE_S` (long polls
-are cancelled; their messages stay unreceived), the auto-renew loop stops, and the broker closes
-last, so every acknowledged send is durable before the process exits. If a broker background task
-dies (the broker then refuses all work), a watchdog stops the server the same way and `serve`
-returns 1.
+Theory of operation: `serve(config)` opens the broker and builds a gRPC server with four services:
+`apache.rocketmq.v2.MessagingService` (the official clients), `chronoq.receive.v1.Receive` (the
+same receive with the messages in one response, `chronoq.protocol.batch_receive`; chronoq's SDK),
+`chronoq.admin.v1.Admin` (JSON admin), and the standard `grpc.health.v1.Health` (SERVING while
+the broker is open). With `http_port` set it then starts the HTTP side on the same loop
+(`chronoq/http/`: /metrics, /healthz, the web console). Only then does it bind the gRPC port (TLS
+when a certificate and key are configured) and serve on it, in one step (`listen`). The order is
+for readiness probes: gRPC core listens from `add_*_port` on, so from the bind the kernel accepts
+connections and a probe that only connects (Kubernetes `tcpSocket`) says ready; whatever ran
+between the bind and `start` (an import, an await, a collection) would leave a client that
+connected at once unanswered, a quarter of a second for importing and starting the HTTP side.
+So the port opens when it serves: health says SERVING before it opens, and /healthz says
+"starting" (503) until it does, so no probe says ready early. It prints "chronoq serving on
+HOST:PORT" (with the HTTP side, a second line naming its URL) once both serve, then waits for
+`stop` (SIGTERM or SIGINT when run from the CLI). Shutdown runs in the reverse order of start:
+health says NOT_SERVING, the server refuses new calls and gives running ones `SHUTDOWN_GRACE_S`
+(long polls are cancelled; their messages stay unreceived), the auto-renew loop stops, and the
+broker closes last, so every acknowledged send is durable before the process exits. If a broker
+background task dies (the broker then refuses all work), a watchdog stops the server the same
+way and `serve` returns 1.
 
 Start-up failures a person can fix are `ConfigError`s that say what to fix, checked before the
 broker opens or read back from the failure: a data directory that is a file; TLS files that are
 not a PEM certificate and its private key (swapped, a key that belongs to another certificate),
 checked with Python's `ssl` because gRPC only says "cannot bind"; a port that cannot be bound,
-whose cause (in use, permission, no such address) a plain socket bind names.
+whose cause (in use, permission, no such address) a plain socket bind names. The HTTP port is
+bound first, so when it is taken the start stops before the gRPC port was ever bound.
 
-Run as the process (`chronoq serve`), once ready it freezes start-up's objects out of the garbage
-collector's view (`settle_heap`), and on SIGHUP it reads the `[auth]` table of its `--config` file
-again (`reload_auth`; a file that does not load changes nothing).
+Run as the process (`chronoq serve`), just before its gRPC port opens it freezes start-up's objects
+out of the garbage collector's view (`settle_heap`: a collection of tens of ms that a first call
+would otherwise wait out), and on SIGHUP it reads the `[auth]` table of its `--config` file again
+(`reload_auth`; a file that does not load changes nothing).
 
 The server owns the real clock; everything below gets it through the broker.
 """
@@ -160,8 +168,8 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None,
     """Run until `stop` is set (returns 0) or the broker fails (returns 1). `on_ready` gets the
     line "chronoq serving on HOST:PORT" once the port accepts calls. `auth`: the `[auth]` table
     (`chronoq.server.auth.load_auth`); off by default, with a warning beyond loopback.
-    `own_process`: the server is the process (`chronoq serve`), so once ready it may take
-    start-up's objects out of the garbage collector's view (`settle_heap`), and, given the
+    `own_process`: the server is the process (`chronoq serve`), so before its port opens it may
+    take start-up's objects out of the garbage collector's view (`settle_heap`), and, given the
     `auth_file` the table came from, it reads that table again on SIGHUP (`reload_auth`); a test
     or an embedding program that runs `serve` among other work leaves its heap and its signals
     alone."""
@@ -184,29 +192,24 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None,
                                           admin.generic_handler()))
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        address = bind_address(config.host, config.port)
-        try:
-            port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
-        except RuntimeError:
-            port = 0
-        if port == 0:
-            raise ConfigError(f"cannot bind {address}: {bind_failure(config.host, config.port)}")
+        for name in ("", SERVICE_NAME, batch_receive.SERVICE_NAME, admin_codec.SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)  # no one can ask yet
         if config.http_port:
             from chronoq.http.server import HttpServer  # aiohttp and prometheus_client: only when asked for
 
             http = HttpServer(broker, config, admin)
-            http_port = await http.start()
-        await server.start()
-        if not auth.enabled and not is_loopback(config.host):
-            log.warning(NO_AUTH_WARNING.format(address=bind_address(config.host, port)))
-        for name in ("", SERVICE_NAME, batch_receive.SERVICE_NAME, admin_codec.SERVICE_NAME):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+            http_port = await http.start()  # its /healthz says "starting" until gRPC serves
         if own_process:
             settle_heap(config)
-            if auth_file is not None:
-                with contextlib.suppress(NotImplementedError):  # no SIGHUP on Windows
-                    asyncio.get_running_loop().add_signal_handler(
-                        signal.SIGHUP, reload_auth, authenticator, auth_file, config.host, port)
+        port = await listen(server, config, credentials)
+        if http is not None:
+            http.starting = False  # /healthz may say ready now
+        if not auth.enabled and not is_loopback(config.host):
+            log.warning(NO_AUTH_WARNING.format(address=bind_address(config.host, port)))
+        if own_process and auth_file is not None:
+            with contextlib.suppress(NotImplementedError):  # no SIGHUP on Windows
+                asyncio.get_running_loop().add_signal_handler(
+                    signal.SIGHUP, reload_auth, authenticator, auth_file, config.host, port)
         if on_ready is not None:
             on_ready(f"chronoq serving on {bind_address(config.host, port)}" + (" (TLS)" if credentials else ""))
             if http is not None:
@@ -232,6 +235,22 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None,
         if server is not None:
             await server.stop(0)  # no-op after a clean stop; closes the port after a failure
         await broker.close()
+
+
+async def listen(server: grpc.aio.Server, config: Config, credentials: grpc.ServerCredentials | None) -> int:
+    """Bind the gRPC port and serve on it; returns the bound port. gRPC core listens at
+    `add_*_port`, before `start`: from the bind on, connections are accepted by the kernel and
+    wait unanswered until gRPC serves. So nothing runs between the two (no import, no other await,
+    no collection), and a client that connects the instant the port opens is served."""
+    address = bind_address(config.host, config.port)
+    try:
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise ConfigError(f"cannot bind {address}: {bind_failure(config.host, config.port)}")
+    await server.start()
+    return port
 
 
 def reload_auth(authenticator: Authenticator, auth_file: str | Path, host: str, port: int) -> bool:

@@ -42,7 +42,9 @@ async def console(tmp_path: Path) -> AsyncIterator[tuple[Broker, str]]:
     broker = await Broker.open(config, clock=FakeClock(T0), background=False)
     server = HttpServer(broker, config, AdminService(broker, config, Authenticator(AUTH)))
     try:
-        yield broker, f"http://127.0.0.1:{await server.start()}"
+        base = f"http://127.0.0.1:{await server.start()}"
+        server.starting = False  # what serve sets once its gRPC port serves
+        yield broker, base
     finally:
         await server.stop()
         await broker.close()

@@ -51,6 +51,7 @@ async def http_broker(tmp_path: Path, access: Access | None = None,
     try:
         # http_port=0 in the config means "off" for serve; here the site binds port 0 (any free one).
         port = await server.start()
+        server.starting = False  # what serve sets once its gRPC port serves
         yield broker, clock, f"http://127.0.0.1:{port}"
     finally:
         await server.stop()
@@ -386,6 +387,27 @@ def test_every_console_call_goes_through_the_access_check(tmp_path: Path) -> Non
             status, reply = await post_json(base + "/api/cancel", {"topic": TOPIC, "message_id": message_id})
             assert status == 403 and reply["message"] == "cancelling needs the admin role"
             assert broker.query(message_id)[0].state.value == "pending"
+    arun(main())
+
+
+def test_healthz_says_starting_until_the_grpc_port_serves(tmp_path: Path) -> None:
+    """`serve` starts the HTTP side before it opens the gRPC port: an HTTP readiness probe asking
+    in between must not hear "ready"."""
+    async def main() -> None:
+        config = Config(data_dir=tmp_path / "data")
+        broker = await Broker.open(config, clock=FakeClock(T0), background=False)
+        server = HttpServer(broker, config, AdminService(broker, config))
+        try:
+            base = f"http://127.0.0.1:{await server.start()}"
+            status, _, body = await get(base + "/healthz")
+            assert status == 503
+            assert json.loads(body) == {"ready": False, "reason": "starting: the gRPC port does not serve yet"}
+            server.starting = False  # what serve sets once its gRPC port serves
+            status, _, body = await get(base + "/healthz")
+            assert status == 200 and json.loads(body) == {"ready": True, "reason": "serving"}
+        finally:
+            await server.stop()
+            await broker.close()
     arun(main())
 
 

@@ -8,9 +8,12 @@ import gc
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -23,6 +26,7 @@ from chronoq.cli import COMMAND_MODULES
 from chronoq.cli import serve as serve_cli
 from chronoq.client.testing import free_port
 from chronoq.config import Config, ConfigError
+from chronoq.protocol.v2 import SERVICE_NAME
 from chronoq.server.serve import GC_OLDER_THRESHOLDS, serve, settle_heap
 
 ROOT = Path(chronoq.__file__).resolve().parent.parent
@@ -123,11 +127,11 @@ def test_bad_configuration_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture
            "or directory" in err and "[Errno" not in err, err
 
 
-def _start_cli(data_dir: Path, port: int) -> subprocess.Popen[bytes]:
+def _start_cli(data_dir: Path, port: int, *flags: str) -> subprocess.Popen[bytes]:
     module = ["chronoq", "serve"] if "chronoq.cli.serve" in COMMAND_MODULES else ["chronoq.cli.serve", "serve"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    return subprocess.Popen([sys.executable, "-m", *module, "--data-dir", str(data_dir), "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    return subprocess.Popen([sys.executable, "-m", *module, "--data-dir", str(data_dir), "--port", str(port),
+                             *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
 
 
 def _admin(address: str, method: str, body: dict) -> dict:
@@ -166,6 +170,101 @@ def test_cli_serve_sigterm_is_a_clean_shutdown_and_data_survives(tmp_path: Path)
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+FIRST_CALL_DEADLINE_S = 0.1
+"""The deadline of the call made the instant a probe says ready: ample for a server that serves
+(a few ms here), far below what importing and starting the HTTP side takes (~0.25 s here), so a
+port that opened before that would fail it."""
+
+
+def _first_ready(proc: subprocess.Popen[bytes], port: int, http_port: int) -> str:
+    """Poll every 1 ms, from the process start, the two probes a deployment may use: a TCP connect
+    to the gRPC port (Kubernetes `tcpSocket`) and GET /healthz; return the one that said ready first."""
+    deadline = time.monotonic() + 60
+    while True:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return "tcp"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/healthz", timeout=10) as reply:
+                if reply.status == 200:
+                    return "healthz"
+        except urllib.error.HTTPError as not_ready:
+            assert not_ready.code == 503, not_ready
+        except (urllib.error.URLError, ConnectionError):
+            pass  # not bound yet
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "chronoq serve did not open its ports in 60 s"
+        time.sleep(0.001)
+
+
+@pytest.mark.slow
+def test_the_grpc_port_serves_the_instant_a_probe_says_ready_with_http_port(tmp_path: Path) -> None:
+    """A client that connects the instant the gRPC port accepts TCP, or /healthz says ready, is
+    served at once: a health check with a short deadline and no wait_for_ready says SERVING for the
+    messaging service. The HTTP side already accepts then: it starts before the gRPC port opens
+    (`serve`'s start order). Several starts of a real `chronoq serve --http-port`."""
+    for start in range(3):
+        port, http_port = free_port(), free_port()
+        proc = _start_cli(tmp_path / f"data{start}", port, "--http-port", str(http_port))
+        try:
+            probe = _first_ready(proc, port, http_port)
+            with socket.socket() as http_probe:
+                http_accepts = http_probe.connect_ex(("127.0.0.1", http_port)) == 0
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                try:
+                    reply = health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=FIRST_CALL_DEADLINE_S)
+                except grpc.RpcError as failed:
+                    pytest.fail(f"start {start}: ready by {probe}, then {failed.code().name}: {failed.details()}")
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            assert http_accepts, f"start {start}: the gRPC port opened before the HTTP side"
+            assert proc.stdout is not None
+            assert proc.stdout.readline().decode().strip() == f"chronoq serving on 127.0.0.1:{port}"
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def test_an_http_port_in_use_stops_the_start_before_the_grpc_port_is_bound(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The HTTP side starts first, so a taken HTTP port stops the start with its one clear line
+    before the gRPC port was ever bound (no probe sees a port that then closes)."""
+    bound: list[str] = []
+    make_server = grpc.aio.server
+
+    def spying_server(*args: object, **kwargs: object) -> grpc.aio.Server:
+        server = make_server(*args, **kwargs)  # type: ignore[arg-type]
+        add_port = server.add_insecure_port
+
+        def add_insecure_port(address: str) -> int:
+            bound.append(address)
+            return add_port(address)
+
+        server.add_insecure_port = add_insecure_port  # type: ignore[method-assign]
+        return server
+
+    monkeypatch.setattr(grpc.aio, "server", spying_server)
+
+    async def body() -> None:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            http_port = taken.getsockname()[1]
+            config = Config(data_dir=tmp_path / "data", port=free_port(), http_port=http_port)
+            with pytest.raises(ConfigError) as refused:
+                await serve(config, on_ready=pytest.fail)
+        assert str(refused.value) == (f"cannot bind the HTTP port {http_port}: port {http_port} is in use (another "
+                                      "chronoq serve, or another program); choose another --http-port")
+        assert bound == []
+        broker = await Broker.open(config)  # the data directory's lock was released
+        await broker.close()
+    asyncio.run(body())
 
 
 def _auth_toml(*users: tuple[str, str]) -> str:
