@@ -144,6 +144,8 @@ class Broker:
         # the long polls (a consumer woken now finds the records in their queues).
         # A fired timer is read through the link that fired it, and looks as its fired copy would.
         store.linked_view = timer.delivered_view
+        # A link record damaged on disk is read from the index's copy of it.
+        store.link_copy = timer.link_copy
         # A timer is read when it fires: the read cache leaves out what it would evict before.
         store.next_read_ms = timer.next_read_ms
         store.listeners.append(broker.timer_loop.on_dispatch)

@@ -189,6 +189,11 @@ class Config:
     bigger steps fire a backlog sooner (100,000 due at once, with a consumer reading them: all
     fired after ~0.86 s at 8,192, ~1.2-1.4 s at 2,048) and make other calls wait longer meanwhile.
     A steady stream fires in small steps (`timer_fire_gap_ms`) whatever this is."""
+    timer_links_per_record: int = limit(128, maximum=65_535)
+    """Most timers one link record fires (a fire step writes as many as it needs). A record is
+    the unit a damaged sector costs: 128 links are ~3.9 KB, one 4 KiB page. A damaged link record
+    is read from the timer index's copy of it, so this bounds what a second fault (the copy lost
+    too: the index rebuilt from the log) sends back to fire again."""
     timer_roll_batch: int = limit(1024)
     """Timers rolled forward per step before retention (their bodies are in memory meanwhile)."""
     timer_index_block_cache_bytes: int = limit(32 * MiB)

@@ -1,13 +1,25 @@
 """Retention: deleting whole segments once their records are past `retention_ms`, safely.
 
 Theory of operation: a retention step asks the store how far the log is expired (by the store
-times inside the segments, never file times), and lowers that limit to what must stay: the lowest
-record any consumer group holds in flight (for `retention_inflight_hold_ms` at most: a group that
-went away must not keep the log for good; pinned again after the roll, since a receive may run
-while it waits), the lowest delay-level queue head not yet fired, and the lowest timer record a
-kept link record names (a fired timer is read where it was accepted for as long as the link
-record that fired it is kept, as a fired copy was kept with its segment; again after the roll,
-since timers fire while it waits).
+times inside the segments, never file times), and lowers that limit to what must stay for its
+own sake: the lowest record any consumer group holds in flight (for `retention_inflight_hold_ms`
+at most: a group that went away must not keep the log for good; pinned again after the roll,
+since a receive may run while it waits) and the lowest delay-level queue head not yet fired.
+The segments from there on are *live*. A fired timer is read where it was accepted, through the
+link record that fired it, so the limit is then lowered once more, to the lowest timer record a
+link record in a live segment names (`linked_floor`), and to the lowest record a fire still in
+flight names (its link record is not dispatched yet; again after the roll, since timers fire
+while it waits).
+
+That last step is taken once, not repeated: a segment kept only because a live link names a
+record in it is past retention itself, and so are the link records in it. Timer records and link
+records share one log, so if such a segment kept what its own links name, each kept segment
+would keep an older one, back to the first, and a broker whose timers keep firing would never
+delete anything. Its links are expired: a reader that meets one whose record is gone skips it as
+it skips any entry retention removed. So the log holds `retention_ms` of data, plus the records
+live links name (a timer's record is at most its delay, or one roll period, older than its
+link), plus what in-flight messages and delay-level heads pin.
+
 Pending timers below the limit are rolled forward first (`TimerService.roll_before`: re-appended,
 so a timer due in 30 days outlives 72-hour segments); if any timer is still pending below the
 limit afterwards (skipped because it was being fired or cancelled), nothing is deleted this
@@ -48,13 +60,15 @@ class Retention:
         level_pin = self.timer.min_level_position()
         if level_pin is not None:
             limit = min(limit, level_pin)
-        limit = self._linked(self._held_in_flight(limit, hold_limit))
+        live = self._held_in_flight(limit, hold_limit)
+        limit = self._linked(live)
         if limit <= self.store.log.start_position:
             return
         await self.timer.roll_before(limit, now_ms)
         # A receive while the roll waited may have put older records in flight, and a fire
         # linked older timers: pin them too.
-        limit = self._linked(self._held_in_flight(limit, hold_limit))
+        live = self._held_in_flight(live, hold_limit)
+        limit = min(limit, self._linked(live))
         if limit <= self.store.log.start_position:
             return
         if self.timer.pending_below(limit):
@@ -64,23 +78,27 @@ class Retention:
             return
         self.store.checkpoint()
         self.store.delete_before(limit)
-        self.timer.engine.forget_links_below(self.store.log.start_position)
+        # Link records before the segment holding `live` are past retention: `chronoq check`
+        # tells the records they name that are gone from lost ones by where the live ones begin.
+        self.timer.engine.forget_links_below(self.store.log.start_position,
+                                             live_from=self.store.log.segment_base(live))
         self.timer.engine.prune_history(now_ms - self.config.retention_ms)
 
-    def _linked(self, limit: int) -> int:
-        """`limit` lowered until no link record in a segment that stays (the one holding `limit`,
-        and those after it: whole segments go) names a record below it, nor a fire still in
-        flight: a fire that raced the roll links the timer's old record, and until its link
-        record is dispatched the index has no floor for it (the roll copy, made durable first,
-        leaves nothing pending there). Links point back, so each step lowers it; the log's start
-        bounds it."""
+    def _linked(self, live: int) -> int:
+        """`live` (where the segments retained for their own sake begin) lowered to the lowest
+        record a link record in those segments names (whole segments go, so the one holding
+        `live` counts whole), and to the lowest a fire still in flight names: a fire that raced
+        the roll links the timer's old record, and until its link record is dispatched the index
+        has no floor for it (the roll copy, made durable first, leaves nothing pending there).
+        Once, not again from the lowered limit: the segments below `live` are past retention,
+        and so are their own links (the module's docstring)."""
         start = self.store.log.start_position
+        limit = live
         firing = self.timer.min_firing_position()
         if firing is not None:
             limit = min(limit, max(firing, start))
-        while limit > start and (floor := self.timer.engine.linked_floor(self.store.log.segment_base(limit))) \
-                is not None and floor < limit:
-            limit = max(floor, start)
+        if live > start and (floor := self.timer.engine.linked_floor(self.store.log.segment_base(live))) is not None:
+            limit = min(limit, max(floor, start))
         return limit
 
     def _held_in_flight(self, limit: int, hold_limit: int) -> int:

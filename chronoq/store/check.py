@@ -49,6 +49,7 @@ from rocksdict import AccessType, Options, Rdict
 from chronoq.errors import CorruptRecord
 from chronoq.model import LINKS_TOPIC, is_system_topic
 from chronoq.store import files
+from chronoq.store.check_damage import DamageCosts, IndexView
 from chronoq.store.commitlog import SEGMENT_HEADER_SIZE, check_frame, decode_segment_header
 from chronoq.store.consumequeue import CQ_HEADER_SIZE, ENTRY, ENTRY_SIZE, decode_cq_header, decode_entry, tag_hash
 from chronoq.store.damage import DAMAGED, Pread, classify
@@ -94,6 +95,12 @@ class CheckReport:
     cq_entries: int = 0
     log_start: int = 0
     log_end: int = 0
+    damage: DamageCosts = field(default_factory=DamageCosts, repr=False)
+    """The damaged ranges of the log, and what names records inside them (`check_damage.py`)."""
+    live_links_from: int | None = None
+    """Where retention's live link records begin, as the timer index says (None: unknown)."""
+    expired_links: int = 0
+    """Link records before `live_links_from` that name records retention deleted."""
 
     @property
     def ok(self) -> bool:
@@ -206,7 +213,20 @@ def check_data_dir(data_dir: str | Path) -> CheckReport:
     checkpoint, checkpoint_version = _check_checkpoint(data_dir, report)
     queues = _load_queues(data_dir, report)
     entries = _Entries(report)
-    _check_log(data_dir, report, queues, entries, checkpoint, walked_from=checkpoint_version >= CHECKPOINT_VERSION)
+    index = IndexView.open(data_dir / files.TIMER_DIR, TIMER_INDEX_FORMAT_VERSION)
+    try:
+        report.live_links_from = None if index is None else index.live_links_from
+        _check_log(data_dir, report, queues, entries, checkpoint,
+                   walked_from=checkpoint_version >= CHECKPOINT_VERSION)
+        if report.damage.ranges:
+            _cost_damage(data_dir, report, queues, entries, index)
+    finally:
+        if index is not None:
+            index.close()
+    if report.expired_links:
+        report.notes.append(f"{_count(report.expired_links, 'link record')} before {report.live_links_from}, where "
+                            "retention's live segments begin, name records retention deleted: messages past "
+                            "retention (a reader skips them)")
     for (topic, qid), q in sorted(queues.items()):
         # Entries past the queue's last record in the log, ignoring ones retention left behind.
         extra = past_end = 0
@@ -216,7 +236,8 @@ def check_data_dir(data_dir: str | Path) -> CheckReport:
             if raw is None:
                 continue
             for j, (position, _, _, _) in enumerate(_ENTRY_WHOLE.iter_unpack(raw), number * CHUNK_ENTRIES):
-                if j >= start and position >= report.log_start:
+                # (An entry naming a damaged record is counted in that damage's cost.)
+                if j >= start and position >= report.log_start and not report.damage.holds(position):
                     extra += 1
                     past_end += position >= report.log_end
         if past_end:
@@ -226,6 +247,20 @@ def check_data_dir(data_dir: str | Path) -> CheckReport:
             report.problems.append(f"{q.path}: {extra - past_end} entries past the last record of "
                                    f"{topic}/{qid} in the log")
     return report
+
+
+def _cost_damage(data_dir: Path, report: CheckReport, queues: dict[tuple[str, int], _Queue], entries: _Entries,
+                 index: IndexView | None) -> None:
+    """Add to each damaged range's finding what it costs: one more pass over the consume queues
+    (in chunks), finding the entries that name records inside it (`check_damage.py`)."""
+    damage = report.damage
+    for (topic, qid), q in sorted(queues.items()):
+        for number in range(-(-q.count // CHUNK_ENTRIES)):
+            raw = entries.read(q, number)
+            if raw is not None:
+                damage.count_entries(topic, qid, q.first_offset + number * CHUNK_ENTRIES, raw)
+    for problem, cost in zip(damage.problem_index, damage.costs(data_dir, index), strict=True):
+        report.problems[problem] += ". " + cost
 
 
 def _open(path: Path, report: CheckReport) -> int | None:
@@ -456,8 +491,15 @@ def _check_segment(report: CheckReport, queues: dict[tuple[str, int], _Queue], e
                 links = decode_links(msg.body, position)
                 for topic, qid, qoff, at, entry_size, th in link_entries(position, links):
                     _check_entry(report, queues, entries, topic, qid, qoff, at, entry_size, th, checkpoint)
+                if report.damage.ranges:  # (links point back: damage they reach was met before)
+                    for i, target in enumerate(links.positions):
+                        report.damage.count_link(target, links.topics[links.topic_indexes[i]], links.queue_ids[i],
+                                                 links.queue_offsets[i])
                 low = min(links.positions, default=None)
-                if low is not None and low < report.log_start:
+                if low is not None and low < report.log_start and report.live_links_from is not None \
+                        and position < report.live_links_from:
+                    report.expired_links += 1  # past retention itself: what it names may go (retention.py)
+                elif low is not None and low < report.log_start:
                     report.problems.append(
                         f"{path}: link record at position {position} names a record at {low}, below the log's "
                         f"start {report.log_start}: the message it fired is gone (retention must keep it)")
@@ -520,6 +562,7 @@ def _bad_record(report: CheckReport, path: Path, pread: Pread, position: int, en
         report.problems.append(f"{path}: damaged bytes at positions [{position}, {resume}) "
                                f"({resume - position} bytes): {reason}; {after}. A restart quarantines them "
                                "(skips and reports them), it does not cut anything after them")
+        report.damage.add(position, resume, len(report.problems) - 1)
         return resume
     if is_last and checkpoint is not None and position < checkpoint:
         if walked_from and checkpoint <= end:
@@ -527,6 +570,7 @@ def _bad_record(report: CheckReport, path: Path, pread: Pread, position: int, en
                                    f"({checkpoint - position} bytes), below the checkpoint: {reason}; records the "
                                    "consume queues were given (so acknowledged) are lost. A restart keeps them; "
                                    "readers quarantine them (skip and report them)")
+            report.damage.add(position, checkpoint, len(report.problems) - 1)
             return checkpoint  # where recovery's walk starts
         return None  # the log's end is below the checkpoint: `_check_log` reports it, once
     if is_last:
@@ -536,6 +580,7 @@ def _bad_record(report: CheckReport, path: Path, pread: Pread, position: int, en
         return None
     else:
         report.problems.append(f"{path}: damaged bytes at positions [{position}, {end}) to the segment's end: {reason}")
+        report.damage.add(position, end, len(report.problems) - 1)
     return end
 
 

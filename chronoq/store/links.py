@@ -6,8 +6,10 @@ other topics: each of its links names a record (position, size), the queue it jo
 queue id), its offset there, and the tag hash the queue entry carries. Firing timers writes one
 per fire step: the timer record stays where it was accepted and the link gives it its offset in
 the real topic's queue, where RocketMQ 5 re-appends a full copy of every message it fires. A
-fire step of 8,192 timers writes one record of ~250 KB instead of 8,192 re-encoded copies (or a
-few, when one would outgrow `max_message_size_bytes`: `LinkBatch.split`).
+fire step of 8,192 timers writes 64 records of ~3.9 KB instead of 8,192 re-encoded copies: at
+most `timer_links_per_record` (128) links a record (`LinkBatch.split`), so that one damaged
+sector costs few links, and those are read from the timer index's copy (`MessageStore`'s
+`link_copy`).
 
 A link record is an ordinary message record (`store/record.py`) of the system topic
 `LINKS_TOPIC`, queue 0, whose body lists its links; its own queue entry is kept like any other,
@@ -25,8 +27,9 @@ A reader resolves a link entry through the link record to the linked record
 (`MessageStore.readable_entry`), and shows it as a message of the queue it was read from: that
 queue's topic, queue id and offset, and whatever else its linker says (`linked_view`: the timer
 room strips its bookkeeping). A link never points forward: it names a record written before its
-link record. Retention keeps a linked record as long as a link record naming it is kept
-(design.md, "Retention").
+link record. Retention keeps a linked record as long as a link record within retention names
+it (design.md, "Retention of fired timers"); a link past retention whose record is gone is
+skipped, as an entry retention removed.
 
 Pure functions and a column builder; no I/O. The body's byte layout is documented once, in
 docs/disk-format.md ("Link record"); `tests/store/test_links.py` checks it and fuzzes the decoder,
@@ -99,12 +102,17 @@ class LinkBatch:
     def __len__(self) -> int:
         return len(self.positions)
 
-    def split(self, max_record_bytes: int) -> list[LinkBatch]:
-        """This batch as consecutive batches whose link records each take at most
-        `max_record_bytes` (the largest record the broker writes, `max_message_size_bytes`, so
-        every one fits a segment), however many links a fire step takes (`timer_fire_batch`)."""
+    def split(self, max_record_bytes: int, max_links: int) -> list[LinkBatch]:
+        """This batch as consecutive batches of at most `max_links` links whose link records each
+        take at most `max_record_bytes` (the largest record the broker writes,
+        `max_message_size_bytes`, so every one fits a segment), however many links a fire step
+        takes (`timer_fire_batch`). A record is what one damaged sector costs, so it is kept
+        small (`timer_links_per_record`)."""
         if not self.positions:
             return []
+        if len(self.positions) > max_links:
+            return [part for start in range(0, len(self.positions), max_links)
+                    for part in self._slice(start, start + max_links).split(max_record_bytes, max_links)]
         # A record of one link always fits: the linked record, which named the same topic, did.
         fixed = HEADER_SIZE + len(LINKS_TOPIC.encode()) + LINKS_HEAD.size
         # The usual step fits one record whole: priced by its few distinct topics, not link by link.

@@ -104,6 +104,9 @@ DispatchListener = Callable[[list[StoredMessage]], None]
 LinkedView = Callable[[StoredMessage, str, int, int, int], StoredMessage]
 """(linked record, the topic, queue id and offset it was read at, when it was linked there: its
 link record's store time) -> the message it is there."""
+LinkCopy = Callable[[int], tuple[Links, int] | None]
+"""A link record's position -> its links and store time from a copy kept elsewhere (None: no
+copy): read in its place when the record is damaged on disk."""
 NextRead = Callable[[StoredMessage], int | None]
 """A record just dispatched -> the broker time before which nothing reads it by position (a
 timer's due time), `NEVER_READ`, or None: it may be read at once. The read cache asks it."""
@@ -190,6 +193,10 @@ def _read_at_once(msg: StoredMessage) -> int | None:
     return None
 
 
+def _no_link_copy(position: int) -> tuple[Links, int] | None:
+    return None
+
+
 def _flat(d: Mapping[str, str]) -> tuple[str, ...]:
     return tuple(itertools.chain.from_iterable(d.items())) if d else ()
 
@@ -270,6 +277,12 @@ class MessageStore:
         self.linked_view: LinkedView = _relabelled
         """How a record read through a link looks in the queue it was linked into: the writer of
         the links says (the broker sets the timer room's `delivered_view`)."""
+        self.link_copy: LinkCopy = _no_link_copy
+        """Where a damaged link record's links are read instead (the broker sets the timer room's
+        `link_copy`: the timer index keeps a copy of each link record while it is retained)."""
+        self.damaged_links_read: set[int] = set()
+        """Positions of damaged link records whose links were read from their copy (for stats and
+        a log line per record, not per read)."""
         self.next_read_ms: NextRead = _read_at_once
         """When a record just dispatched is next read (the broker sets the timer room's
         `next_read_ms`): the read cache leaves out a record it would evict before then."""
@@ -843,7 +856,9 @@ class MessageStore:
     def _link_target(self, position: int, index: int) -> tuple[int, int, int] | None:
         """(position, size) of the record link `index` of the link record at `position` names,
         and the link record's store time; None when retention removed the link record.
-        CorruptRecord if it is damaged (then quarantined) or has no such link."""
+        A damaged link record (then quarantined) is read from its copy (`link_copy`: the timer
+        index keeps one while the record is retained); CorruptRecord when there is none, or no
+        such link."""
         cached = self._links_cache.get(position)
         if cached is None:
             if position < self.log.start_position:
@@ -853,7 +868,14 @@ class MessageStore:
                 cached = (decode_links(rec.body, position), rec.store_ms)
             except CorruptRecord as e:
                 self._quarantine_if_damaged(position, e.reason)
-                raise
+                copy = self.link_copy(position)
+                if copy is None:
+                    raise
+                cached = copy
+                if position not in self.damaged_links_read:
+                    self.damaged_links_read.add(position)
+                    log.error("link record at position %d is damaged (%s); its %d links are read from the timer "
+                              "index's copy of it, nothing is lost", position, e.reason, len(copy[0]))
             self._remember_links(position, *cached)
         else:
             self._links_cache.move_to_end(position)

@@ -149,6 +149,9 @@ class IndexBatch:
     link_floors: Sequence[tuple[int, int]] = ()
     """(base of the segment holding a link record, the lowest timer record position it links):
     the records a fire linked into their topics stay as long as its link record (`linked_floor`)."""
+    link_copies: Sequence[tuple[int, int, bytes]] = ()
+    """(link record position, its store time, its body): kept by the engine while the link record
+    is retained, so that a link record damaged on disk is read from this copy (`link_copy`)."""
     indexed_position: int = 0
     """Exclusive end of the log range this batch covers. Must not be below the engine's."""
     applied_ms: int | None = None
@@ -227,8 +230,26 @@ class TimerEngine(Protocol):
         Kept per segment, so a retention step reads a row per segment, not per link record."""
         ...
 
-    def forget_links_below(self, position: int) -> None:
-        """Forget the floors of segments based below `position` (retention deleted them)."""
+    def forget_links_below(self, position: int, live_from: int | None = None) -> None:
+        """Forget the floors of segments based below `position` and the copies of link records
+        there (retention deleted them); remember `live_from`, where retention's live segments
+        began (`live_links_from`)."""
+        ...
+
+    def link_copy(self, position: int) -> tuple[bytes, int] | None:
+        """The body and store time of the link record at `position`, as applied (None: no link
+        record applied there, or retention deleted it): what a reader falls back on when the
+        record itself is damaged on disk."""
+        ...
+
+    def link_copies_in(self, start: int, end: int) -> list[int]:
+        """Positions of the link records in [start, end) the engine keeps copies of, in order."""
+        ...
+
+    def live_links_from(self) -> int | None:
+        """Where retention's live segments began at its last deletion (None: none since the
+        engine was built): link records below it are past retention, and the records their
+        links name may be gone (`chronoq check` tells those from lost ones by it)."""
         ...
 
     def prune_history(self, before_ms: int) -> int:

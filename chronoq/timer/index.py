@@ -96,6 +96,7 @@ from chronoq.timer.index_codec import (
     CF_HISTORY,
     CF_ID,
     CF_KEY,
+    CF_LINKS,
     CF_META,
     CF_POS,
     CF_TIME,
@@ -110,6 +111,7 @@ from chronoq.timer.index_codec import (
     META_HEAD_FLOOR,
     META_INDEXED_POSITION,
     META_LEVEL_PREFIX,
+    META_LIVE_LINKS_FROM,
     POS_DONE,
     POS_PENDING,
     POS_ROLLED,
@@ -121,9 +123,11 @@ from chronoq.timer.index_codec import (
     decode_entry,
     decode_fired_history,
     decode_handed,
+    decode_link_copy,
     decode_minute_slots,
     decode_pos_pending,
     decode_status,
+    encode_link_copy,
     facts_keys,
     history_timers,
     id_prefix,
@@ -135,7 +139,7 @@ from chronoq.timer.index_codec import (
 from chronoq.timer.index_txn import IndexTxn
 from chronoq.timer.metrics import TimerLatencies, TimerMetricsSnapshot, pending_by_due
 
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 log = logging.getLogger("chronoq.timer")
 
 
@@ -316,6 +320,8 @@ class RocksTimerIndex:
         self._link_floors: dict[int, int] = {}
         """Segment base -> the lowest timer record position a link record in that segment names
         (mirror of the `f` counters)."""
+        self._live_links_from: int | None = None
+        """Mirror of the `live_links_from` meta key."""
         self._head: bytes | None = None
         self._levels: dict[int, int] = {}
         """Delay level -> next offset to fire (mirror of the `level:` meta keys)."""
@@ -418,6 +424,10 @@ class RocksTimerIndex:
                 if len(key) != len(META_LEVEL_PREFIX) + 2 or len(value) != 8:
                     raise MalformedValue(f"level progress {key!r} -> {value!r}")
                 self._levels[U16.unpack_from(key, len(META_LEVEL_PREFIX))[0]] = U64.unpack(value)[0]
+            live = meta.get(META_LIVE_LINKS_FROM)
+            if live is not None and len(live) != 8:
+                raise MalformedValue(f"live links from {live!r}")
+            self._live_links_from = None if live is None else U64.unpack(live)[0]
             floor = meta.get(META_HEAD_FLOOR)
             if floor is None or len(floor) not in (0, TIME_KEY.size):
                 raise MalformedValue(f"head floor {floor!r}")
@@ -585,6 +595,11 @@ class RocksTimerIndex:
             if type(base) is not int or type(floor) is not int or not (0 <= base < _LIMIT_63 and 0 <= floor < end):
                 raise ValueError(f"link floor ({base!r}, {floor!r}) must be two ints in [0, 2**63), the floor "
                                  f"inside the batch's log range (it ends at {end})")
+        for position, linked_ms, body in batch.link_copies:
+            if type(position) is not int or not 0 <= position < end or not isinstance(body, bytes):
+                raise ValueError(f"link copy at {position!r} must be an int inside the batch's log range (it ends "
+                                 f"at {end}) with a bytes body")
+            _check_u63("link record store time", linked_ms)
         with self._guard():
             db = self._writable()  # before the batch is built: it names this handle's column families
             txn = IndexTxn(self)
@@ -607,6 +622,8 @@ class RocksTimerIndex:
                     floors[base] = floor
             for base, floor in floors.items():
                 txn.wb.put(b"f" + U64.pack(base), U64.pack(floor), self._handle[CF_COUNTERS])
+            for position, linked_ms, body in batch.link_copies:
+                txn.wb.put(U64.pack(position), encode_link_copy(linked_ms, body), self._handle[CF_LINKS])
             txn.finish(batch.indexed_position)
             db.write(txn.wb, self._write_opt)
             self._commit(txn, batch)
@@ -804,20 +821,36 @@ class RocksTimerIndex:
     def linked_floor(self, segment_base: int) -> int | None:
         return min((f for b, f in self._link_floors.items() if b >= segment_base), default=None)
 
-    def forget_links_below(self, position: int) -> None:
+    def forget_links_below(self, position: int, live_from: int | None = None) -> None:
         if self._closed:
             raise TimerIndexClosed(self._path)
         gone = [b for b in self._link_floors if b < position]
-        if not gone:
-            return
         with self._guard():
             db = self._writable()
             wb = WriteBatch(raw_mode=True)
             for base in gone:
                 wb.delete(b"f" + U64.pack(base), self._handle[CF_COUNTERS])
+            wb.delete_range(U64.pack(0), U64.pack(position), self._handle[CF_LINKS])
+            if live_from is not None:
+                wb.put(META_LIVE_LINKS_FROM, U64.pack(live_from), self._handle[CF_META])
             db.write(wb, self._write_opt)
         for base in gone:
             del self._link_floors[base]
+        if live_from is not None:
+            self._live_links_from = live_from
+
+    def link_copy(self, position: int) -> tuple[bytes, int] | None:
+        with self._guard():
+            value = self._cf[CF_LINKS].get(U64.pack(position))
+            return None if value is None else decode_link_copy(value)
+
+    def link_copies_in(self, start: int, end: int) -> list[int]:
+        with self._guard():
+            return [U64.unpack(key)[0] for key, _ in
+                    self._scan_range(CF_LINKS, U64.pack(start), U64.pack(end))]
+
+    def live_links_from(self) -> int | None:
+        return self._live_links_from
 
     def prune_history(self, before_ms: int) -> int:
         if self._closed:

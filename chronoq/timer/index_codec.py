@@ -26,13 +26,20 @@ CF_POS = "pos"
 CF_HISTORY = "history"
 CF_COUNTERS = "counters"
 CF_META = "meta"
-COLUMN_FAMILIES = (CF_TIME, CF_ID, CF_KEY, CF_POS, CF_HISTORY, CF_COUNTERS, CF_META)
+CF_LINKS = "links"
+COLUMN_FAMILIES = (CF_TIME, CF_ID, CF_KEY, CF_POS, CF_HISTORY, CF_COUNTERS, CF_META, CF_LINKS)
 
 META_FORMAT_VERSION = b"format_version"
 META_INDEXED_POSITION = b"indexed_position"
 META_HEAD_FLOOR = b"head_floor"
 META_LEVEL_PREFIX = b"level:"
 """`level:` + level u16 -> u64: the next offset of that delay level's queue to fire."""
+META_LIVE_LINKS_FROM = b"live_links_from"
+"""u64: where retention's live segments began at its last deletion (link records below it are
+past retention, and may name records it deleted)."""
+LINK_COPY_VERSION = 1
+LINK_COPY_HEAD = struct.Struct(">Bq")
+"""A `links` value's head: version u8, the link record's store time i64; its body follows."""
 
 STATE_PENDING, STATE_DELIVERED, STATE_CANCELLED, STATE_DAMAGED = 1, 2, 3, 4
 CODE_STATE = {STATE_PENDING: TimerState.PENDING, STATE_DELIVERED: TimerState.DELIVERED,
@@ -317,3 +324,15 @@ def decode_minute_slots(value: bytes) -> array[int]:
     if not any(slots):
         raise MalformedValue("minute counter of zeros (it should have been deleted)")
     return slots
+
+
+def encode_link_copy(linked_ms: int, body: bytes) -> bytes:
+    """A `links` value: the link record's store time (when its links were entered) and its body."""
+    return LINK_COPY_HEAD.pack(LINK_COPY_VERSION, linked_ms) + body
+
+
+def decode_link_copy(value: bytes) -> tuple[bytes, int]:
+    """(body, store time) of a `links` value."""
+    if len(value) < LINK_COPY_HEAD.size or value[0] != LINK_COPY_VERSION:
+        raise MalformedValue(f"link copy of {len(value)} bytes, version {value[:1]!r}")
+    return value[LINK_COPY_HEAD.size:], LINK_COPY_HEAD.unpack_from(value)[1]

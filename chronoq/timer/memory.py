@@ -49,6 +49,9 @@ class MemoryTimerState:
     levels: dict[int, int] = field(default_factory=dict)
     link_floors: dict[int, int] = field(default_factory=dict)
     """Segment base -> the lowest timer record position a link record in that segment names."""
+    link_copies: dict[int, tuple[bytes, int]] = field(default_factory=dict)
+    """Link record position -> (its body, its store time)."""
+    live_links_from: int | None = None
 
 
 class MemoryTimerEngine:
@@ -85,7 +88,8 @@ class MemoryTimerEngine:
         # Copy-on-write: rows are replaced, never changed in place, so copies of the containers
         # are enough for the batch to leave the live state alone until it has all applied.
         new = MemoryTimerState(self.state.indexed_position, dict(self.state.rows), list(self.state.history),
-                               dict(self.state.levels), dict(self.state.link_floors))
+                               dict(self.state.levels), dict(self.state.link_floors), dict(self.state.link_copies),
+                               self.state.live_links_from)
         fired_times: list[tuple[int, int]] = []
         finished: list[int] = []
         rolled_from: dict[int, int] = {}
@@ -131,8 +135,11 @@ class MemoryTimerEngine:
                 new.levels[level] = offset
         for base, floor in batch.link_floors:
             new.link_floors[base] = min(floor, new.link_floors.get(base, floor))
+        for position, linked_ms, body in batch.link_copies:
+            new.link_copies[position] = (body, linked_ms)
         new.indexed_position = batch.indexed_position
-        for name in ("indexed_position", "rows", "history", "levels", "link_floors"):  # the copy becomes the state
+        # The copy becomes the state.
+        for name in ("indexed_position", "rows", "history", "levels", "link_floors", "link_copies"):
             setattr(self.state, name, getattr(new, name))
         self._handed.difference_update(finished)
         self._latencies.delivery_error_ms.record_many([fired - base for base, fired in fired_times])
@@ -219,9 +226,23 @@ class MemoryTimerEngine:
     def linked_floor(self, segment_base: int) -> int | None:
         return min((f for b, f in self.state.link_floors.items() if b >= segment_base), default=None)
 
-    def forget_links_below(self, position: int) -> None:
+    def forget_links_below(self, position: int, live_from: int | None = None) -> None:
         self._check_open()
         self.state.link_floors = {b: f for b, f in self.state.link_floors.items() if b >= position}
+        self.state.link_copies = {p: c for p, c in self.state.link_copies.items() if p >= position}
+        if live_from is not None:
+            self.state.live_links_from = live_from
+
+    def link_copy(self, position: int) -> tuple[bytes, int] | None:
+        self._check_open()
+        return self.state.link_copies.get(position)
+
+    def link_copies_in(self, start: int, end: int) -> list[int]:
+        self._check_open()
+        return sorted(p for p in self.state.link_copies if start <= p < end)
+
+    def live_links_from(self) -> int | None:
+        return self.state.live_links_from
 
     def prune_history(self, before_ms: int) -> int:
         self._check_open()
@@ -287,3 +308,9 @@ def _check_batch(batch: IndexBatch) -> None:
         if type(base) is not int or type(floor) is not int or not (0 <= base < 1 << 63 and 0 <= floor < end):
             raise ValueError(f"link floor ({base!r}, {floor!r}) must be two ints in [0, 2**63), the floor "
                              f"inside the batch's log range (it ends at {end})")
+    for position, linked_ms, body in batch.link_copies:
+        if type(position) is not int or not 0 <= position < end or not isinstance(body, bytes):
+            raise ValueError(f"link copy at {position!r} must be an int inside the batch's log range (it ends "
+                             f"at {end}) with a bytes body")
+        if type(linked_ms) is not int or not 0 <= linked_ms < 1 << 63:
+            raise ValueError(f"link record store time must be an int in [0, 2**63), not {linked_ms!r}")

@@ -49,6 +49,7 @@ from typing import Any
 
 from chronoq.config import Config
 from chronoq.errors import (
+    ChronoqError,
     CorruptRecord,
     DiskFull,
     InvalidRecallHandle,
@@ -82,7 +83,7 @@ from chronoq.model import (
     TimerStatus,
 )
 from chronoq.store.consumequeue import tag_hash
-from chronoq.store.links import LinkBatch
+from chronoq.store.links import LinkBatch, Links, decode_links
 from chronoq.store.messagestore import NEVER_READ, MessageStore, PreparedMessage
 from chronoq.timefmt import instant
 from chronoq.timer.delay_queues import DelayLevelQueues
@@ -204,6 +205,7 @@ class TimerService:
         rolled: list[tuple[int, TimerEntry]] = []
         level_offsets: dict[int, int] = {}
         link_floors: list[tuple[int, int]] = []
+        link_copies: list[tuple[int, int, bytes]] = []
         indexed_seconds: list[int] = []
         for m in msgs:
             sp = m.system_properties
@@ -213,6 +215,8 @@ class TimerService:
                 if positions:
                     fired.extend(zip(positions, itertools.repeat(m.store_ms, len(positions)), strict=True))
                     link_floors.append((self.store.log.segment_base(m.position), min(positions)))
+                    # Kept while the link record is: read in its place if it is damaged on disk.
+                    link_copies.append((m.position, m.store_ms, m.body))
                 continue
             if m.topic == TIMER_TOPIC:
                 if SYS_TIMER_DEL_UNIQKEY in sp:
@@ -245,7 +249,7 @@ class TimerService:
                     # before); a log that holds them is still read so.
                     fired.append((int(sp[SYS_FIRED_FROM]), m.store_ms))
         return IndexBatch(adds=adds, cancels=cancels, fired=fired, rolled=rolled, applied_ms=now_ms,
-                          level_progress=level_offsets, link_floors=link_floors,
+                          level_progress=level_offsets, link_floors=link_floors, link_copies=link_copies,
                           indexed_position=indexed_position), indexed_seconds
 
     def recover(self, end: int | None = None) -> int:
@@ -364,9 +368,9 @@ class TimerService:
         positions.update(int(c.system_properties[SYS_FIRED_FROM]) for c in copies)
         ids = set(keys)
         records = list(copies)
-        # One link record per step, or a few when they would outgrow the largest record the
-        # broker writes (`max_message_size_bytes`; a step of `timer_fire_batch` may not fit one).
-        for part in links.split(self.config.max_message_size_bytes):
+        # A link record per `timer_links_per_record` timers (what one damaged sector may cost;
+        # fewer when they would outgrow the largest record the broker writes), all in one append.
+        for part in links.split(self.config.max_message_size_bytes, self.config.timer_links_per_record):
             records.append(PreparedMessage(LINKS_TOPIC, "", MessageType.NORMAL, b"", now_ms, queue_id=0, links=part))
         self._firing |= positions
         self._firing_ids |= ids
@@ -463,6 +467,18 @@ class TimerService:
         due = sp.get(SYS_TIMER_OUT_MS)
         # Never raises (it runs in dispatch): a value that is not a u63 in decimal says nothing.
         return int(due) if due is not None and len(due) <= 19 and due.isascii() and due.isdigit() else None
+
+    def link_copy(self, position: int) -> tuple[Links, int] | None:
+        """The links of the link record at `position` and its store time, from the engine's copy
+        (`store.link_copy`: what a reader falls back on when that record is damaged on disk);
+        None when the engine has none, or cannot say now (being rebuilt, or waiting for disk)."""
+        if self.index_damaged is not None:
+            return None
+        try:
+            copy = self.engine.link_copy(position)
+            return None if copy is None else (decode_links(copy[0], position), copy[1])
+        except (ChronoqError, CorruptRecord):
+            return None
 
     @staticmethod
     def delivered_view(rec: StoredMessage, topic: str, queue_id: int, queue_offset: int,

@@ -21,6 +21,7 @@ from chronoq.model import SendResult
 from chronoq.store import files
 from chronoq.store.groups import GroupStore
 from chronoq.timer.index import RocksTimerIndex
+from chronoq.timer.index_codec import COLUMN_FAMILIES
 from chronoq.timer.recall import encode_recall_handle
 
 MiB = 1024 * 1024
@@ -152,7 +153,7 @@ def test_the_timer_index_opens_with_the_given_memory_sizes(tmp_path: Path) -> No
     # Index and filter blocks are charged to the cache in every column family chronoq uses.
     sections = text.split("[TableOptions/BlockBasedTable ")[1:]
     ours = [s for s in sections if not s.startswith('"default"')]
-    assert len(ours) == 7
+    assert len(ours) == len(COLUMN_FAMILIES) == 8
     assert all("cache_index_and_filter_blocks=true" in s for s in ours)
 
 

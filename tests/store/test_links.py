@@ -248,9 +248,14 @@ def test_a_batch_too_big_for_one_record_splits_into_records_that_fit() -> None:
     """A fire step of thousands of links becomes several link records, each within the largest
     record the broker writes, in order, every link kept once."""
     batch = _batch([(i * 100, 80, f"topic-{i % 7}", None, None, i) for i in range(1_000)])
-    parts = batch.split(4096)
+    parts = batch.split(4096, 65_535)
     assert len(parts) > 1 and [p for part in parts for p in part.positions] == batch.positions
     for part in parts:
         body = encode_links(part, [0] * len(part), list(range(len(part))))
         assert 72 + len(LINKS_TOPIC) + len(body) <= 4096
-    assert batch.split(1 << 20)[0].positions == batch.positions  # one record when it fits
+    assert batch.split(1 << 20, 65_535)[0].positions == batch.positions  # one record when it fits
+    # At most `max_links` a record too (`timer_links_per_record`), whatever room is left.
+    parts = batch.split(1 << 20, 128)
+    assert [len(part) for part in parts] == [128] * 7 + [104]
+    assert [p for part in parts for p in part.positions] == batch.positions
+    assert [len(part) for part in batch.split(4096, 50)] == [50] * 20

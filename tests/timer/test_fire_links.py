@@ -81,7 +81,9 @@ def test_a_message_group_fires_into_one_queue_and_a_named_queue_is_kept(tmp_path
     run(body())
 
 
-def test_a_fire_step_writes_one_link_record_and_no_copy(tmp_path: Path) -> None:
+def test_a_fire_step_writes_link_records_of_bounded_size_and_no_copy(tmp_path: Path) -> None:
+    """500 timers fired in one step: four link records of at most `timer_links_per_record` (128)
+    links each, ~30 bytes a timer, not a copy of each message."""
     async def body() -> None:
         clock = FakeClock(START_MS)
         b = await open_broker(tmp_path / "data", clock)
@@ -92,8 +94,9 @@ def test_a_fire_step_writes_one_link_record_and_no_copy(tmp_path: Path) -> None:
             clock.advance(1_000)
             assert await b.run_due() == 500
             written = list(b.store.scan(end))
-            assert [m.topic for m in written] == [LINKS_TOPIC]
-            assert written[0].size < 500 * 40  # ~30 bytes a timer, not a copy of each message
+            assert [m.topic for m in written] == [LINKS_TOPIC] * 4
+            assert [len(b.store.links_in(m)) for m in written] == [128, 128, 128, 116]
+            assert all(m.size < 128 * 32 + 100 for m in written)  # one 4 KiB page each
             assert sorted(m.message_id for m in await drain(b, "orders")) == sorted(f"m{i}" for i in range(500))
         finally:
             await b.close()

@@ -33,6 +33,7 @@ from chronoq.timer.index import (
     CF_HISTORY,
     CF_ID,
     CF_KEY,
+    CF_LINKS,
     CF_META,
     CF_POS,
     CF_TIME,
@@ -724,18 +725,26 @@ def test_byte_layouts_match_docs_disk_format(tmp_path: Path) -> None:
             b"h" + struct.pack(">Q", second // 3600): struct.pack(">q", 1),
             b"ttp": struct.pack(">q", 1),
         }
-        assert dict(cf[CF_META].items()) == {META_FORMAT_VERSION: struct.pack(">I", 5),
+        assert dict(cf[CF_META].items()) == {META_FORMAT_VERSION: struct.pack(">I", 6),
                                               b"indexed_position": struct.pack(">Q", 400), b"head_floor": tk}
-        # Fired by a link record in the segment based at 0 (its links name 300 at the lowest).
-        index.apply(IndexBatch(fired=[(300, T0 + 61_502)], link_floors=[(0, 300)], indexed_position=500))
+        # Fired by a link record at 450 in the segment based at 0 (its links name 300 at the
+        # lowest), whose body the index keeps a copy of in `links`.
+        index.apply(IndexBatch(fired=[(300, T0 + 61_502)], link_floors=[(0, 300)],
+                               link_copies=[(450, T0 + 61_502, b"links body")], indexed_position=500))
+        assert list(cf[CF_LINKS].items()) == [(struct.pack(">Q", 450),
+                                               b"\x01" + struct.pack(">q", T0 + 61_502) + b"links body")]
+        assert index.link_copy(450) == (b"links body", T0 + 61_502) and index.link_copy(300) is None
+        assert index.link_copies_in(0, 451) == [450] and index.link_copies_in(451, 1000) == []
         assert list(cf[CF_ID].items()) == [(ik, facts)]  # facts stay; the state moved to `pos`
         assert list(cf[CF_POS].items()) == [(position_key, b"\x03\x02" + struct.pack(">q", T0 + 61_502))]
         assert list(cf[CF_HISTORY].items()) == [(struct.pack(">QQ", T0 + 61_502, 300), b"\x01" + ik)]
         assert list(cf[CF_TIME].items()) == []
         assert dict(cf[CF_COUNTERS].items()) == {b"f" + struct.pack(">Q", 0): struct.pack(">Q", 300)}
         assert index.linked_floor(0) == 300
-        index.forget_links_below(1)  # the segment based at 0 is gone
+        index.forget_links_below(451, live_from=451)  # the segment based at 0 is gone
         assert dict(cf[CF_COUNTERS].items()) == {} and index.linked_floor(0) is None
+        assert list(cf[CF_LINKS].items()) == [] and index.link_copy(450) is None
+        assert cf[CF_META][b"live_links_from"] == struct.pack(">Q", 451) and index.live_links_from() == 451
         assert cf[CF_META][b"head_floor"] == tk  # the old head: at or below anything pending
         index.apply(IndexBatch(indexed_position=600))
         assert cf[CF_META][b"head_floor"] == b""  # nothing pending
