@@ -172,6 +172,10 @@ class Accept:
         self._finishing.add(task)
         task.add_done_callback(self._finishing.discard)
 
+    def clock_rebased(self, step_ms: int) -> None:
+        """Broker time moved back by `step_ms` (a re-base, `clock.py`): the dedupe window's times too."""
+        self.recent.clock_rebased(step_ms)
+
     def forget(self, topic: str, message_id: str, deliver_at_ms: int) -> None:
         """The id's timer due at `deliver_at_ms` was cancelled: a new send of it is a new timer to
         store, not a retry to answer with the cancelled one's result (stored nowhere, it would

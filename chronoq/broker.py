@@ -25,8 +25,13 @@ checkpoint tick's). With `background=False` only the flusher runs, and a test mo
 `FakeClock` and calls `run_due()`, so two days of timers run in
 milliseconds, deterministically.
 
-Every decision by time uses `clock` (broker time, which a wall-clock step cannot move back or
-jump forward: `clock.py`); a long poll's `wait_ms` is a real-time wait on the loop's clock.
+Every decision by time uses `clock` (broker time, which a wall-clock step cannot jump forward,
+and moves back only by a re-base: `clock.py`); timers fire by its fire horizon, never before the
+wall clock reaches their due time; a long poll's `wait_ms` is a real-time wait on the loop's
+clock. What this run stamped in broker time follows a re-base (`_clock_rebased`: in-flight
+visible times, retention's store times, the dedupe window), so no redelivery or retention waits
+out a step back longer than `clock_max_backward_step_ms`; what an earlier run stamped with a
+clock that was ahead is brought back at open (`GroupStore.restamp_ahead`; docs/design.md, "Time").
 
 A full disk is back-pressure (docs/design.md, "A full disk"; `store/diskspace.py`): a producer
 send below `disk_min_free_bytes` is refused with `DiskFull` before anything is written; the
@@ -97,6 +102,7 @@ class Broker:
         self.retention = Retention(config, store, groups, timer)
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
+        self._stop_following_clock: Callable[[], None] = _nothing
         self.fatal: BaseException | None = None
         # Counted at the doors (see the module docstring); restart at zero, as Prometheus expects.
         self.accepted_by_topic: dict[str, int] = {}
@@ -114,7 +120,8 @@ class Broker:
 
     @classmethod
     async def open(cls, config: Config, *, clock: Clock | None = None, background: bool = True) -> Broker:
-        clock = clock or SystemClock(catchup_ppm=config.clock_catchup_ppm)
+        clock = clock or SystemClock(catchup_ppm=config.clock_catchup_ppm,
+                                     max_backward_step_ms=config.clock_max_backward_step_ms)
         store, report = MessageStore.open(config, opened_ms=clock.now_ms())
         groups = timer = None
         try:
@@ -122,6 +129,7 @@ class Broker:
                 config.data_dir / files.GROUPS_DIR, block_cache_bytes=config.groups_block_cache_bytes,
                 write_buffer_bytes=config.groups_write_buffer_bytes, disk=store.disk)
             groups.clamp(lambda topic, queue_id: store.queue(topic, queue_id).next_offset)
+            groups.restamp_ahead(clock.now_ms(), max(config.max_invisible_duration_ms, *config.delay_levels_ms))
             timer = open_timer_service(config, store, _appender(store, clock))
             if stranded := timer.delay_queues.stranded():
                 shown = ", ".join(f"level {lv}: {n}" for lv, n in sorted(stranded.items()))
@@ -153,6 +161,7 @@ class Broker:
             store.listeners.append(broker.trace.dispatched)
         store.listeners.append(broker.deliver.on_dispatch)
         store.log.on_failed = broker._store_failed
+        broker._stop_following_clock = clock.add_rebase_listener(broker._clock_rebased)
         broker._spawn(store.log.flush_loop(), "flusher")
         if background:
             broker._spawn(broker.timer_loop.run(), "timer")
@@ -173,6 +182,18 @@ class Broker:
             self.fatal = FlushFailed(reason)
             log.error("storage failed, the broker stops accepting work: %s", reason)
 
+    def _clock_rebased(self, step_ms: int, now_ms: int) -> None:
+        """Broker time was just moved back by `step_ms` (`clock.py`): what this broker stamped in
+        it, and measures against it, moves back with it, so each keeps the real time it had left:
+        in-flight visible times (memory and store), retention's store times, the dedupe window.
+        Timers' due times stay: an absolute one is a wall-clock fact, and one set by a delay fires
+        up to the step late, never early."""
+        moved = self.groups.rebase(step_ms, now_ms)
+        self.store.clock_rebased(step_ms)
+        self.accept.clock_rebased(step_ms)
+        log.info("re-base of %d ms: %d in-flight messages, retention's store times and the dedupe window moved "
+                 "back with broker time", step_ms, moved)
+
     def _task_done(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():
             return
@@ -187,6 +208,7 @@ class Broker:
         if self._closed:
             return
         self._closed = True
+        self._stop_following_clock()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -250,8 +272,8 @@ class Broker:
             self.trace.flush()
 
     async def run_due(self) -> int:
-        """Fire every timer due at `clock.now_ms()`; returns how many. For tests with a FakeClock
-        and `background=False`."""
+        """Fire every timer due at the clock's fire horizon; returns how many. For tests with a
+        FakeClock and `background=False`."""
         return await self.timer_loop.run_due()
 
     async def enforce_retention(self) -> None:
@@ -366,7 +388,9 @@ class Broker:
             raise InvalidRecallHandle("give a recall handle, or both topic and message id")
         # Forgotten once the tombstone is durable, even if this caller has gone away by then.
         forget = functools.partial(self.accept.forget, topic, message_id)
-        await self.timer.cancel(topic, message_id, self.clock.now_ms(), deliver_at_ms=deliver_at_ms, then=forget)
+        # Due by the fire horizon, as the loop fires: a timer the loop has not fired may be cancelled.
+        await self.timer.cancel(topic, message_id, self.clock.fire_horizon_ms(), deliver_at_ms=deliver_at_ms,
+                                then=forget)
         self.timer_loop.poke()
         return message_id
 
@@ -377,9 +401,10 @@ class Broker:
         return self.timer.engine.lookup_key(key)
 
     async def fire_timers(self, positions: list[int]) -> tuple[int, int]:
-        """For the Spark engine: fire these pending timers now (idempotent)."""
+        """For the Spark engine: fire these pending timers now if due by the fire horizon, as the
+        loop fires (idempotent)."""
         self._check_open()
-        return await self.timer.fire_positions(positions, self.clock.now_ms())
+        return await self.timer.fire_positions(positions, self.clock.fire_horizon_ms())
 
     def stats(self) -> dict[str, Any]:
         now = self.clock.now_ms()
@@ -391,8 +416,8 @@ class Broker:
                           "segments": len(log_.segments()), "fsyncs": log_.fsync_count,
                           "damaged_ranges": len(log_.damage), "damaged": [d.to_dict() for d in log_.damage.ranges()],
                           "reads_skipped_damaged": self.store.skipped_damaged},
-            "timer": self.timer.stats(now),
-            "clock": {"behind_wall_ms": self._behind_wall_ms()},
+            "timer": self.timer.stats(self.clock.fire_horizon_ms()),
+            "clock": self.clock.stats(),
             "disk": self.store.disk_stats(),
             "trace": self.trace_stats(),
             "groups": self.group_stats(),
@@ -419,11 +444,9 @@ class Broker:
                         "inflight": self.groups.inflight_count(group, topic)})
         return out
 
-    def _behind_wall_ms(self) -> int:
-        """How far broker time is behind the wall clock (< 0: ahead, paused after a step back);
-        0 for a clock without a wall clock behind it (FakeClock)."""
-        behind = getattr(self.clock, "behind_wall_ms", None)
-        return int(behind()) if behind is not None else 0
+
+def _nothing() -> None:
+    return None
 
 
 def _appender(store: MessageStore, clock: Clock) -> Callable[[list[Any]], Awaitable[list[StoredMessage]]]:

@@ -218,6 +218,15 @@ class Config:
     and closes a forward step slowly (one hour in 50), shortening delays running meanwhile by
     at most 2 % of real time. 0: never catch up (until a restart), never early in real time.
     At most 1,000,000 (twice the real rate). See "Time" in docs/design.md."""
+    clock_max_backward_step_ms: int = limit(MINUTE_MS, minimum=SECOND_MS, maximum=DAY_MS)
+    """A step back of the wall clock by at most this much pauses broker time until the wall clock
+    catches up (what broker time stamps, relative delays and invisible durations, comes up to
+    this much late, never early); a larger one re-bases broker time to the wall clock at once
+    (logged at ERROR, counted in `stats` and `chronoq_clock_rebases_total`), moving in-flight
+    messages' visible times, auto-renew deadlines and retention's store times back with it, so
+    nothing waits longer than this for a clock that was ahead. Timers never fire before the wall
+    clock reaches their due time, whatever this is. 1 s to 1 day; the default 1 minute rides out
+    NTP's ordinary corrections without store times going back. See "Time" in docs/design.md."""
 
     trace_enable: bool = False
     """Journal accepted/fired/first-received times of timer messages (`chronoq trace export`)."""

@@ -22,6 +22,9 @@ is skipped when it reaches the left end (the older slots of a key are always the
 the deque is compacted once stale slots outnumber the bound, so it stays within twice the bound.
 
 Owned by the broker's event loop (no locks); it never reads the clock (`now_ms` is passed in).
+A re-base of broker time (`clock.py`) moves every remembered time back by the step
+(`clock_rebased`): otherwise the window would last the step longer, and an id reused after the
+window would be answered with the old result and stored nowhere. Order is kept (all move alike).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from chronoq.timer.recall import encode_recall_handle
 
 _ENTRY = struct.Struct("<qqqqIB")
 """at_ms, position, queue_offset, deliver_at_ms (-1: none), queue_id (u32, as in the record), flags."""
+_AT = struct.Struct("<q")
+"""The entry's first field, at_ms, alone."""
 _HAS_HANDLE = 1
 _NO_DELIVER_AT = -1
 
@@ -115,6 +120,13 @@ class DedupeWindow:
             stale = self._stale
             self._order = deque(n for n in self._order if not self._skip_stale(n))
             assert not stale, "every stale count is matched by a deque slot"
+
+    def clock_rebased(self, step_ms: int) -> None:
+        """Broker time moved back by `step_ms`: so does each remembered send's time, so it is
+        forgotten `window_ms` after it was made, in real time, not the step later."""
+        entries = self._entries
+        for name, packed in entries.items():
+            entries[name] = _AT.pack(_AT.unpack_from(packed)[0] - step_ms) + packed[_AT.size:]
 
     def expire(self, now_ms: int) -> None:
         """Forget entries added before `now_ms - window_ms`."""

@@ -50,6 +50,8 @@ DUE_LABELS = (("overdue", "overdue"), ("5s", "<5s"), ("1m", "<1m"), ("5m", "<5m"
 LATENCIES = (("delivery_error_ms", "delivery error"), ("fire_lag_ms", "fire lag"), ("enqueue_lag_ms", "enqueue lag"))
 PERCENTILES = ("p50", "p90", "p99", "p999", "max")
 KNOWN_TOP = frozenset({"now_ms", "topics", "commitlog", "timer", "clock", "disk", "trace", "groups"})
+KNOWN_CLOCK = frozenset({"behind_wall_ms", "max_backward_step_ms", "rebases", "rebased_ms", "last_rebase_ms",
+                         "last_rebase_at_ms"})
 KNOWN_TRACE = frozenset({"enabled", "active", "stopped_reason", "stopped"})
 KNOWN_TIMER = frozenset({"now_ms", "pending_total", "pending_by_topic", "pending_by_due", "next_deadline_ms",
                          "oldest_overdue_ms", "indexed_position", "latencies", "pending_by_delay_level", "damaged"})
@@ -186,7 +188,8 @@ def _trace_line(trace: Mapping[str, Any]) -> str | None:
     return f"{'trace':<{LABEL}}STOPPED for this run ({trace.get('stopped_reason')}): {trace.get('stopped')}"
 
 
-def _clock_line(clock: Mapping[str, Any]) -> str:
+def _clock_lines(clock: Mapping[str, Any], now_ms: int) -> list[str]:
+    """The clock line, and a second one once broker time has been re-based (an ERROR in the log)."""
     behind = int(clock.get("behind_wall_ms") or 0)
     if behind == 0:
         state = "broker time = wall clock"
@@ -194,7 +197,16 @@ def _clock_line(clock: Mapping[str, Any]) -> str:
         state = f"broker time is {duration(behind)} behind the wall clock (a step forward; timers never fire early)"
     else:
         state = f"broker time is {duration(-behind)} ahead of the wall clock (paused after a step back)"
-    return f"{'clock':<{LABEL}}{state}"
+    lines = [f"{'clock':<{LABEL}}{state}"]
+    rebases = int(clock.get("rebases") or 0)
+    if rebases:
+        last, at = clock.get("last_rebase_ms"), clock.get("last_rebase_at_ms")
+        when = f", {relative(int(at), now_ms)}" if at is not None and now_ms else ""
+        limit = clock.get("max_backward_step_ms")
+        over = f" over {duration(int(limit))}" if limit else ""
+        lines.append(f"{'':<{LABEL}}RE-BASED {rebases}x after steps back{over}: last by {duration(int(last or 0))}"
+                     f"{when}")
+    return lines
 
 
 def _groups_line(groups: Any) -> str:
@@ -234,7 +246,7 @@ def render(stats: Mapping[str, Any]) -> list[str]:
         lines.append(fds_line)
     if (trace_line := _trace_line(stats.get("trace") or {})) is not None:
         lines.append(trace_line)
-    lines.append(_clock_line(stats.get("clock") or {}))
+    lines += _clock_lines(stats.get("clock") or {}, now_ms)
     lines.append(f"{'topics':<{LABEL}}{count(stats.get('topics'))}")
     if "groups" in stats:
         lines.append(_groups_line(stats["groups"]))
@@ -243,6 +255,7 @@ def render(stats: Mapping[str, Any]) -> list[str]:
     lines += _extra_lines("commitlog.", stats.get("commitlog") or {}, KNOWN_COMMITLOG)
     lines += _extra_lines("disk.", stats.get("disk") or {}, KNOWN_DISK)
     lines += _extra_lines("trace.", stats.get("trace") or {}, KNOWN_TRACE)
+    lines += _extra_lines("clock.", stats.get("clock") or {}, KNOWN_CLOCK)
     return [_clip(line) for line in lines]
 
 

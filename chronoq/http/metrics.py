@@ -7,7 +7,7 @@ consistent state without locks) and turns what the broker already keeps into met
 - `broker.stats()`, the dict the admin service's Stats method returns: pending timers by topic
   and by due time, the timer latencies, the commit log, the disk (and what a full disk or a lack
   of file descriptors holds back now), the delivery trace (recording, or stopped and why),
-  consumer groups;
+  consumer groups, the clock (how far broker time is from the wall clock, its re-bases);
 - the per-topic counts the broker's doors keep in plain dicts (`Broker.accepted_by_topic`,
   `timers_by_topic`, `delivered_by_topic`), the delays timers asked for
   (`timer_delays_by_topic`), and the timer side's `fired_by_topic`;
@@ -107,6 +107,7 @@ class BrokerCollector(Collector):
             yield family
         yield from self._commitlog(stats)
         yield from self._groups(stats["groups"])
+        yield from self._clock(stats["clock"])
 
     def _timer_gauges(self, timer: Mapping[str, Any]) -> Iterator[Metric]:
         by_topic: Mapping[str, int] = timer["pending_by_topic"]
@@ -201,6 +202,18 @@ class BrokerCollector(Collector):
         if trace["stopped_reason"] is not None:
             stopped.add_metric([trace["stopped_reason"]], 1)
         yield stopped
+
+    @staticmethod
+    def _clock(clock: Mapping[str, Any]) -> Iterator[Metric]:
+        yield GaugeMetricFamily("chronoq_clock_behind_wall_ms",
+                                "Wall clock minus broker time, ms: > 0 behind after a step forward, < 0 ahead "
+                                "(paused) after a step back", value=clock["behind_wall_ms"])
+        yield CounterMetricFamily("chronoq_clock_rebases",
+                                  "Re-bases of broker time to the wall clock (a step back of more than "
+                                  "clock_max_backward_step_ms) since start", value=clock["rebases"])
+        yield GaugeMetricFamily("chronoq_clock_last_rebase_ms",
+                                "How far the last re-base moved broker time back, ms (0: none since start)",
+                                value=clock["last_rebase_ms"] or 0)
 
     def _groups(self, groups: list[Mapping[str, Any]]) -> Iterator[Metric]:
         lag = GaugeMetricFamily("chronoq_consumer_lag", "Messages not yet handed out to the consumer group",

@@ -35,7 +35,10 @@ NotifyClientTermination with `PermissionDenied`). Without this any signed-in use
 another client's renewals by naming its id. The binding goes with the id's last held entry.
 
 The table is in memory: after a server restart the handles are stale anyway (the broker's
-invisibility survives, and the message is redelivered when it runs out).
+invisibility survives, and the message is redelivered when it runs out). Its times are broker
+time, like the in-flight entries it renews: a re-base of broker time (`clock.py`) moves them back
+with those (`_clock_rebased`), so a held message is neither renewed late nor held past
+`max_hold_ms` for the length of the step.
 """
 
 from __future__ import annotations
@@ -87,6 +90,16 @@ class Renewals:
         """Client id (of `_by_client`) -> its last call; oldest first (a call moves it to the end)."""
         self._owners: dict[str, str] = {}
         """Client id (of `_by_client`) -> the principal it is bound to (see the module docstring)."""
+        clock.add_rebase_listener(self._clock_rebased)
+
+    def _clock_rebased(self, step_ms: int, now_ms: int) -> None:
+        """Broker time moved back by `step_ms` to `now_ms`: so do the deadlines and stamps here,
+        as the broker moves the in-flight entries' visible times (never before now)."""
+        for held in self._held.values():
+            held.invisible_until_ms = max(now_ms, held.invisible_until_ms - step_ms)
+            held.received_ms -= step_ms
+        for client_id in self._last_seen_ms:
+            self._last_seen_ms[client_id] -= step_ms
 
     def __len__(self) -> int:
         return len(self._held)
@@ -206,7 +219,8 @@ class Renewals:
         """Renew until cancelled (the server's task group owns this loop)."""
         while True:
             # Broker time, not real time: what it renews against (`invisible_until_ms`) is broker
-            # time, so while broker time is paused (a wall-clock step back) nothing comes due.
+            # time, so while broker time is paused (a wall-clock step back) nothing comes due; a
+            # re-base moves this deadline back with the rest (`Clock.sleep_until`).
             await self._clock.sleep_until(self._clock.now_ms() + CHECK_INTERVAL_MS)
             try:
                 await self.renew_due()

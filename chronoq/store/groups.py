@@ -28,6 +28,12 @@ back to its queue's end and drops in-flight entries past it, so the group receiv
 appended there next instead of skipping it. That write, alone, is fsynced: lost to a power loss
 after new records filled the queue past the old offset, nothing would bring it back again.
 
+Times here are broker time (`clock.py`). A re-base (the wall clock stepped back by more than
+`clock_max_backward_step_ms`) moves every in-flight entry's times back by the step (`rebase`), so
+each keeps the real time it had left. Broker time starts at the wall clock, so entries stamped in
+an earlier run by a clock that was ahead are brought back at open (`restamp_ahead`), by rules
+that never end an invisible duration before it could have ended.
+
 A full disk. A write that finds no space raises `DiskFull` (retriable) and changes nothing (the
 mirror follows only a written batch). RocksDB then refuses every later write with the same error,
 even once space is back, until the database is reopened (measured with rocksdict 0.3.29 on a full
@@ -48,7 +54,7 @@ import os
 import shutil
 import struct
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import crc32c
@@ -379,6 +385,72 @@ class GroupStore:
     def min_inflight_position(self) -> int | None:
         """The lowest commit-log position any group still holds in flight (retention keeps it)."""
         return min((e.position for entries in self._inflight.values() for e in entries.values()), default=None)
+
+    # -- broker time moved (clock.py; docs/design.md, "Time") ----------------------------------
+
+    def rebase(self, step_ms: int, now_ms: int) -> int:
+        """Broker time was moved back by `step_ms` to `now_ms` (a re-base): every in-flight
+        entry's visible time moves back as far, never before `now_ms`, and its first delivery
+        time with it, so each keeps the real time it had left instead of waiting out the step.
+        Returns how many entries moved."""
+        moved = [replace(e, visible_ms=max(now_ms, e.visible_ms - step_ms),
+                         first_delivery_ms=max(0, e.first_delivery_ms - step_ms))
+                 for entries in self._inflight.values() for e in entries.values()]
+        self._restamp(moved)
+        return len(moved)
+
+    def restamp_ahead(self, now_ms: int, longest_invisible_ms: int) -> tuple[int, int]:
+        """At open: bring back visible times stamped, in an earlier run, by a clock that was
+        ahead of this one (broker time starts at the wall clock, so one stamped a day ahead would
+        hide its message for a day). Each entry's visible time V, first delivery F:
+        - `min(V, now + (V - F))` (F <= V): V was set at a broker time t >= F (broker time goes
+          back only by a re-base, which moves F too, and an open leaves F <= now), at a moment
+          before now, for V - t <= V - F; so its invisibility ends by `now + (V - F)`. This moves
+          an entry first delivered "in the future" back by as far as that is; F becomes
+          `min(F, now)`.
+        - at most `now + longest_invisible_ms`, the longest invisible duration the broker sets
+          (`max_invisible_duration_ms`, or a redelivery delay level if longer), set before now.
+        Neither ends an invisible duration before it could have ended. Returns how many entries
+        each rule moved (by the first; by the second only)."""
+        by_first, by_longest = 0, 0
+        moved: list[InFlight] = []
+        ahead_ms = 0
+        for entries in self._inflight.values():
+            for e in entries.values():
+                visible = e.visible_ms
+                first_rule = now_ms < e.first_delivery_ms <= visible
+                if first_rule:
+                    visible -= e.first_delivery_ms - now_ms
+                visible = min(visible, now_ms + longest_invisible_ms)
+                if visible == e.visible_ms:
+                    continue
+                by_first += first_rule
+                by_longest += not first_rule
+                ahead_ms = max(ahead_ms, e.visible_ms - visible)
+                moved.append(replace(e, visible_ms=visible, first_delivery_ms=min(e.first_delivery_ms, now_ms)))
+        if moved:
+            log.warning("%d in-flight messages were invisible until a time stamped by a clock that was ahead of this "
+                        "one (up to %d ms too far): %d moved back by as far as their first delivery lies in the "
+                        "future, %d to at most %d ms from now (the longest invisible duration this broker sets); "
+                        "none ends before it could have", len(moved), ahead_ms, by_first, by_longest,
+                        longest_invisible_ms)
+            self._restamp(moved)
+        return by_first, by_longest
+
+    def _restamp(self, entries: list[InFlight]) -> None:
+        """Write `entries` (the same in-flight messages with new times). If the write fails (a
+        full disk), the mirror takes them all the same, since it is what decides visibility: the
+        stored values stay as they were until each entry is written again, and an open applies
+        `restamp_ahead` to them."""
+        if not entries:
+            return
+        try:
+            self.commit(put=entries)
+        except Exception as exc:
+            log.warning("consumer-group store %s: %d in-flight entries given new times in memory only (%s); the "
+                        "stored ones keep their old times until written again", self.directory, len(entries), exc)
+            for e in entries:
+                self._remember(e)
 
     # -- the one write path -----------------------------------------------------------------
 

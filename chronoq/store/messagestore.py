@@ -21,6 +21,8 @@ inside one is older than `retention_ms`: store times, never file times (a direct
 a backup has old mtimes). Records already in the log at open were stored before it, so a store
 time later than the broker time at open (a clock that was wrong) counts as the open time
 (`_stored_ms`), and such a segment cannot hold retention back past `retention_ms` after the open.
+A re-base of broker time (`clock.py`) moves the store times kept for this (`clock_rebased`) back
+with it, so no segment waits out the step.
 
 A full disk (`store/diskspace.py`) is back-pressure. Dispatch that runs out of space writing
 derived state (a consume-queue append, a listener's RocksDB write) keeps the records it could not
@@ -1051,6 +1053,18 @@ class MessageStore:
             opened = await self.log.opened_youngest_store_ms(seg)
             stored = max(stored, self.first_seen_ms if opened is None else min(opened, self.first_seen_ms))
         return stored
+
+    def clock_rebased(self, step_ms: int) -> None:
+        """Broker time was moved back by `step_ms` (a re-base, `clock.py`): the store times this
+        run keeps for retention (each segment's youngest written, the open time) move back as
+        far, so a segment keeps its real age instead of waiting out the step. The records keep
+        the store times they were written with; one found at the next open later than that open
+        counts as the open time (`_stored_ms`)."""
+        for seg in self.log.segments():
+            if seg.last_store_ms:
+                seg.last_store_ms = max(1, seg.last_store_ms - step_ms)
+        if self.first_seen_ms is not None:
+            self.first_seen_ms -= step_ms
 
     def delete_before(self, position: int) -> int:
         removed = self.log.delete_segments_before(position)

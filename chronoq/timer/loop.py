@@ -1,10 +1,15 @@
 """The timer loop: when timers fire, and the timer index's life (open, replay, rebuild).
 
 Theory of operation: `TimerService` knows *what* firing, cancelling and rolling write; this
-module decides *when*, against the broker's clock. The loop asks the service to fire what is due,
-runs again at once while a full batch fired, and otherwise sleeps until the engine's next
-deadline, but no sooner than `timer_fire_gap_ms` after a step that fired (timers falling due
-within the gap share the next step and its fsync; design.md, "The fire gap"). A dispatch that
+module decides *when*, against the clock's fire horizon (`Clock.fire_horizon_ms`: broker time,
+but never past the wall clock, so a due time a client stamped with its own clock waits for the
+wall clock while broker time is paused after a step back). The service never reads the clock:
+the loop passes the horizon in. The loop asks the service to fire what is due at the horizon,
+runs again at once while a full batch fired, and otherwise sleeps until the horizon reaches the
+engine's next deadline, but no sooner than `timer_fire_gap_ms` after a step that fired (timers
+falling due within the gap share the next step and its fsync; design.md, "The fire gap"). The
+gap is measured on the horizon too, and a horizon that went back (the wall clock stepped back)
+ends it: the gap batches fires, it must not hold them for the length of a step. A dispatch that
 brought timer records (a new, earlier timer, a tombstone) or a cancel wakes it
 early (`poke`). It never dies of its own faults: a full disk holds firing back
 (`disk_full_retry_ms`, the timers stay pending: nothing lost, nothing early), and a timer index
@@ -51,8 +56,8 @@ class TimerLoop:
         only); 0 while it runs. A new timer due at or after it needs no wake-up: the loop wakes
         by then anyway and finds it in the index."""
         self._next_step_ms = 0
-        """No fire step starts before this broker time (`timer_fire_gap_ms` after the last step
-        that fired something)."""
+        """No fire step starts before the fire horizon reaches this (`timer_fire_gap_ms` after
+        the horizon of the last step that fired something), unless the horizon went back."""
         self.passes = 0
         """Times the loop asked the index what is due (each costs a RocksDB seek): for `stats`
         and the tests of when the loop wakes."""
@@ -105,13 +110,15 @@ class TimerLoop:
                 if self.service.index_damaged is not None:
                     await asyncio.sleep(self.config.disk_full_retry_ms / 1000)
                     continue
-            if self._next_step_ms > self.clock.now_ms():
+            now = self.clock.fire_horizon_ms()
+            if now < self._next_step_ms - self.config.timer_fire_gap_ms:
+                self._next_step_ms = 0  # the horizon went back with the wall clock: no gap to wait for
+            if now < self._next_step_ms:
                 # Timers fired a moment ago: let those falling due meanwhile gather, so they
                 # fire in one step. The step at the end of the gap reads the index anew, after
                 # the check above (the index may have been found damaged meanwhile).
-                await self.clock.sleep_until(self._next_step_ms)
+                await self.clock.sleep_until_horizon(self._next_step_ms, now)
                 continue
-            now = self.clock.now_ms()
             self._wakeup.clear()
             self.passes += 1
             try:
@@ -143,7 +150,7 @@ class TimerLoop:
                 # fired == 0 with a past deadline: the head is held by a cancel in progress;
                 # its completion (or any new timer) sets the wake-up.
                 wake_ms = max(deadline, now + (fired == 0), self._next_step_ms)
-                sleeper = asyncio.ensure_future(self.clock.sleep_until(wake_ms))
+                sleeper = asyncio.ensure_future(self.clock.sleep_until_horizon(wake_ms, now))
                 waker = asyncio.ensure_future(self._wakeup.wait())
                 self._asleep_until_ms = wake_ms
                 try:
@@ -154,11 +161,11 @@ class TimerLoop:
                     waker.cancel()
 
     async def run_due(self) -> int:
-        """Do all work due at `clock.now_ms()`: fire every due timer (in batches). Returns the
-        number fired. For tests with a FakeClock and no background loop."""
+        """Do all work due at the clock's fire horizon: fire every due timer (in batches).
+        Returns the number fired. For tests with a FakeClock and no background loop."""
         total = 0
         while True:
-            fired = await self.service.fire_due(self.clock.now_ms())
+            fired = await self.service.fire_due(self.clock.fire_horizon_ms())
             total += fired
             if fired == 0:
                 return total

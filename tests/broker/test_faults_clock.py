@@ -1,16 +1,22 @@
-"""Wall-clock steps: broker time never goes back, never runs ahead of real time or of the wall clock.
+"""Wall-clock steps: broker time never runs ahead of real time, pauses for a small step back and
+is re-based past `clock_max_backward_step_ms`; timers never fire before the wall clock reaches them.
 
 A fault is tested by causing it: each test drives a `SystemClock` with injected wall
 (CLOCK_REALTIME) and monotonic (CLOCK_MONOTONIC) sources over a `Machine` whose two clocks the
 test moves: `run(ms)` lets time pass (both move), `step(ms)` is an administrator or a bad NTP
 server setting the wall clock (only it moves), `slew` is NTP adjusting the rate (both move, by
 the same amount: Linux slews CLOCK_MONOTONIC with CLOCK_REALTIME; only CLOCK_MONOTONIC_RAW is
-left alone). No test sleeps for real except the ones that check a real-time wait: a long poll's
-200 ms and a paused sleeper's polling.
+left alone). A clock that was ahead is a `Machine` started a day ahead and then set right, or a
+broker restarted on a `Machine` that is right. No test sleeps for real except the ones that
+check a real-time wait (a long poll's 200 ms, a paused sleeper's polling, a few ms elsewhere).
 
 What the steps did before (`SystemClock` was `time.time()`): a forward step of an hour fired a
 10-minute timer at once and ended a 30-second invisible duration at once; a step back moved
-store times back and left a 200 ms long poll waiting for broker time to pass its deadline.
+store times back and left a 200 ms long poll waiting for broker time to pass its deadline. And
+before broker time had a bound on how far ahead of the wall clock it may be: a wall clock a day
+ahead, then set right, left broker time a day ahead, so a timer due by the client's clock in 4 s
+fired at once, a 2 s delay was due the next day, and redeliveries and retention waited a day,
+across restarts too (in-flight times stored a day ahead).
 
 The last test is the other half of the review item: a cancel racing the fire of the same timer,
 with the fired copy written but its fsync not yet done, must be refused, even when the cancel's
@@ -30,6 +36,7 @@ from typing import Any
 
 import pytest
 import timer_helpers
+from clock_helpers import HOUR_MS, MINUTE_MS, MS, SECOND_MS, START_MS, Machine
 
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock, SystemClock
@@ -37,44 +44,7 @@ from chronoq.config import Config, ConfigError
 from chronoq.errors import TimerAlreadyFired
 from chronoq.model import OutgoingMessage, StoredMessage, TimerState
 
-START_MS = 1_700_000_000_000
-MS = 1_000_000  # ns
-SECOND_MS = 1000
-MINUTE_MS = 60 * SECOND_MS
-HOUR_MS = 60 * MINUTE_MS
 GROUP = "g-clock"
-
-
-class Machine:
-    """The two clocks of a simulated machine, in ns, moved only by the test."""
-
-    def __init__(self, wall_ms: int = START_MS, mono_ms: int = 123_456) -> None:
-        self.wall = wall_ms * MS
-        self.mono = mono_ms * MS
-        self.mono_reads = 0
-
-    def wall_ns(self) -> int:
-        return self.wall
-
-    def mono_ns(self) -> int:
-        self.mono_reads += 1
-        return self.mono
-
-    def run(self, ms: float) -> None:
-        """Real time passes: both clocks move."""
-        self.wall += int(ms * MS)
-        self.mono += int(ms * MS)
-
-    def step(self, ms: int) -> None:
-        """The wall clock is set (settimeofday): only it moves, by `ms` (negative: back)."""
-        self.wall += ms * MS
-
-    def clock(self, catchup_ppm: int = 0) -> SystemClock:
-        return SystemClock(wall_ns=self.wall_ns, mono_ns=self.mono_ns, catchup_ppm=catchup_ppm)
-
-    @property
-    def wall_ms(self) -> int:
-        return self.wall // MS
 
 
 # -- SystemClock alone ------------------------------------------------------------------------------
@@ -141,26 +111,36 @@ def test_broker_time_is_the_wall_clock_slewed_or_not_and_never_outruns_real_time
     assert clock.behind_wall_ms() == 10
 
 
-def test_broker_time_never_goes_back_never_outruns_real_time_or_the_wall_clock() -> None:
+def test_broker_time_goes_back_only_by_a_rebase_and_never_outruns_real_time_or_the_wall_clock() -> None:
     rng = random.Random(20261124)
-    for catchup_ppm in (0, 10_000):
+    for catchup_ppm, max_back_ms in ((0, MINUTE_MS), (10_000, MINUTE_MS), (0, HOUR_MS)):
         m = Machine()
-        clock = m.clock(catchup_ppm)
+        clock = m.clock(catchup_ppm, max_back_ms)
         before_ns, mono_before = clock.now_ms() * MS, m.mono
+        rebases = 0
         for _ in range(5000):
             roll = rng.random()
             if roll < 0.05:
                 m.step(rng.randint(-2 * HOUR_MS, 2 * HOUR_MS))
+            elif roll < 0.08:
+                m.step(rng.randint(-max_back_ms, 0))  # within the setting: a pause, never a re-base
             else:
                 m.run(rng.choice((0, 0.001, 1, 13, 1000, 60_000)))
             now_ns = clock.now_ms() * MS
-            assert now_ns >= before_ns, "broker time went back"
-            if now_ns > before_ns:
+            if now_ns < before_ns:
+                # Back only by a re-base: to the wall clock, found more than the setting behind.
+                assert now_ns == m.wall_ms * MS and before_ns - now_ns > max_back_ms * MS
+                rebases += 1
+                assert clock.rebases == rebases
+            elif now_ns > before_ns:
                 assert now_ns <= m.wall, "broker time moved past the wall clock"
                 real_ns = m.mono - mono_before
                 # ms rounding: a reading may show up to 1 ms more than the real time since the last
                 assert now_ns - before_ns <= real_ns + real_ns * catchup_ppm // 1_000_000 + MS
+            assert now_ns - m.wall <= max_back_ms * MS, "broker time further ahead of the wall clock than the setting"
+            assert clock.fire_horizon_ms() * MS <= min(now_ns, m.wall) + MS
             before_ns, mono_before = now_ns, m.mono
+        assert rebases == clock.rebases > 0
 
 
 def test_catch_up_closes_a_forward_step_at_the_configured_rate_then_follows() -> None:
@@ -240,7 +220,7 @@ def test_the_real_wait_for_a_broker_deadline_never_lets_it_pass_unseen() -> None
     assert clock.real_wait_ms(now + 250) == 250  # in step: broker time runs at the real rate
     m.step(-2)  # paused for 2 ms: the pause ends by itself sooner than the 20 ms poll
     assert clock.real_wait_ms(now + 5) == 7
-    m.step(-HOUR_MS)  # paused for an hour: look every 20 ms (a correction may end it at any time)
+    m.step(-50 * SECOND_MS)  # paused for 50 s: look every 20 ms (a correction may end it at any time)
     assert clock.real_wait_ms(now + 1) == 20
     assert clock.real_wait_ms(now + 250) == 250  # a longer wait is never too long: B runs no faster
     m2 = Machine()
@@ -252,21 +232,21 @@ def test_the_real_wait_for_a_broker_deadline_never_lets_it_pass_unseen() -> None
 
 
 def test_a_sleeper_on_a_paused_clock_neither_wakes_early_nor_spins() -> None:
-    """The one real wait among the clock tests: 150 ms of a paused clock (the wall clock stepped
-    back an hour), during which the sleeper must look at the clock only a few times."""
+    """One of the few real waits among the clock tests: 150 ms of a paused clock (the wall clock
+    stepped back 50 s), during which the sleeper must look at the clock only a few times."""
     m = Machine()
     clock = m.clock()
 
     async def body() -> None:
         deadline = clock.now_ms() + 1
-        m.step(-HOUR_MS)
+        m.step(-50 * SECOND_MS)
         reads_before = m.mono_reads
         sleeper = asyncio.create_task(clock.sleep_until(deadline))
         await asyncio.sleep(0.15)
         assert not sleeper.done()  # broker time is paused: the deadline has not come
         reads = m.mono_reads - reads_before
         assert reads <= 30, f"{reads} clock readings in 150 ms: a paused clock must not spin"
-        m.step(HOUR_MS)  # the step is undone: broker time runs again
+        m.step(50 * SECOND_MS)  # the step is undone: broker time runs again
         m.run(1)
         await asyncio.wait_for(sleeper, 2)
         assert clock.now_ms() >= deadline
@@ -338,9 +318,10 @@ def test_a_forward_step_ends_no_invisible_duration_early(tmp_path: Path) -> None
 
 def test_after_a_step_back_nothing_fires_before_the_wall_clock_reaches_it_and_long_polls_end(
         tmp_path: Path) -> None:
+    """A step back within the setting (an hour here; a minute by default) pauses broker time."""
     async def body() -> None:
         m = Machine()
-        b = await open_broker(tmp_path, m.clock())
+        b = await open_broker(tmp_path, m.clock(max_backward_step_ms=2 * HOUR_MS))
         loop = asyncio.get_running_loop()
         try:
             timer = await b.send(OutgoingMessage("orders", b"ten minutes", delay_ms=10 * MINUTE_MS))
@@ -387,17 +368,20 @@ def test_stats_report_how_far_broker_time_is_behind_the_wall_clock(tmp_path: Pat
     async def body() -> None:
         m = Machine()
         b = await open_broker(tmp_path / "system", m.clock())
+        in_step = {"behind_wall_ms": 0, "max_backward_step_ms": MINUTE_MS, "rebases": 0, "rebased_ms": 0,
+                   "last_rebase_ms": None, "last_rebase_at_ms": None}
         try:
-            assert b.stats()["clock"] == {"behind_wall_ms": 0}
+            assert b.stats()["clock"] == in_step
             m.step(-5 * SECOND_MS)
-            assert b.stats()["clock"] == {"behind_wall_ms": -5 * SECOND_MS}
+            assert b.stats()["clock"] == {**in_step, "behind_wall_ms": -5 * SECOND_MS}
             m.step(HOUR_MS + 5 * SECOND_MS)
-            assert b.stats()["clock"] == {"behind_wall_ms": HOUR_MS}
+            assert b.stats()["clock"] == {**in_step, "behind_wall_ms": HOUR_MS}
         finally:
             await b.close()
         fake = await open_broker(tmp_path / "fake", FakeClock(START_MS))
         try:
-            assert fake.stats()["clock"] == {"behind_wall_ms": 0}  # a fake clock has no wall clock
+            # A fake clock has no wall clock apart from itself, and never re-bases.
+            assert fake.stats()["clock"] == {**in_step, "max_backward_step_ms": None}
         finally:
             await fake.close()
 
