@@ -17,14 +17,17 @@ records share one log, so if such a segment kept what its own links name, each k
 would keep an older one, back to the first, and a broker whose timers keep firing would never
 delete anything. Its links are expired: a reader that meets one whose record is gone skips it as
 it skips any entry retention removed. So the log holds `retention_ms` of data, plus the records
-live links name (a timer's record is at most its delay, or one roll period, older than its
-link), plus what in-flight messages and delay-level heads pin.
+live links name (a timer fires from a record at most one retention period, plus a retention
+step, older than its link: older ones were rolled), plus what in-flight messages and
+delay-level heads pin.
 
-Pending timers below the limit are rolled forward first (`TimerService.roll_before`: re-appended,
-so a timer due in 30 days outlives 72-hour segments); if any timer is still pending below the
-limit afterwards (skipped because it was being fired or cancelled), nothing is deleted this
-time. Then the consume queues are checkpointed, the segments and queue files below the limit
-deleted, and the timer index's history older than the retention period pruned.
+Pending timers below the live segments are rolled forward first (`TimerService.roll_before`:
+re-appended, so a timer due in 30 days outlives 72-hour segments), all of them, not only those
+below the limit: one left in an expired segment would fire from there, and its link, live, would
+keep that segment for another retention period. If any timer is still pending below the limit
+afterwards (skipped because it was being fired or cancelled), nothing is deleted this time.
+Then the consume queues are checkpointed, the segments and queue files below the limit deleted,
+and the timer index's history older than the retention period pruned.
 """
 
 from __future__ import annotations
@@ -61,14 +64,16 @@ class Retention:
         if level_pin is not None:
             limit = min(limit, level_pin)
         live = self._held_in_flight(limit, hold_limit)
-        limit = self._linked(live)
-        if limit <= self.store.log.start_position:
+        if live <= self.store.log.start_position:
             return
-        await self.timer.roll_before(limit, now_ms)
+        # Every pending timer below the live segments moves forward, not only those below the
+        # limit: one left where it is would fire from there, and its link (live) would keep
+        # that expired segment for another retention period.
+        await self.timer.roll_before(live, now_ms)
         # A receive while the roll waited may have put older records in flight, and a fire
         # linked older timers: pin them too.
         live = self._held_in_flight(live, hold_limit)
-        limit = min(limit, self._linked(live))
+        limit, live_from = await self._linked(live, now_ms)
         if limit <= self.store.log.start_position:
             return
         if self.timer.pending_below(limit):
@@ -78,28 +83,33 @@ class Retention:
             return
         self.store.checkpoint()
         self.store.delete_before(limit)
-        # Link records before the segment holding `live` are past retention: `chronoq check`
-        # tells the records they name that are gone from lost ones by where the live ones begin.
-        self.timer.engine.forget_links_below(self.store.log.start_position,
-                                             live_from=self.store.log.segment_base(live))
+        # Link records before `live_from` are past retention: `chronoq check` tells the records
+        # they name that are gone from lost ones by where the live ones begin.
+        self.timer.engine.forget_links_below(self.store.log.start_position, live_from=live_from)
         self.timer.engine.prune_history(now_ms - self.config.retention_ms)
 
-    def _linked(self, live: int) -> int:
+    async def _linked(self, live: int, now_ms: int) -> tuple[int, int]:
         """`live` (where the segments retained for their own sake begin) lowered to the lowest
         record a link record in those segments names (whole segments go, so the one holding
         `live` counts whole), and to the lowest a fire still in flight names: a fire that raced
         the roll links the timer's old record, and until its link record is dispatched the index
         has no floor for it (the roll copy, made durable first, leaves nothing pending there).
         Once, not again from the lowered limit: the segments below `live` are past retention,
-        and so are their own links (the module's docstring)."""
+        and so are their own links (the module's docstring). The segment being written is never
+        deleted, but when all of it is past retention (nothing written for that long), so are
+        its links. Returns the limit and where the live link records begin."""
         start = self.store.log.start_position
         limit = live
         firing = self.timer.min_firing_position()
         if firing is not None:
             limit = min(limit, max(firing, start))
-        if live > start and (floor := self.timer.engine.linked_floor(self.store.log.segment_base(live))) is not None:
+        live_from = self.store.log.segment_base(live)
+        if live_from >= self.store.log.segments()[-1].base and await self.store.active_segment_expired(now_ms):
+            return limit, self.store.log.end_position
+        floor = self.timer.engine.linked_floor(live_from)
+        if floor is not None:
             limit = min(limit, max(floor, start))
-        return limit
+        return limit, live_from
 
     def _held_in_flight(self, limit: int, hold_limit: int) -> int:
         """`limit` lowered to the lowest record a group holds in flight, but not below

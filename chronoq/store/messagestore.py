@@ -1040,6 +1040,14 @@ class MessageStore:
             limit = seg.end
         return min(limit, self.dispatched_position)
 
+    async def active_segment_expired(self, now_ms: int) -> bool:
+        """Whether every record of the segment being written is older than the retention period
+        (nothing was written for that long). It is never deleted, but what its records pin is
+        past retention too (`retention.py`: the link records in it)."""
+        if self.first_seen_ms is None:
+            self.first_seen_ms = now_ms
+        return await self._stored_ms(self.log.segments()[-1]) < now_ms - self.config.retention_ms
+
     async def _stored_ms(self, seg: Segment) -> int:
         """When retention counts `seg` as stored: the store time of its youngest record. A
         record from an earlier run was stored before this run began, so a store time after
