@@ -11,16 +11,18 @@ imports each as `conftest`; a test module importing `conftest` could get the wro
 
 Store invariants checked by `assert_queues_match_log` are computed here from the raw commit log
 and consume-queue readers, independently of `chronoq check`, so the two can disagree loudly.
+`mount` gives a test real small disks (tmpfs, `disk_helpers.py`) for the full-disk faults.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from disk_helpers import Disk, mount_tmpfs, unmount
 
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
@@ -134,3 +136,19 @@ def run_broker(make_config: Callable[..., Config], clock: FakeClock) -> Callable
 @pytest.fixture(name="assert_queues_match_log")
 def assert_queues_match_log_fixture() -> Callable[[Any], int]:
     return assert_queues_match_log
+
+
+@pytest.fixture
+def mount() -> Iterator[Callable[[Path, int], Disk]]:
+    """`mount(path, size_bytes)` mounts a tmpfs there and returns its `Disk`; unmounted after the
+    test, the last mounted first (a mount inside another's directory). Skips without root."""
+    mounted: list[Path] = []
+
+    def do(path: Path, size_bytes: int) -> Disk:
+        disk = mount_tmpfs(path, size_bytes)
+        mounted.append(path)
+        return disk
+
+    yield do
+    for path in reversed(mounted):
+        unmount(path)

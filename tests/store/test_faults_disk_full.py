@@ -2,11 +2,11 @@
 
 Every fault here is real: a tmpfs of a few MiB is mounted for the test and a "filler" file on it
 takes the free space away (`posix_fallocate`, then byte writes to the last page) and gives it
-back. A second, smaller tmpfs mounted on `DATA_DIR/timer` or `DATA_DIR/groups` fills one RocksDB's
-disk while the commit log still has room, so a RocksDB write is what runs out of space. Mounting
-needs root; without it the tests skip. The one monkeypatched call is `os.fdatasync` in
-`test_an_fsync_enospc_is_still_fatal`, the established way (test_faults_fsync.py) to make an
-fsync fail, which a full tmpfs never does.
+back (`tests/disk_helpers.py`, the `mount` fixture). A second, smaller tmpfs mounted on
+`DATA_DIR/timer` or `DATA_DIR/groups` fills one RocksDB's disk while the commit log still has
+room, so a RocksDB write is what runs out of space. Mounting needs root; without it the tests
+skip. The one monkeypatched call is `os.fdatasync` in `test_an_fsync_enospc_is_still_fatal`, the
+established way (test_faults_fsync.py) to make an fsync fail, which a full tmpfs never does.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import errno
 import logging
 import os
 import shutil
-import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from disk_helpers import PAGE, Disk, MiB
 from timer_helpers import run_without_cycle_collector
 
 from chronoq.broker import Broker
@@ -31,79 +31,13 @@ from chronoq.errors import ChronoqError, DiskFull, FlushFailed, FsyncFailed, Thr
 from chronoq.model import MessageType, OutgoingMessage
 from chronoq.store import files
 from chronoq.store.commitlog import SEGMENT_HEADER_SIZE
-from chronoq.store.diskspace import free_bytes, is_disk_full
+from chronoq.store.diskspace import is_disk_full
 from chronoq.store.messagestore import MessageStore, PreparedMessage
 from chronoq.store.meta import read_checkpoint
 
-MiB = 1024 * 1024
-PAGE = 4096
-
-
-class Disk:
-    """A tmpfs mounted for one test, and a filler file to take its free space away."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.filler = root / "filler"
-
-    def free(self) -> int:
-        return free_bytes(self.root)
-
-    def fill(self, leave_bytes: int = 0) -> None:
-        """Take free space until `leave_bytes` are left (all of it by default)."""
-        want = self.free() - leave_bytes
-        fd = os.open(self.filler, os.O_WRONLY | os.O_CREAT, 0o644)
-        try:
-            size = os.fstat(fd).st_size
-            if want > 0:
-                os.posix_fallocate(fd, size, want)
-            if leave_bytes == 0:  # the filler's own last page, and anything freed meanwhile
-                os.lseek(fd, 0, os.SEEK_END)
-                for chunk in (b"\0" * PAGE, b"\0"):
-                    try:
-                        while True:
-                            os.write(fd, chunk)
-                    except OSError as e:
-                        assert e.errno == errno.ENOSPC
-        finally:
-            os.close(fd)
-        assert self.free() <= leave_bytes
-
-    def give_back(self, nbytes: int) -> None:
-        """Free `nbytes` (whole pages) from the filler."""
-        size = self.filler.stat().st_size
-        os.truncate(self.filler, max(0, (size - nbytes) // PAGE * PAGE))
-
-    def unfill(self) -> None:
-        self.filler.unlink(missing_ok=True)
-
-
-def _mount(path: Path, size_bytes: int) -> None:
-    path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(path)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
-
 
 @pytest.fixture
-def mount(tmp_path: Path) -> Iterator[object]:
-    """`mount(path, size_bytes)` mounts a tmpfs there and returns its `Disk`; unmounted after."""
-    mounted: list[Path] = []
-
-    def do(path: Path, size_bytes: int) -> Disk:
-        _mount(path, size_bytes)
-        mounted.append(path)
-        return Disk(path)
-
-    yield do
-    for path in reversed(mounted):
-        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(path)], capture_output=True)
-
-
-@pytest.fixture
-def disk(mount, tmp_path: Path) -> Disk:
+def disk(mount: Callable[[Path, int], Disk], tmp_path: Path) -> Disk:
     return mount(tmp_path / "fs", 24 * MiB)
 
 
