@@ -20,6 +20,12 @@ record follows the bad one. Magic, version and checksum failures are named apart
 check does. The consume queues are checked against the log in one pass over the log: every
 record must have its entry (position, size, tag hash) at its queue offset, and no queue may hold
 entries past the last record of its queue. A hole entry (size 0) marks a record lost to damage.
+A queue a restart rebuilds from the log (a damaged file, a gap, no file at all, or no directory
+for a queue the topic table names: `MessageStore._recover`) is a repair, and its records are not
+also reported missing. A record the log still holds below its queue's first offset is a problem:
+retention removes a queue's files only once all their entries lie below the log's start, so a
+file at the queue's start is missing, and a restart, which cannot tell that from files retention
+removed, does not rebuild the queue.
 Check's memory does not grow with the store. The log is read through a window of
 `SEGMENT_WINDOW_BYTES` (a larger record is read whole; a size that runs past the segment's end is
 judged from the header, as `check_frame` would, not read). A consume queue is read twice, never
@@ -128,6 +134,13 @@ class _Queue:
     count: int
     """Whole entries in the files, from `first_offset`."""
     seen_max: int = -1
+    rebuilt: bool = False
+    """A restart rebuilds this queue from the log (a repair already reported): its records are
+    not compared with the files."""
+    below_first: int = 0
+    """Records the log holds below `first_offset` (a missing first file), the lowest and highest
+    of their queue offsets in `below_first_offsets`."""
+    below_first_offsets: tuple[int, int] = (0, 0)
 
 
 class _Entries:
@@ -206,12 +219,12 @@ def check_data_dir(data_dir: str | Path) -> CheckReport:
         report.unusable = (f"{data_dir} is not a chronoq data directory: it holds none of "
                            f"{', '.join(DATA_DIR_MARKERS)}")
         return report
-    _check_topics(data_dir, report)
+    topics = _check_topics(data_dir, report)
     _check_rocksdb(data_dir / files.GROUPS_DIR, "consumer-group store", report, derived=False)
     _check_rocksdb(data_dir / files.TIMER_DIR, "timer index", report, derived=True,
                    format_version=(CF_META, META_FORMAT_VERSION, TIMER_INDEX_FORMAT_VERSION))
     checkpoint, checkpoint_version = _check_checkpoint(data_dir, report)
-    queues = _load_queues(data_dir, report)
+    queues = _load_queues(data_dir, report, topics)
     entries = _Entries(report)
     index = IndexView.open(data_dir / files.TIMER_DIR, TIMER_INDEX_FORMAT_VERSION)
     try:
@@ -228,6 +241,13 @@ def check_data_dir(data_dir: str | Path) -> CheckReport:
                             "retention's live segments begin, name records retention deleted: messages past "
                             "retention (a reader skips them)")
     for (topic, qid), q in sorted(queues.items()):
+        if q.below_first:
+            low, high = q.below_first_offsets
+            report.problems.append(
+                f"{q.path}: {_count(q.below_first, 'record')} of {topic}/{qid} the log still holds (offsets "
+                f"{low} to {high}) lie below the queue's first offset {q.first_offset}: "
+                "a file at its start is missing, and a restart does not rebuild it. Remove the directory "
+                f"{q.path} and restart the broker to rebuild the queue from the log")
         # Entries past the queue's last record in the log, ignoring ones retention left behind.
         extra = past_end = 0
         start = max(0, q.seen_max + 1 - q.first_offset)
@@ -314,13 +334,14 @@ def _check_rocksdb(path: Path, what: str, report: CheckReport, *, derived: bool,
                                    "group receives the retained log again, acknowledged messages included")
 
 
-def _check_topics(data_dir: Path, report: CheckReport) -> None:
+def _check_topics(data_dir: Path, report: CheckReport) -> dict[str, int]:
+    """Check the topic table; return its topics' queue counts (none when it is missing or damaged)."""
     path = data_dir / files.TOPICS
     if not path.exists():
         report.notes.append(f"{path}: missing (no topics created yet)")
-        return
+        return {}
     try:
-        decode_topics(path.read_bytes())
+        return {t.name: t.queue_count for t in decode_topics(path.read_bytes())}
     except CorruptRecord as e:
         # What `MessageStore._load_topics` will do, so the person knows what a restart costs.
         root = data_dir / files.QUEUES_DIR
@@ -333,6 +354,7 @@ def _check_topics(data_dir: Path, report: CheckReport) -> None:
             f"{' (' + shown + ')' if names else ''} come back with their queue counts, but every topic "
             "accepts every message type again and its creation time is lost. Start the broker to repair it; "
             "copy the file first if you want to inspect it")
+        return {}
 
 
 def _check_checkpoint(data_dir: Path, report: CheckReport) -> tuple[int | None, int]:
@@ -348,12 +370,12 @@ def _check_checkpoint(data_dir: Path, report: CheckReport) -> tuple[int | None, 
         return None, 0
 
 
-def _load_queues(data_dir: Path, report: CheckReport) -> dict[tuple[str, int], _Queue]:
+def _load_queues(data_dir: Path, report: CheckReport, topics: dict[str, int]) -> dict[tuple[str, int], _Queue]:
+    """Every queue's files, validated; a queue a restart rebuilds (damaged, or without a file or a
+    directory though the topic table names it) is a repair and marked `rebuilt`."""
     queues: dict[tuple[str, int], _Queue] = {}
     root = data_dir / files.QUEUES_DIR
-    if not root.exists():
-        return queues
-    for topic in sorted(os.listdir(root)):
+    for topic in sorted(os.listdir(root)) if root.exists() else []:
         for qid_name in sorted(os.listdir(root / topic)):
             qdir = root / topic / qid_name
             if not qid_name.isdigit() or not qdir.is_dir():
@@ -361,8 +383,15 @@ def _load_queues(data_dir: Path, report: CheckReport) -> dict[tuple[str, int], _
                 continue
             report.queues += 1
             q = _load_queue(qdir, report)
-            if q is not None:
-                queues[(topic, int(qid_name))] = q
+            queues[(topic, int(qid_name))] = _Queue(qdir, [], 0, 0, rebuilt=True) if q is None else q
+    for topic, count in sorted(topics.items()):
+        for qid in range(count):
+            q = queues.get((topic, qid))
+            if q is None or (not q.files and not q.rebuilt):
+                qdir = root / topic / str(qid)
+                report.repairs.append(f"{qdir}: {'missing' if q is None else 'no queue file'} (a restart "
+                                      "rebuilds this queue from the log)")
+                queues[(topic, qid)] = _Queue(qdir, [], 0, 0, rebuilt=True)
     return queues
 
 
@@ -589,10 +618,17 @@ def _check_entry(report: CheckReport, queues: dict[tuple[str, int], _Queue], ent
     q = queues.get((topic, qid))
     where = f"{topic}/{qid} offset {qoff}"
     if q is not None:
+        if q.rebuilt:
+            return  # a restart rebuilds the queue from the log, this record's entry with it
         q.seen_max = max(q.seen_max, qoff)
     if q is None or not q.first_offset <= qoff < q.first_offset + q.count:
         if q is not None and qoff < q.first_offset:
-            return  # the queue's older files were removed by retention
+            # Retention removes a queue's files only once every entry in them lies below the
+            # log's start: a record the log holds below the first offset lost its file.
+            low, high = q.below_first_offsets if q.below_first else (qoff, qoff)
+            q.below_first_offsets = (min(low, qoff), max(high, qoff))
+            q.below_first += 1
+            return
         if checkpoint is not None and position >= checkpoint:
             report.notes.append(f"record at {position} ({where}) is not yet in its consume queue; "
                                 "a restart dispatches it")
