@@ -29,8 +29,10 @@ from chronoq.broker import Broker
 from chronoq.clock import FakeClock
 from chronoq.config import Config
 from chronoq.errors import BrokerClosed, ChronoqError, FlushFailed
-from chronoq.model import OutgoingMessage
+from chronoq.model import LINKS_TOPIC, OutgoingMessage, StoredMessage, TimerState
 from chronoq.store import files
+from chronoq.store.check import check_data_dir, format_report
+from chronoq.store.links import decode_links
 from chronoq.store.meta import read_checkpoint
 
 
@@ -276,6 +278,96 @@ def test_a_failed_directory_fsync_at_roll_fails_the_log(tmp_path: Path, eio) -> 
         eio(lambda p: False)
         await _refused(broker, b"after")
         await broker.close()
+
+    asyncio.run(body())
+
+
+# --- a fire step's link records ----------------------------------------------------------------
+
+
+FIRED = 200  # two link records: 128 and 72 links (`timer_links_per_record`)
+FIRE_MS = 1_700_000_001_000
+
+
+@pytest.mark.parametrize("world", ["both link records kept", "the second cut short", "both zeroed"])
+def test_an_fsync_error_on_a_fire_steps_link_records_loses_no_timer_and_fires_none_twice(
+        tmp_path: Path, eio, world: str) -> None:
+    """The fault: EIO from the group commit's fdatasync that carries a fire step's link records
+    (200 timers fired in one step: two link records, written, not yet durable, and nothing else).
+    What must hold: the step fails with FlushFailed and the broker stops for good (`fatal`, sends
+    and receives refused), nothing it fired was dispatched (no consumer saw it, the index still
+    calls it pending). After a restart from the data directory, in each world the disk may hold
+    after such a failure (both link records there, the second cut short, both read back as zeros
+    with the file's size kept), every timer is delivered to a group exactly once: the timers of a
+    link record that survived as fired when the log says (its store time, replayed, never fired
+    again), the rest pending and fired again at the restart, none early, none twice (nothing was
+    visible before the failure, so not even at-least-once duplicates); a timer not yet due stays
+    pending, and `chronoq check` finds nothing wrong."""
+    data = tmp_path / "data"
+    config = _config(tmp_path, segment_size_bytes=1 << 20, max_message_size_bytes=8192, default_queue_count=2)
+    due_ms = FIRE_MS - 500
+
+    async def body() -> None:
+        clock = FakeClock(FIRE_MS - 1_000)
+        broker = await Broker.open(config, clock=clock, background=False)
+        ids = [f"t{i:03d}" for i in range(FIRED)]
+        await broker.send_batch([OutgoingMessage("orders", b"timer", message_id=m, deliver_at_ms=due_ms) for m in ids])
+        await broker.send(OutgoingMessage("orders", b"later", message_id="later", deliver_at_ms=FIRE_MS + 60_000))
+        before = broker.store.log.end_position
+        clock.set(FIRE_MS)
+        failed = eio(lambda p: p.endswith(files.SEGMENT_SUFFIX))
+        with pytest.raises(FlushFailed):
+            await asyncio.wait_for(broker.run_due(), 5)
+        eio(lambda p: False)  # the disk "recovers": a retry would now return 0 on dropped pages
+        assert failed, "no segment fsync failed: the fault did not reach the fire step's group commit"
+        assert broker.fatal is not None, "an fsync error must stop the broker"
+        links = list(broker.store.scan(before))
+        assert [m.topic for m in links] == [LINKS_TOPIC, LINKS_TOPIC], "the group commit held more than the links"
+        assert broker.store.log.flushed_position == before
+        assert {s.state for m in ids for s in broker.query(m, "orders")} == {TimerState.PENDING}
+        timer_at = {broker.query(m, "orders")[0].position: m for m in ids}
+        assert [broker.queue_offsets("orders", q) for q in (0, 1)] == [(0, 0), (0, 0)]  # nothing dispatched
+        with pytest.raises((FlushFailed, BrokerClosed)):
+            await broker.receive("g", "orders", batch_size=8)
+        await _refused(broker, b"after the error")
+        await broker.close()
+        checkpoint = read_checkpoint(data / files.CHECKPOINT)
+        assert checkpoint is not None and checkpoint <= before, "a checkpoint past the failed fsync"
+
+        segment = data / files.COMMITLOG_DIR / files.segment_name(0)
+        first, second = links
+        if world == "the second cut short":
+            os.truncate(segment, 24 + second.position + second.size // 2)
+        elif world == "both zeroed":
+            with open(segment, "r+b") as f:
+                f.seek(24 + first.position)
+                f.write(bytes(second.position + second.size - first.position))
+        survived = links[:{"both link records kept": 2, "the second cut short": 1, "both zeroed": 0}[world]]
+        kept = {timer_at[p] for r in survived for p in decode_links(r.body).positions}  # fired as the log says
+
+        clock.set(FIRE_MS + 500)  # the restart's fire step is told apart by its store time
+        broker = await Broker.open(config, clock=clock, background=False)
+        try:
+            assert await broker.run_due() == FIRED - len(kept)
+            assert await broker.run_due() == 0
+            got: list[StoredMessage] = []
+            while batch := await broker.receive("g", "orders", batch_size=64):
+                for rm in batch:
+                    await broker.ack("g", "orders", rm.receipt_handle)
+                    got.append(rm.message)
+            assert sorted(m.message_id for m in got) == ids, "a timer was lost or delivered twice"
+            for m in got:
+                assert m.store_ms == (FIRE_MS if m.message_id in kept else FIRE_MS + 500) >= due_ms
+            assert [s.state for s in broker.query("later", "orders")] == [TimerState.PENDING]
+        finally:
+            await broker.close()
+        broker = await Broker.open(config, clock=clock, background=False)
+        try:
+            assert await broker.run_due() == 0 and await broker.receive("g", "orders", batch_size=8) == []
+        finally:
+            await broker.close()
+        report = check_data_dir(data)
+        assert report.ok, format_report(report, data)
 
     asyncio.run(body())
 
