@@ -35,10 +35,16 @@ def fired_messages(store: MessageStore, topic: str) -> list[StoredMessage]:
     out = []
     for qid in range(store.get_topic(topic).queue_count):
         cq = store.queue(topic, qid)
-        for off, position, size, _ in cq.read_range(cq.min_offset, cq.next_offset - cq.min_offset):
-            m = store.readable_entry(topic, qid, off, position, size)
-            if m is not None and SYS_FIRED_FROM in m.system_properties:
-                out.append(m)
+        offset = cq.min_offset
+        while offset < cq.next_offset:
+            entries = cq.read_range(offset, cq.next_offset - offset)  # (one file at a time)
+            if not entries:
+                break
+            for off, position, size, _ in entries:
+                m = store.readable_entry(topic, qid, off, position, size)
+                if m is not None and SYS_FIRED_FROM in m.system_properties:
+                    out.append(m)
+            offset = entries[-1][0] + 1
     return out
 
 

@@ -430,8 +430,8 @@ def test_a_queue_missing_the_file_at_its_start_is_a_problem_check_names_with_its
     """The fault: after hours of retention, the oldest file of a consume queue is removed while
     the log still holds records whose entries were in it. Retention removes a queue's files only
     once all their entries lie below the log's start, so this is a loss, not retention; a restart
-    cannot tell it from retention's removals and does not rebuild the queue (see the xfail
-    below). What must hold: `chronoq check`, which used to call the directory OK, names the
+    cannot tell it from retention's removals and does not rebuild the queue (design.md, "Known
+    limits"). What must hold: `chronoq check`, which used to call the directory OK, names the
     queue, the offsets the log still holds below its first offset, and the remedy; and the remedy
     (the queue's directory removed, then a restart) rebuilds the queue to deliver exactly what the
     undamaged one does."""
@@ -461,38 +461,5 @@ def test_a_queue_missing_the_file_at_its_start_is_a_problem_check_names_with_its
                 await b.close()
         assert results[1] == results[0]
         assert check_data_dir(data).ok
-
-    asyncio.run(body())
-
-
-@pytest.mark.xfail(strict=True, reason="recovery replays the log from the checkpoint only, and nothing on disk says "
-                   "where a queue began or ended: a queue file removed at either end is not found (a per-queue "
-                   "offset range in the checkpoint, a format change, would find it)")
-@pytest.mark.parametrize("which", ["first", "last"])
-def test_a_restart_rebuilds_a_queue_missing_a_file_at_either_end(tmp_path: Path, which: str) -> None:
-    """The fault: after hours of retention, the `which` file of a consume queue is removed
-    (entries the log still holds: at its start, or its newest) and the broker restarts from a
-    checkpoint at the log's end. What should hold: the restart finds the queue incomplete and
-    rebuilds it from the log, delivering what the undamaged queue does, and a record sent after
-    the restart gets the next queue offset, not one the log already holds. Today neither end is
-    found: the first file's messages are skipped for good, and without the last one the restart
-    hands out the lost records' offsets again (two records of the log then claim one offset)."""
-    data, undamaged = tmp_path / "data", tmp_path / "undamaged"
-    clock = FakeClock(START_MS)
-
-    async def body() -> None:
-        await _retained_then_closed(data, clock)
-        shutil.copytree(data, undamaged)
-        names = sorted((data / files.QUEUES_DIR / "orders" / "0").iterdir())
-        (names[0] if which == "first" else names[-1]).unlink()
-        results = []
-        for copy in (undamaged, data):
-            b = await open_broker(copy, FakeClock(clock.now_ms()), **QUEUE_SETTINGS)
-            try:
-                sent = await b.send(OutgoingMessage("orders", b"after", message_id="after", queue_id=0))
-                results.append((_readable(b), sent.queue_offset))
-            finally:
-                await b.close()
-        assert results[1] == results[0]
 
     asyncio.run(body())
