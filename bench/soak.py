@@ -1,12 +1,14 @@
 """Soak: a real `chronoq serve` under mixed load for a set time, SIGKILLed every few minutes.
 
-Usage: python -m bench.soak --minutes 30 [--rate 60] [--kill-every-min 3] [--out docs/results/soak-DATE]
+Usage: python -m bench.soak --minutes 30 [--rate 60] [--kill-every-min 3] [--body-bytes 1]
+       [--retention-s S --segment-kib K] [--out DIR (default: a new directory under /tmp)]
 
 Theory of operation: one server process (a fresh data directory, sync flush) and, in this
 process, asyncio tasks that drive it through chronoq's SDK:
 
 - producers send at `--rate` messages/s in all: a third normal messages, the rest timer messages
-  due in 1-30 s (most) or 60-120 s (one in five, so they live across a kill); every tenth send is
+  due in 1-30 s (most) or 60-120 s (one in five, so they live across a kill; `--max-delay-s`
+  changes 120); every tenth send is
   a SendBatch of 10 through the admin service, the rest single RocketMQ SendMessage calls;
 - a canceller recalls one timer in ten, a few seconds after its send (before it is due);
 - two consumers (one group) long-poll, ack, and note each message's first arrival.
@@ -17,12 +19,19 @@ or may not come; a cancelled one that comes anyway is reported as `cancelled_del
 is only wrong when its cancel was acknowledged). Every `--kill-every-min` minutes the server is
 SIGKILLed and restarted on the same directory; clients retry through the gap.
 
-Every `SAMPLE_S` seconds the server's RSS and open files (psutil) and the lateness of the timer
-messages that arrived since the last sample (arrival minus due time, on this machine's one wall
-clock) are recorded. After `--minutes` the producers stop and the consumers drain until every
+With `--retention-s` the server deletes segments older than that (checked every
+`RETENTION_CHECK_S`), in segments of `--segment-kib`: timers crossing segment boundaries, the
+link records that fire them, rolled timers and SIGKILLs together, while the disk must stay flat
+(`--body-bytes` sets every message's body, so segments fill at a known rate).
+
+Every `SAMPLE_S` seconds the server's RSS and open files (psutil), the bytes and segments of its
+commit log and the bytes of its whole data directory, and the lateness of the timer messages
+that arrived since the last sample (arrival minus due time, on this machine's one wall clock)
+are recorded. After `--minutes` the producers stop and the consumers drain until every
 owed message arrived or `DRAIN_S` passed. Lost = owed and never arrived; early = arrived before
-its due time. The report: `soak.json` (every sample), `soak.md` (summary) and `soak.png` (RSS,
-fds, lateness over time, kills marked).
+its due time. The report: `soak.json` (every sample), `soak.md` (summary, with the bytes on disk
+at 5, 10, 20 and 30 minutes side by side) and `soak.png` (RSS, fds, disk, lateness over time,
+kills marked).
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ import psutil
 
 from chronoq.client import AsyncConsumer, AsyncProducer, outgoing
 from chronoq.errors import ChronoqError
+from chronoq.store import files
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPIC = "soak"
@@ -54,9 +64,12 @@ SAMPLE_S = 5.0
 DRAIN_S = 180.0
 READY_TIMEOUT_S = 60.0
 SHORT_DELAY_MS = (1_000, 30_000)
-LONG_DELAY_MS = (60_000, 120_000)
+"""Most timers' delays; with `--max-delay-s` M: 1 s to min(30 s, M)."""
 INVISIBLE_MS = 15_000
 RETRY_S = 0.5
+RETENTION_CHECK_S = 5
+DISK_AT_MIN = (1, 2, 5, 10, 20, 30)
+"""The minutes at which the report shows the bytes on disk side by side."""
 CANCEL_WORKERS = 16
 """Each waits 0.2-2 s before its recall; one alone fell behind (in the first 30-minute run only 30
 recalls were made: the queue aged past the timers' due times)."""
@@ -86,13 +99,16 @@ class Ledger:
 
 
 class Server:
-    def __init__(self, data_dir: Path, port: int, log_path: Path) -> None:
+    def __init__(self, data_dir: Path, port: int, log_path: Path, settings: dict[str, int] | None = None) -> None:
         self.data_dir, self.port, self.log_path = data_dir, port, log_path
+        self.settings = settings or {}
+        """chronoq settings for the server, passed as CHRONOQ_<NAME> variables."""
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts: list[float] = []
 
     def start(self) -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+        env.update({f"CHRONOQ_{name.upper()}": str(value) for name, value in self.settings.items()})
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "chronoq", "serve", "--data-dir", str(self.data_dir),
                                           "--port", str(self.port), "--log-level", "WARNING"],
@@ -117,6 +133,31 @@ class Server:
         assert self.proc is not None
         p = psutil.Process(self.proc.pid)
         return p.memory_info().rss, p.num_fds()
+
+    def disk(self) -> dict[str, int]:
+        """Bytes on disk now (allocated blocks): the commit log and its segments, the timer index
+        and the consumer-group store (RocksDB, with their WALs), the whole data directory; and
+        where the log starts (retention moves it)."""
+        out = {"log_bytes": 0, "segments": 0, "timer_bytes": 0, "groups_bytes": 0, "disk_bytes": 0, "log_start": -1}
+        for root, _dirs, names in os.walk(self.data_dir):
+            part = Path(root).relative_to(self.data_dir).parts[:1]
+            for name in names:
+                try:
+                    size = os.stat(os.path.join(root, name)).st_blocks * 512
+                except FileNotFoundError:
+                    continue  # deleted by retention meanwhile
+                out["disk_bytes"] += size
+                if part == (files.COMMITLOG_DIR,) and name.endswith(files.SEGMENT_SUFFIX):
+                    out["log_bytes"] += size
+                    out["segments"] += 1
+                    base = files.parse_numbered(name, files.SEGMENT_SUFFIX)
+                    if base is not None and (out["log_start"] < 0 or base < out["log_start"]):
+                        out["log_start"] = base
+                elif part == (files.TIMER_DIR,):
+                    out["timer_bytes"] += size
+                elif part == (files.GROUPS_DIR,):
+                    out["groups_bytes"] += size
+        return out
 
 
 def _free_port() -> int:
@@ -146,10 +187,11 @@ class Soak:
         roll = self.rng.random()
         sent = now_ms()
         if roll < 1 / 3:
-            return outgoing(TOPIC, b"n", tag="normal"), sent
-        low, high = LONG_DELAY_MS if roll > 0.87 else SHORT_DELAY_MS
+            return outgoing(TOPIC, b"n" * self.args.body_bytes, tag="normal"), sent
+        max_ms = self.args.max_delay_s * 1000
+        low, high = (max_ms // 2, max_ms) if roll > 0.87 else (SHORT_DELAY_MS[0], min(SHORT_DELAY_MS[1], max_ms))
         due = sent + self.rng.randint(low, high)
-        return outgoing(TOPIC, b"t", deliver_at=due, tag="timer"), due
+        return outgoing(TOPIC, b"t" * self.args.body_bytes, deliver_at=due, tag="timer"), due
 
     async def produce(self, producer: AsyncProducer, share: float) -> None:
         interval_s = 1 / (self.args.rate * share)
@@ -226,10 +268,12 @@ class Soak:
                 rss, fds = self.server.sample()
             except (psutil.Error, AssertionError):
                 rss, fds = 0, 0
+            disk = await asyncio.to_thread(self.server.disk)
             late = sorted(self.ledger.recent_lateness_ms)
             self.ledger.recent_lateness_ms = []
             self.samples.append({
                 "t_s": round(time.monotonic() - self.t0, 1), "rss_bytes": rss, "fds": fds,
+                **disk,
                 "arrived": len(late), "late_p50_ms": late[len(late) // 2] if late else None,
                 "late_p99_ms": late[min(len(late) - 1, int(len(late) * 0.99))] if late else None,
                 "late_max_ms": late[-1] if late else None, "owed": len(self.ledger.owed()),
@@ -279,6 +323,13 @@ def summary(soak: Soak, args: argparse.Namespace) -> dict[str, Any]:
     lateness = sorted(led.arrived_ms[i] - led.due_ms[i] for i in owed if i in led.arrived_ms)
     rss = [s["rss_bytes"] for s in soak.samples if s["rss_bytes"]]
     fds = [s["fds"] for s in soak.samples if s["fds"]]
+    disk_at: dict[str, dict[str, int]] = {}
+    for minute in DISK_AT_MIN:
+        near = [s for s in soak.samples if abs(s["t_s"] - minute * 60) <= SAMPLE_S]
+        if near and minute <= args.minutes:
+            s = near[0]
+            disk_at[str(minute)] = {k: s[k] for k in ("log_bytes", "segments", "timer_bytes", "groups_bytes",
+                                                      "disk_bytes")}
 
     def pct(q: float) -> int | None:
         return lateness[min(len(lateness) - 1, int(len(lateness) * q))] if lateness else None
@@ -296,6 +347,9 @@ def summary(soak: Soak, args: argparse.Namespace) -> dict[str, Any]:
         "rss_first_bytes": rss[0] if rss else None, "rss_last_bytes": rss[-1] if rss else None,
         "rss_max_bytes": max(rss) if rss else None, "fds_first": fds[0] if fds else None,
         "fds_last": fds[-1] if fds else None, "fds_max": max(fds) if fds else None,
+        "retention_s": args.retention_s, "segment_kib": args.segment_kib, "body_bytes": args.body_bytes,
+        "disk_at_min": disk_at,
+        "log_bytes_max": max((s["log_bytes"] for s in soak.samples), default=None),
     }
 
 
@@ -306,18 +360,24 @@ def plot(soak: Soak, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     t = [s["t_s"] / 60 for s in soak.samples]
-    fig, axes = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
+    fig, axes = plt.subplots(4, 1, figsize=(10, 12), sharex=True)
     axes[0].plot(t, [s["rss_bytes"] / 2**20 for s in soak.samples])
     axes[0].set_ylabel("server RSS (MiB)")
     axes[1].plot(t, [s["fds"] for s in soak.samples])
     axes[1].set_ylabel("server open files")
-    for key, label in (("late_p50_ms", "p50"), ("late_p99_ms", "p99"), ("late_max_ms", "max")):
-        axes[2].plot(t, [s[key] if s[key] is not None else float("nan") for s in soak.samples], label=label)
-    axes[2].set_ylabel("arrival - due (ms), per 5 s")
-    axes[2].set_yscale("symlog", linthresh=100)
-    axes[2].axhline(0, color="red", linewidth=0.8)
+    axes[2].plot(t, [s["log_bytes"] / 2**20 for s in soak.samples], label="commit log")
+    axes[2].plot(t, [s["timer_bytes"] / 2**20 for s in soak.samples], label="timer index")
+    axes[2].plot(t, [s["groups_bytes"] / 2**20 for s in soak.samples], label="consumer groups")
+    axes[2].plot(t, [s["disk_bytes"] / 2**20 for s in soak.samples], label="data directory")
+    axes[2].set_ylabel("on disk (MiB)")
     axes[2].legend()
-    axes[2].set_xlabel("minutes")
+    for key, label in (("late_p50_ms", "p50"), ("late_p99_ms", "p99"), ("late_max_ms", "max")):
+        axes[3].plot(t, [s[key] if s[key] is not None else float("nan") for s in soak.samples], label=label)
+    axes[3].set_ylabel("arrival - due (ms), per 5 s")
+    axes[3].set_yscale("symlog", linthresh=100)
+    axes[3].axhline(0, color="red", linewidth=0.8)
+    axes[3].legend()
+    axes[3].set_xlabel("minutes")
     for ax in axes:
         for k in soak.kills_s:
             ax.axvline(k / 60, color="grey", linestyle="--", linewidth=0.8)
@@ -343,7 +403,14 @@ def markdown(result: dict[str, Any], command: str) -> str:
         ("open files first / last / max", f"{result['fds_first']} / {result['fds_last']} / {result['fds_max']}"),
         ("client-side errors (send / cancel / receive)",
          f"{result['send_errors']} / {result['cancel_errors']} / {result['receive_errors']}"),
+        ("retention / segment size / body",
+         f"{result['retention_s'] or 'default'} s / {result['segment_kib'] or 'default'} KiB / "
+         f"{result['body_bytes']} bytes"),
     ]
+    for minute, disk in result["disk_at_min"].items():
+        rows.append((f"on disk at {minute} min: commit log (segments) / timer index / groups / data directory",
+                     f"{disk['log_bytes'] / mib:.1f} MiB ({disk['segments']}) / {disk['timer_bytes'] / mib:.1f} / "
+                     f"{disk['groups_bytes'] / mib:.1f} / {disk['disk_bytes'] / mib:.1f} MiB"))
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     return (f"# Soak, {result['started']} to {result['finished']}\n\n`{command}`\n\n"
             f"| measure | value |\n|---|---|\n{table}\n\n![soak](soak.png)\n")
@@ -355,12 +422,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=60, help="messages per second, all producers together")
     parser.add_argument("--kill-every-min", type=float, default=3)
     parser.add_argument("--seed", type=int, default=14)
+    parser.add_argument("--body-bytes", type=int, default=1, help="every message's body size")
+    parser.add_argument("--max-delay-s", type=int, default=120,
+                        help="the longest delay; one timer in five is due between half of it and it")
+    parser.add_argument("--retention-s", type=int, default=None, help="the server's retention (default: its own)")
+    parser.add_argument("--segment-kib", type=int, default=None, help="the server's segment size (default: its own)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    out = args.out or ROOT / "docs" / "results" / f"soak-{datetime.now(UTC):%Y%m%d}"
+    out = args.out or Path(tempfile.gettempdir()) / f"chronoq-soak-{datetime.now(UTC):%Y%m%d-%H%M%S}"
     out.mkdir(parents=True, exist_ok=True)
+    settings: dict[str, int] = {}
+    if args.retention_s is not None:
+        settings.update(retention_ms=args.retention_s * 1000, retention_check_interval_ms=RETENTION_CHECK_S * 1000)
+    if args.segment_kib is not None:
+        settings.update(segment_size_bytes=args.segment_kib * 1024,
+                        max_message_size_bytes=min(args.segment_kib * 1024, 4 * 2**20))
     with tempfile.TemporaryDirectory(prefix="chronoq-soak-") as tmp:
-        server = Server(Path(tmp) / "data", _free_port(), out / "server.log")
+        server = Server(Path(tmp) / "data", _free_port(), out / "server.log", settings)
         server.start()
         soak = Soak(args, server)
         try:
@@ -374,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "soak.md").write_text(markdown(result, command))
     plot(soak, out / "soak.png")
     print(json.dumps(result))
+    print(f"report: {out / 'soak.md'}")
     return 0 if result["lost"] == 0 and result["early"] == 0 else 1
 
 
