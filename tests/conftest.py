@@ -2,8 +2,9 @@
 and the per-test timeout of the slow tests.
 
 Tests live by layer in subdirectories (store, timer, broker, protocol, server, client, spark,
-e2e, interop); helper modules shared across layers (`server_harness`, `timer_helpers`,
-`protocol_strategies`) stay here in `tests/`, which pytest puts on `sys.path` with this file.
+e2e, interop); helper modules shared across layers (`server_harness`, `auth_harness`,
+`timer_helpers`, `clock_helpers`, `disk_helpers`, `protocol_strategies`) stay here in `tests/`,
+which pytest puts on `sys.path` with this file.
 
 Kept small and general on purpose; add a helper here only when two test files need it.
 Helpers are fixtures (not imports) because `tests/` has several conftest modules and pytest
