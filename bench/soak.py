@@ -14,10 +14,12 @@ process, asyncio tasks that drive it through chronoq's SDK:
 - two consumers (one group) long-poll, ack, and note each message's first arrival.
 
 A message counts as *owed* once its send was acknowledged and no acknowledged cancel took it
-back; a send or cancel whose answer was lost in a kill is not counted either way (its message may
-or may not come; a cancelled one that comes anyway is reported as `cancelled_delivered`, which
-is only wrong when its cancel was acknowledged). Every `--kill-every-min` minutes the server is
-SIGKILLed and restarted on the same directory; clients retry through the gap.
+back; a send or cancel whose answer was lost in a kill (a retriable failure: the connection, a
+deadline) is not counted either way (its message may or may not come; `cancel_unknown` and how
+many of those came are reported; a cancelled one that comes anyway is reported as
+`cancelled_delivered`, which is only wrong when its cancel was acknowledged). A run that loses
+anything keeps its data directory (`data/` beside the report) for a post-mortem. Every
+`--kill-every-min` minutes the server is SIGKILLed and restarted on the same directory; clients retry through the gap.
 
 With `--retention-s` the server deletes segments older than that (checked every
 `RETENTION_CHECK_S`), in segments of `--segment-kib`: timers crossing segment boundaries, the
@@ -41,6 +43,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -85,6 +88,9 @@ class Ledger:
 
     due_ms: dict[str, int] = field(default_factory=dict)  # acknowledged sends: id -> due time (send time if normal)
     cancelled: set[str] = field(default_factory=set)  # acknowledged cancels
+    cancel_unknown: set[str] = field(default_factory=set)
+    """Recalls whose answer was lost (the server killed, a deadline): the timer may or may not have
+    been cancelled, so it is owed by neither count (`cancel_unknown_arrived` says how many came)."""
     arrived_ms: dict[str, int] = field(default_factory=dict)  # first arrival
     duplicates: int = 0
     recent_lateness_ms: list[int] = field(default_factory=list)
@@ -94,8 +100,11 @@ class Ledger:
     receive_errors: int = 0
     cancels_too_late: int = 0
 
+    recall_outcome: dict[str, str] = field(default_factory=dict)
+    """Each recalled id -> "ok", or the error's code (a lost message's is in the report)."""
+
     def owed(self) -> set[str]:
-        return set(self.due_ms) - self.cancelled
+        return set(self.due_ms) - self.cancelled - self.cancel_unknown
 
 
 class Server:
@@ -226,11 +235,17 @@ class Soak:
             try:
                 await producer.recall(TOPIC, handle)
                 self.ledger.cancelled.add(message_id)
+                self.ledger.recall_outcome[message_id] = "ok"
             except ChronoqError as e:
+                self.ledger.recall_outcome[message_id] = f"{e.code} {type(e).__name__}"
                 if e.code == 42800:
                     self.ledger.cancels_too_late += 1
                 else:
                     self.ledger.cancel_errors += 1
+                    if e.retriable:
+                        # A connection failure or a deadline (the server killed under it): the
+                        # tombstone may be durable, so the timer may not come. Not owed.
+                        self.ledger.cancel_unknown.add(message_id)
 
     async def consume(self, consumer: AsyncConsumer) -> None:
         while not self.done:
@@ -340,8 +355,12 @@ def summary(soak: Soak, args: argparse.Namespace) -> dict[str, Any]:
         "kill_every_min": args.kill_every_min, "kills": len(soak.kills_s), "kills_at_s": soak.kills_s,
         "sent_acknowledged": len(led.due_ms), "cancelled_acknowledged": len(led.cancelled),
         "cancels_too_late": led.cancels_too_late, "owed": len(owed), "arrived_owed": len(owed) - len(lost),
-        "lost": len(lost), "lost_ids": lost[:50], "early": len(led.early), "early_examples": led.early[:20],
+        "lost": len(lost), "lost_ids": lost[:50],
+        "lost_detail": [{"id": i, "due_ms": led.due_ms[i], "recall": led.recall_outcome.get(i)} for i in lost[:50]],
+        "early": len(led.early), "early_examples": led.early[:20],
         "cancelled_delivered": len(cancelled_delivered), "duplicates": led.duplicates,
+        "cancel_unknown": len(led.cancel_unknown),
+        "cancel_unknown_arrived": len(led.cancel_unknown & set(led.arrived_ms)),
         "send_errors": led.send_errors, "cancel_errors": led.cancel_errors, "receive_errors": led.receive_errors,
         "late_p50_ms": pct(0.5), "late_p99_ms": pct(0.99), "late_max_ms": lateness[-1] if lateness else None,
         "rss_first_bytes": rss[0] if rss else None, "rss_last_bytes": rss[-1] if rss else None,
@@ -395,6 +414,8 @@ def markdown(result: dict[str, Any], command: str) -> str:
         ("owed / arrived", f"{result['owed']} / {result['arrived_owed']}"),
         ("**lost**", str(result["lost"])), ("**early**", str(result["early"])),
         ("cancelled yet delivered", str(result["cancelled_delivered"])),
+        ("recalls whose answer was lost (not owed) / of them arrived",
+         f"{result['cancel_unknown']} / {result['cancel_unknown_arrived']}"),
         ("duplicates (at-least-once, after kills)", str(result["duplicates"])),
         ("lateness p50 / p99 / max (ms)",
          f"{result['late_p50_ms']} / {result['late_p99_ms']} / {result['late_max_ms']}"),
@@ -445,7 +466,9 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(soak.run())
         finally:
             code = server.stop()
-    result = summary(soak, args)
+        result = summary(soak, args)
+        if result["lost"] or result["early"]:
+            shutil.copytree(server.data_dir, out / "data")  # for a post-mortem (`chronoq check`)
     result["server_exit_after_sigterm"] = code
     command = "python -m bench.soak " + " ".join(argv if argv is not None else sys.argv[1:])
     (out / "soak.json").write_text(json.dumps({"summary": result, "samples": soak.samples}, indent=1))
