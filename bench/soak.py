@@ -14,10 +14,12 @@ process, asyncio tasks that drive it through chronoq's SDK:
 - two consumers (one group) long-poll, ack, and note each message's first arrival.
 
 A message counts as *owed* once its send was acknowledged and no acknowledged cancel took it
-back; a send or cancel whose answer was lost in a kill (a retriable failure: the connection, a
-deadline) is not counted either way (its message may or may not come; `cancel_unknown` and how
-many of those came are reported; a cancelled one that comes anyway is reported as
-`cancelled_delivered`, which is only wrong when its cancel was acknowledged). A run that loses
+back; a send whose answer was lost in a kill is not counted either way (its message may or may
+not come). A recall whose answer was lost (a retriable failure: the connection, a deadline) may
+have taken effect (its tombstone written before the kill is recovered): the soak asks the broker,
+once it answers again, what became of that timer (`query`) and counts a cancelled one as
+cancelled, a pending or delivered one as owed; one it cannot learn (`cancel_unknown`) is owed by
+neither count. A cancelled one that comes anyway is reported as `cancelled_delivered`. A run that loses
 anything keeps its data directory (`data/` beside the report) for a post-mortem. Every
 `--kill-every-min` minutes the server is SIGKILLed and restarted on the same directory; clients retry through the gap.
 
@@ -70,6 +72,10 @@ SHORT_DELAY_MS = (1_000, 30_000)
 """Most timers' delays; with `--max-delay-s` M: 1 s to min(30 s, M)."""
 INVISIBLE_MS = 15_000
 RETRY_S = 0.5
+RESOLVE_AFTER_S = 3.0
+RESOLVE_FOR_S = 50.0
+"""How long after a recall whose answer was lost the soak asks what became of it, and for how
+long it keeps asking (well within the timer index's history, which the retention period bounds)."""
 RETENTION_CHECK_S = 5
 DISK_AT_MIN = (1, 2, 5, 10, 20, 30)
 """The minutes at which the report shows the bytes on disk side by side."""
@@ -89,8 +95,11 @@ class Ledger:
     due_ms: dict[str, int] = field(default_factory=dict)  # acknowledged sends: id -> due time (send time if normal)
     cancelled: set[str] = field(default_factory=set)  # acknowledged cancels
     cancel_unknown: set[str] = field(default_factory=set)
-    """Recalls whose answer was lost (the server killed, a deadline): the timer may or may not have
-    been cancelled, so it is owed by neither count (`cancel_unknown_arrived` says how many came)."""
+    """Recalls whose answer was lost (the server killed, a deadline) and whose outcome the broker
+    has not told yet (`Soak.resolve_recall`): owed by neither count."""
+    recalls_lost_answer: int = 0
+    recalls_lost_answer_cancelled: int = 0
+    """Of the recalls whose answer was lost, how many the broker says took effect."""
     arrived_ms: dict[str, int] = field(default_factory=dict)  # first arrival
     duplicates: int = 0
     recent_lateness_ms: list[int] = field(default_factory=list)
@@ -244,8 +253,31 @@ class Soak:
                     self.ledger.cancel_errors += 1
                     if e.retriable:
                         # A connection failure or a deadline (the server killed under it): the
-                        # tombstone may be durable, so the timer may not come. Not owed.
+                        # tombstone may be durable, so the timer may not come. Not owed until
+                        # the broker says what became of it.
                         self.ledger.cancel_unknown.add(message_id)
+                        self.ledger.recalls_lost_answer += 1
+                        await self.resolve_recall(producer, message_id)
+
+    async def resolve_recall(self, producer: AsyncProducer, message_id: str) -> None:
+        """Ask the broker, once it answers (a restart), whether a recall whose answer was lost
+        cancelled `message_id`'s timer: a tombstone written before a kill is recovered and applied
+        at the restart, so the answer is final then (waiting `RESOLVE_AFTER_S` first for one still
+        on its way to the disk)."""
+        deadline = time.monotonic() + RESOLVE_FOR_S
+        await asyncio.sleep(RESOLVE_AFTER_S)
+        while time.monotonic() < deadline:
+            try:
+                states = {t.state for t in await producer.query(message_id, TOPIC)}
+            except ChronoqError:
+                await asyncio.sleep(RETRY_S)
+                continue
+            if "cancelled" in states:
+                self.ledger.cancelled.add(message_id)
+                self.ledger.recalls_lost_answer_cancelled += 1
+            if states:
+                self.ledger.cancel_unknown.discard(message_id)
+            return
 
     async def consume(self, consumer: AsyncConsumer) -> None:
         while not self.done:
@@ -340,8 +372,8 @@ def summary(soak: Soak, args: argparse.Namespace) -> dict[str, Any]:
     fds = [s["fds"] for s in soak.samples if s["fds"]]
     disk_at: dict[str, dict[str, int]] = {}
     for minute in DISK_AT_MIN:
-        near = [s for s in soak.samples if abs(s["t_s"] - minute * 60) <= SAMPLE_S]
-        if near and minute <= args.minutes:
+        near = sorted(soak.samples, key=lambda s: abs(s["t_s"] - minute * 60))[:1]
+        if near and abs(near[0]["t_s"] - minute * 60) <= 2 * SAMPLE_S and minute <= args.minutes:
             s = near[0]
             disk_at[str(minute)] = {k: s[k] for k in ("log_bytes", "segments", "timer_bytes", "groups_bytes",
                                                       "disk_bytes")}
@@ -359,6 +391,8 @@ def summary(soak: Soak, args: argparse.Namespace) -> dict[str, Any]:
         "lost_detail": [{"id": i, "due_ms": led.due_ms[i], "recall": led.recall_outcome.get(i)} for i in lost[:50]],
         "early": len(led.early), "early_examples": led.early[:20],
         "cancelled_delivered": len(cancelled_delivered), "duplicates": led.duplicates,
+        "recalls_lost_answer": led.recalls_lost_answer,
+        "recalls_lost_answer_cancelled": led.recalls_lost_answer_cancelled,
         "cancel_unknown": len(led.cancel_unknown),
         "cancel_unknown_arrived": len(led.cancel_unknown & set(led.arrived_ms)),
         "send_errors": led.send_errors, "cancel_errors": led.cancel_errors, "receive_errors": led.receive_errors,
@@ -414,8 +448,9 @@ def markdown(result: dict[str, Any], command: str) -> str:
         ("owed / arrived", f"{result['owed']} / {result['arrived_owed']}"),
         ("**lost**", str(result["lost"])), ("**early**", str(result["early"])),
         ("cancelled yet delivered", str(result["cancelled_delivered"])),
-        ("recalls whose answer was lost (not owed) / of them arrived",
-         f"{result['cancel_unknown']} / {result['cancel_unknown_arrived']}"),
+        ("recalls whose answer was lost / that the broker says took effect / unresolved (owed by neither)",
+         f"{result['recalls_lost_answer']} / {result['recalls_lost_answer_cancelled']} / "
+         f"{result['cancel_unknown']}"),
         ("duplicates (at-least-once, after kills)", str(result["duplicates"])),
         ("lateness p50 / p99 / max (ms)",
          f"{result['late_p50_ms']} / {result['late_p99_ms']} / {result['late_max_ms']}"),
