@@ -3,7 +3,7 @@
 Each producer awaits `Broker.send` (returns after the group-commit fsync) before sending its next
 message, so the rate is of *acknowledged, durable* messages. Also measured: the same with batches
 of 64 (`send_batch`), and fsyncs per second (how much group commit shares). Writes
-`bench/results/append.json` and prints a table.
+`append.json` under `bench.results_dir()` (or `--out`) and prints a table.
 
     .venv/bin/python bench/bench_append.py [--messages 20000] [--size 1024]
 """
@@ -21,6 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout: `bench` and its chronoq
+
+from bench import results_dir
 from chronoq.broker import Broker
 from chronoq.config import Config
 from chronoq.model import OutgoingMessage
@@ -57,7 +60,7 @@ async def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--messages", type=int, default=20000)
     ap.add_argument("--size", type=int, default=1024)
-    ap.add_argument("--out", default="bench/results/append.json")
+    ap.add_argument("--out", default=str(results_dir() / "append.json"))
     args = ap.parse_args()
     cases = []
     for producers, batch in ((1, 1), (16, 1), (1, 64), (16, 64)):

@@ -8,7 +8,7 @@ sending and the whole load stays pending. A sampler reads the server's RSS (VmRS
 and its children, from /proc) every `--sample-s` seconds and prints one line per sample:
 pending (acknowledged sends), RSS, bytes of RSS growth per pending message (over the RSS after
 start-up), and the accept rate. RSS is the figure this script exists for: rates on a shared
-2-core machine are noisy. Results go to `bench/results/backlog_memory.json` (or `--out`).
+2-core machine are noisy. Results go to `backlog_memory.json` under `bench.results_dir()` (or `--out`).
 
     .venv/bin/python bench/bench_backlog_memory.py --messages 1000000
 """
@@ -27,6 +27,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench import results_dir  # noqa: E402
 
 HOUR_MS = 3_600_000
 BODY = b"x" * 100
@@ -144,7 +146,7 @@ def main() -> int:
     ap.add_argument("--sample-s", type=float, default=5.0)
     ap.add_argument("--settle-s", type=float, default=5.0)
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="server config override")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "backlog_memory.json")
+    ap.add_argument("--out", type=Path, default=results_dir() / "backlog_memory.json")
     args = ap.parse_args()
     from chronoq.client.testing import ServerProcess
 

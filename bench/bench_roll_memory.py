@@ -26,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import results_dir  # noqa: E402
 from chronoq.broker import Broker  # noqa: E402
 from chronoq.clock import FakeClock  # noqa: E402
 from chronoq.config import DAY_MS, HOUR_MS, Config  # noqa: E402
@@ -71,7 +72,7 @@ def main() -> None:
     parser.add_argument("--timers", type=int, default=100_000)
     parser.add_argument("--body-bytes", type=int, default=1000)
     parser.add_argument("--roll-batch", type=int, default=None, help="timer_roll_batch (default: the config's)")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "roll_memory.json")
+    parser.add_argument("--out", type=Path, default=results_dir() / "roll_memory.json")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         result = asyncio.run(measure(args.timers, args.body_bytes, Path(tmp) / "data", args.roll_batch))

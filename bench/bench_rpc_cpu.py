@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench import results_dir  # noqa: E402
 from bench.harness.procs import Server  # noqa: E402
 from bench.peers.base import load_peer  # noqa: E402
 
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--single", type=int, default=2_000, help="requests in the one-message steps")
     ap.add_argument("--batch", type=int, default=100, help="messages per batched send")
     ap.add_argument("--window", type=int, default=4, help="calls in flight")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "rpc_cpu.json"))
+    ap.add_argument("--out", default=str(results_dir() / "rpc_cpu.json"))
     args = ap.parse_args(argv)
     results: dict[str, Any] = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                "cpus": os.cpu_count(), "load_at_start": os.getloadavg(), "args": vars(args),

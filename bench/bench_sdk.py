@@ -12,8 +12,8 @@ default configuration: sync flush), driven by
      Never-early is checked: any negative error is counted.
 Throughput phases send timers due in an hour, so the timer wheel holds them and nothing fires
 while sending. Each throughput run also reports the server's CPU per message (its process's
-user + system time over the run, psutil). Results go to `bench/results/sdk.json` and a table on
-stdout.
+user + system time over the run, psutil). Results go to `sdk.json` under `bench.results_dir()`
+(or `--out`) and a table on stdout.
 
     .venv/bin/python bench/bench_sdk.py --messages 20000
 """
@@ -38,6 +38,8 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench import results_dir  # noqa: E402
 
 HOUR_MS = 3_600_000
 BODY = b"x" * 100
@@ -208,7 +210,7 @@ def main() -> int:
     ap.add_argument("--lead-ms", type=int, default=3000, help="delivery run: first due time after the start")
     ap.add_argument("--spread-ms", type=int, default=5000, help="delivery run: due times spread over this")
     ap.add_argument("--window", type=int, default=64, help="concurrent single sends")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "sdk.json"))
+    ap.add_argument("--out", default=str(results_dir() / "sdk.json"))
     ap.add_argument("--official-child", nargs=5, metavar=("ADDR", "TOPIC", "N", "MODE", "WINDOW"),
                     help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -6,7 +6,7 @@ in batches (the way the broker does after appending them to the commit log), reo
 followed by `apply(fired=...)` until nothing is due. Only the index calls are timed; generating
 the synthetic entries is not. Rates are given per wall-clock second and per CPU-second of the
 calling thread: on a shared machine the second shows what the code costs, the first what it got.
-Results go to `bench/results/timer_index.json` and a table.
+Results go to `timer_index.json` under `bench.results_dir()` (or `--out`) and a table.
 
 Workload: message ids shaped like RocketMQ 5's (34 hex characters), 16 topics, due times
 uniform over [1 s, 2 h] after a fixed start, one message key per message unless `--keys 0`.
@@ -33,6 +33,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import results_dir
 from chronoq.timer.engine import IndexBatch, TimerEntry
 from chronoq.timer.index import RocksTimerIndex
 
@@ -168,7 +169,7 @@ def main() -> int:
     parser.add_argument("--n", type=int, default=1_000_000, help="timers to add and fire (default 1,000,000)")
     parser.add_argument("--batch", type=int, default=500, help="timers per apply (default 500)")
     parser.add_argument("--keys", type=int, choices=(0, 1), default=1, help="message keys per timer (default 1)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "timer_index.json")
+    parser.add_argument("--out", type=Path, default=results_dir() / "timer_index.json")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="chronoq-bench-timer-"))
     try:

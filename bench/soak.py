@@ -30,7 +30,7 @@ link records that fire them, rolled timers and SIGKILLs together, while the disk
 
 Every `SAMPLE_S` seconds the server's RSS and open files (psutil), the bytes and segments of its
 commit log and the bytes of its whole data directory, and the lateness of the timer messages
-that arrived since the last sample (arrival minus due time, on this machine's one wall clock)
+that arrived since the last sample (arrival minus due time, both read from the one host's wall clock)
 are recorded. After `--minutes` the producers stop and the consumers drain until every
 owed message arrived or `DRAIN_S` passed. Lost = owed and never arrived; early = arrived before
 its due time. The report: `soak.json` (every sample), `soak.md` (summary, with the bytes on disk
@@ -46,8 +46,6 @@ import json
 import os
 import random
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -59,15 +57,14 @@ from typing import Any
 import psutil
 
 from chronoq.client import AsyncConsumer, AsyncProducer, outgoing
+from chronoq.client.testing import ServerProcess
 from chronoq.errors import ChronoqError
 from chronoq.store import files
 
-ROOT = Path(__file__).resolve().parent.parent
 TOPIC = "soak"
 GROUP = "soak_group"
 SAMPLE_S = 5.0
 DRAIN_S = 180.0
-READY_TIMEOUT_S = 60.0
 SHORT_DELAY_MS = (1_000, 30_000)
 """Most timers' delays; with `--max-delay-s` M: 1 s to min(30 s, M)."""
 INVISIBLE_MS = 15_000
@@ -116,40 +113,16 @@ class Ledger:
         return set(self.due_ms) - self.cancelled - self.cancel_unknown
 
 
-class Server:
-    def __init__(self, data_dir: Path, port: int, log_path: Path, settings: dict[str, int] | None = None) -> None:
-        self.data_dir, self.port, self.log_path = data_dir, port, log_path
-        self.settings = settings or {}
-        """chronoq settings for the server, passed as CHRONOQ_<NAME> variables."""
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.starts: list[float] = []
+class Server(ServerProcess):
+    """`chronoq serve` on one data directory and port, SIGKILLed and started again on them (the
+    tests' `ServerProcess`), and what the soak samples of it."""
 
-    def start(self) -> None:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-        env.update({f"CHRONOQ_{name.upper()}": str(value) for name, value in self.settings.items()})
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "chronoq", "serve", "--data-dir", str(self.data_dir),
-                                          "--port", str(self.port), "--log-level", "WARNING"],
-                                         stdout=subprocess.PIPE, stderr=log, env=env)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline().decode().strip()
-        if not line.startswith("chronoq serving on"):
-            raise RuntimeError(f"server did not start: {line!r}; see {self.log_path}")
-        self.starts.append(time.monotonic())
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-
-    def stop(self) -> int:
-        assert self.proc is not None
-        self.proc.terminate()
-        return self.proc.wait(timeout=60)
+    def __init__(self, data_dir: Path, log_path: Path, settings: dict[str, int] | None = None) -> None:
+        super().__init__(data_dir, settings=settings, log_path=log_path, args=["--log-level", "WARNING"])
 
     def sample(self) -> tuple[int, int]:
-        assert self.proc is not None
-        p = psutil.Process(self.proc.pid)
+        assert self.pid is not None
+        p = psutil.Process(self.pid)
         return p.memory_info().rss, p.num_fds()
 
     def disk(self) -> dict[str, int]:
@@ -176,14 +149,6 @@ class Server:
                 elif part == (files.GROUPS_DIR,):
                     out["groups_bytes"] += size
         return out
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Soak:
@@ -494,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         settings.update(segment_size_bytes=args.segment_kib * 1024,
                         max_message_size_bytes=min(args.segment_kib * 1024, 4 * 2**20))
     with tempfile.TemporaryDirectory(prefix="chronoq-soak-") as tmp:
-        server = Server(Path(tmp) / "data", _free_port(), out / "server.log", settings)
+        server = Server(Path(tmp) / "data", out / "server.log", settings)
         server.start()
         soak = Soak(args, server)
         try:

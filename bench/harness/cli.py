@@ -1,12 +1,14 @@
 """`python -m bench`: parse options, run every system through the chosen phases, write the report.
 
-Theory of operation: defaults are the full comparison of issues 6 and 11 (every system, every
-default phase, 10 M pending in the backlog run); the rate sweep is opt-in (`--phases ...,sweep`)
+Theory of operation: defaults are the full comparison (every system, every default phase,
+10 M pending in the backlog run); the rate sweep is opt-in (`--phases ...,sweep`)
 because it is a precision run per rate. `--smoke` shrinks it to the floor and chronoq with tiny
 counts and short delays so the test suite can run it in a minute. Systems run one after another,
 never at once, so they do not share the two cores; a system that is not installed is reported,
 not skipped. The floor (a stub server that only speaks the protocol) comes first, so every
-figure after it can be read against it.
+figure after it can be read against it. Results go to `--out`, else to a new directory named
+for the start time under `bench.results_dir()` (`$BENCH_RESULTS_DIR`, else the git-ignored
+`bench/results/`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import RESULTS_ENV, results_dir
 from bench.harness import report
 from bench.harness.runner import DEFAULT_PHASES, PHASES, RunConfig, run_system
 from bench.peers.base import SYSTEMS, load_peer
@@ -27,7 +30,6 @@ from bench.peers.base import SYSTEMS, load_peer
 DESCRIPTION = ("Side-by-side benchmark: chronoq against the floor (a stub server of the same protocol that stores "
                "nothing), Redis (sorted set), NATS (message schedules), RabbitMQ (TTL + dead letter) and beanstalkd "
                "(delayed jobs), each started here on 127.0.0.1. Writes results.json, results.md and chart.png.")
-RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
 SMOKE = {"systems": ["floor", "chronoq"], "accept_n": 300, "accept_seconds": 10.0, "n": 200, "rate": 200.0,
          "delay_min_s": 1.0, "delay_max_s": 2.0, "grace_s": 5.0, "crash_n": 100, "crash_delay_min_s": 1.0,
          "crash_delay_max_s": 4.0, "crash_kill_after_s": 1.5, "backlog_n": 1000, "backlog_seconds": 20.0,
@@ -43,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list from {','.join(SYSTEMS)}")
     p.add_argument("--phases", default=",".join(DEFAULT_PHASES),
                    help=f"comma list from {','.join(PHASES)} (default: all but sweep)")
-    p.add_argument("--out", type=Path, help="results directory (default bench/results/<UTC timestamp>)")
+    p.add_argument("--out", type=Path, help=f"results directory (default: ${RESULTS_ENV}/<UTC timestamp> if set, "
+                        "else bench/results/<UTC timestamp>, which git ignores)")
     p.add_argument("--producers", type=int, default=d.producers, help="producer processes per system")
     p.add_argument("--chunk", type=int, default=d.chunk, help="messages per batched/pipelined call")
     p.add_argument("--accept-n", type=int, default=d.accept_n, help="messages per accept mode")
@@ -123,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)
     started = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    out_dir = args.out or RESULTS_DIR / started
+    out_dir = args.out or results_dir() / started
 
     def log(msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)

@@ -3,12 +3,14 @@
 Theory of operation: every server the harness runs is a child it starts itself, bound to 127.0.0.1
 on a port found free just before, with stdout and stderr going to a log file, never a pipe (an
 orphaned server holding a pipe open hangs whoever reads it). A `Server` is the handful of such
-children one system needs (RabbitMQ needs epmd beside it). Stopping is by pid only: SIGTERM, wait,
+children one system needs (RabbitMQ needs epmd beside it), each a `ChildProcess`; `chronoq serve`
+itself is started by `chronoq.client.testing.ServerProcess`, the one way the tests start it too,
+and its child handed to the `Server` (`ChildProcess.adopt`). Stopping is by pid only: SIGTERM, wait,
 then SIGKILL; a crash is SIGKILL to every pid of the process tree at once. `TreeSampler` polls the
 tree with psutil (RSS summed over the tree, CPU seconds per pid so a child that exits keeps its
 share) because servers such as RabbitMQ spread their work over several processes; `cpu_s()` reads
 the CPU seconds so far mid-run, so one sampler can split a phase into parts (accept's two modes).
-CPU times come from /proc in clock ticks (10 ms here): a part must run for seconds, not
+CPU times come from /proc in clock ticks (10 ms on Linux by default): a part must run for seconds, not
 milliseconds, for its CPU per message to mean anything.
 """
 
@@ -57,8 +59,14 @@ def dir_size_bytes(path: Path) -> int:
     return total
 
 
-class ServerProcess:
+class ChildProcess:
     """One child process: started with its output in `log_path`, stopped by its pid."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    popen: subprocess.Popen[bytes]
+    pid: int
 
     def __init__(self, name: str, argv: Sequence[str], log_path: Path, *, env: Mapping[str, str] | None = None,
                  cwd: Path | None = None) -> None:
@@ -72,6 +80,15 @@ class ServerProcess:
                                           env=dict(env) if env is not None else None, cwd=cwd,
                                           start_new_session=True)
         self.pid = self.popen.pid
+
+    @classmethod
+    def adopt(cls, name: str, popen: subprocess.Popen[bytes], log_path: Path) -> ChildProcess:
+        """A child someone else started (`chronoq serve`, by `chronoq.client.testing.ServerProcess`),
+        sampled, stopped and killed like the harness's own."""
+        child = cls.__new__(cls)
+        child.name, child.argv, child.log_path = name, [str(a) for a in popen.args], log_path  # type: ignore[union-attr]
+        child.popen, child.pid = popen, popen.pid
+        return child
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -110,7 +127,7 @@ class ServerProcess:
 class Server:
     """The processes of one running system and the address its clients use."""
 
-    procs: list[ServerProcess]
+    procs: list[ChildProcess]
     addr: dict[str, Any]
     data_dir: Path
     ready_s: float = 0.0

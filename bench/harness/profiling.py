@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from bench.harness.procs import Server, ServerProcess
+from bench.harness.procs import ChildProcess, Server
 
 PROFILED_SYSTEMS = {"chronoq", "chronoq-async", "chronoq-stream", "floor"}
 PROFILED_PHASES = {"accept", "precision", "burst"}
@@ -29,14 +29,14 @@ def _py_spy() -> str | None:
     return str(local) if local.exists() else shutil.which("py-spy")
 
 
-def start(ph: Any, server: Server) -> ServerProcess | None:
+def start(ph: Any, server: Server) -> ChildProcess | None:
     """Profile the server (chronoq's and the floor's only: the other peers are not Python)."""
     if ph.peer.name not in PROFILED_SYSTEMS:
         return None
     return start_pid(ph, server.procs[0].pid, "server")
 
 
-def start_pid(ph: Any, pid: int, label: str) -> ServerProcess | None:
+def start_pid(ph: Any, pid: int, label: str) -> ChildProcess | None:
     """Profile any Python process of the phase (the server, or a consumer worker of any system)."""
     if not ph.cfg.profile or ph.name not in PROFILED_PHASES:
         return None
@@ -46,12 +46,12 @@ def start_pid(ph: Any, pid: int, label: str) -> ServerProcess | None:
     out = ph.log_dir / f"py-spy-{ph.name}-{label}.txt"
     argv = [exe, "record", "--pid", str(pid), "--format", "raw", "--output", str(out),
             "--rate", str(SAMPLE_RATE_HZ), "--nonblocking"]
-    proc = ServerProcess("py-spy", argv, ph.log_dir / f"py-spy-{label}.log")
+    proc = ChildProcess("py-spy", argv, ph.log_dir / f"py-spy-{label}.log")
     proc.extra_label = label  # type: ignore[attr-defined]
     return proc
 
 
-def finish(ph: Any, profiler: ServerProcess) -> dict[str, Any]:
+def finish(ph: Any, profiler: ChildProcess) -> dict[str, Any]:
     profiler.terminate(signal.SIGINT)
     label = getattr(profiler, "extra_label", "server")
     raw = ph.log_dir / f"py-spy-{ph.name}-{label}.txt"

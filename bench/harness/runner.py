@@ -83,8 +83,8 @@ class RunConfig:
     far_delay_s: float = 3600.0
     n: int = 50_000
     rate: float = 2000.0
-    """Every system here sustains 2,000/s with one producer; at 5,000/s RabbitMQ (tx batches, ~3,800/s)
-    and chronoq (send_batch, ~4,000/s) fall behind on this 2-core machine (medium run, 2026-11-22)."""
+    """Every system here sustains 2,000/s with one producer on 2 cores; at 5,000/s one producer of
+    RabbitMQ (tx batches, ~3,800/s) falls behind, so the 5,000/s comparison uses `--producers 2`."""
     delay_min_s: float = 5.0
     delay_max_s: float = 30.0
     grace_s: float = 15.0

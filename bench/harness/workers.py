@@ -9,7 +9,7 @@ the one absolute `due_at_ms` of a burst), and optionally pace themselves to a fi
 consumer stamps the receive time as the batch arrives, before it acks, and stops when it has seen
 every expected id, when its deadline passes, on SIGTERM (it still writes what it has), or when its
 client fails (the server died): it records the error and exits. It also reports its own CPU from
-the moment its client is open (`cpu_s`, threads included): a consumer shares this machine's two
+the moment its client is open (`cpu_s`, threads included): a consumer shares the host's
 cores with the server, so what the client spends per message bounds delivery as much as the
 server does.
 """

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.harness.procs import LOOPBACK, Server, ServerProcess, free_port, tcp_open, wait_ready
+from bench.harness.procs import LOOPBACK, ChildProcess, Server, free_port, tcp_open, wait_ready
 from bench.peers.base import ConsumerClient, Msg, Peer, ProducerClient
 
 TUBE = "bench"
@@ -118,7 +118,7 @@ class Beanstalkd(Peer):
         data_dir.mkdir(parents=True, exist_ok=True)
         argv = ["beanstalkd", "-l", LOOPBACK, "-p", str(addr["port"]), "-b", str(data_dir)]
         started = time.monotonic()
-        server = Server([ServerProcess("beanstalkd", argv, log_dir / "beanstalkd.log")], addr, data_dir)
+        server = Server([ChildProcess("beanstalkd", argv, log_dir / "beanstalkd.log")], addr, data_dir)
 
         def probe() -> bool:
             if not tcp_open(addr["port"]):

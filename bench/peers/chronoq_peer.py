@@ -1,8 +1,9 @@
 """chronoq itself, measured as a user runs it: `chronoq serve` in its own process plus the SDK.
 
 Theory of operation: the server is `python -m chronoq serve --data-dir D --port P` with the
-project's default configuration (commit log fsynced before a send is acknowledged), started and
-stopped by pid like every peer; it is ready when it prints "chronoq serving on". Producers use
+project's default configuration (commit log fsynced before a send is acknowledged), started by
+`chronoq.client.testing.ServerProcess` (ready once it has printed "chronoq serving on" and
+answers an admin call) and then stopped, killed and sampled by pid like every peer. Producers use
 `chronoq.client.AsyncProducer`: `send(topic, body, deliver_at=ms, message_id=id)` one at a time,
 and `send_batch` for the batched mode, through the RocketMQ SendMessage call with many messages
 (`batch_via="grpc"`, the call the floor answers, not the SDK's default admin SendBatch: their
@@ -30,20 +31,20 @@ import asyncio
 import collections
 import contextlib
 import os
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.harness.procs import LOOPBACK, Server, ServerProcess, free_port, tcp_open, wait_ready
+from bench.harness.procs import LOOPBACK, ChildProcess, Server, ServerFailed, free_port
 from bench.peers.base import ConsumerClient, Msg, Peer, ProducerClient
 
 TOPIC = "bench"
 GROUP = "bench"
 RECEIVE_BATCH = 64
 """The server's default `max_receive_batch`."""
-READY_LINE = "chronoq serving on"
+START_TIMEOUT_S = 180.0
+"""A restart over a 10 M backlog replays the log before it serves."""
 ACK_BATCH_MAX = 1000
 """Entries per AckMessage request, within the server's `max_send_batch` (1024 by default)."""
 ACK_LINGER_S = 0.02
@@ -60,15 +61,6 @@ CACHE_MAX_MESSAGES = 1024
 
 def _server(addr: dict[str, Any]) -> str:
     return f"{addr['host']}:{addr['port']}"
-
-
-def _serve_command() -> list[str]:
-    """`python -m chronoq serve`, or the serve module run directly while the CLI does not list it yet."""
-    from chronoq import cli
-
-    if "chronoq.cli.serve" in cli.COMMAND_MODULES:
-        return [sys.executable, "-m", "chronoq", "serve"]
-    return [sys.executable, "-m", "chronoq.cli.serve", "serve"]
 
 
 class ChronoqProducer(ProducerClient):
@@ -224,21 +216,21 @@ class Chronoq(Peer):
         return str(getattr(chronoq, "__version__", "unknown"))
 
     def start(self, data_dir: Path, log_dir: Path, addr: dict[str, Any] | None = None) -> Server:
+        from chronoq.client.testing import ServerFailedToStart, ServerProcess
+
         addr = addr or {"host": LOOPBACK, "port": free_port()}
-        argv = [*_serve_command(), "--data-dir", str(data_dir), "--port", str(addr["port"]),
-                "--host", LOOPBACK, "--log-level", "WARNING"]
         log_path = log_dir / "chronoq.log"
-        # The ready line of this start, not of an earlier run logged to the same file.
-        offset = log_path.stat().st_size if log_path.exists() else 0
+        serve = ServerProcess(data_dir, port=addr["port"], log_path=log_path, env=self.server_env(),
+                              args=["--host", LOOPBACK, "--log-level", "WARNING"],
+                              start_timeout_s=START_TIMEOUT_S, own_session=True)
         started = time.monotonic()
-        server = Server([ServerProcess("chronoq", argv, log_path, env=self.server_env())], addr, data_dir)
-
-        def probe() -> bool:
-            with open(log_path, "rb") as f:
-                f.seek(offset)
-                return READY_LINE.encode() in f.read() and tcp_open(addr["port"])
-
-        wait_ready(server, probe, 180, started)
+        try:
+            serve.start()
+        except ServerFailedToStart as e:
+            raise ServerFailed(str(e)) from None
+        assert serve.process is not None
+        server = Server([ChildProcess.adopt("chronoq", serve.process, log_path)], addr, data_dir)
+        server.ready_s = time.monotonic() - started
         return server
 
     def setup(self, addr: dict[str, Any]) -> None:

@@ -8,8 +8,8 @@ timers are delivered when due). The clients are chronoq's, unchanged (`ChronoqPr
 from the chronoq peer), so the floor and chronoq see byte-for-byte the same requests (but for
 receive: chronoq's consumer uses chronoq's batched receive, which the floor does not serve; the
 floor's consumer, like `chronoq-stream`'s, calls RocketMQ's ReceiveMessage): whatever the
-floor's server spends per message is the price of the protocol in Python with grpc.aio on this
-machine, and chronoq's figure divided by the floor's is how far chronoq is above that limit.
+floor's server spends per message is the price of the protocol in Python with grpc.aio on the
+host at hand, and chronoq's figure divided by the floor's is how far chronoq is above that limit.
 
 What the floor is not: a broker. It has no disk, no dedupe, no invisible duration or
 redelivery (an ack is answered and forgotten), and a restart loses everything; so the crash and
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness.procs import LOOPBACK, Server, ServerProcess, free_port, tcp_open, wait_ready
+from bench.harness.procs import LOOPBACK, ChildProcess, Server, free_port, tcp_open, wait_ready
 from bench.peers.chronoq_peer import Chronoq
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -73,7 +73,7 @@ class FloorPeer(Chronoq):
         log_path = log_dir / "floor.log"
         offset = log_path.stat().st_size if log_path.exists() else 0
         started = time.monotonic()
-        server = Server([ServerProcess("floor", argv, log_path, cwd=ROOT)], addr, data_dir)
+        server = Server([ChildProcess("floor", argv, log_path, cwd=ROOT)], addr, data_dir)
 
         def probe() -> bool:
             with open(log_path, "rb") as f:

@@ -27,10 +27,10 @@ shell (`FloorService`) owns the clock, the fire task and the long-poll wakeups. 
 what a request carried as decoded (the SendMessage protobuf itself) and convert only at delivery,
 so the floor pays no conversion a leaner server could skip.
 
-Where its CPU goes (py-spy and strace -c, this 2-core VM, 2026-11-24): nearly all in grpc.aio, not
+Where its CPU goes (py-spy and strace -c, on 2 cores): nearly all in grpc.aio, not
 in the handlers (a few per cent). A unary call costs the server about 38 system calls (futex,
 epoll_wait, write/read/recvfrom hand-offs between grpc's poller thread and the asyncio loop, one
-sendmsg), about 600 us of CPU here; each streamed ReceiveMessage response is its own sendmsg plus
+sendmsg), about 600 us of CPU on 2 cores; each streamed ReceiveMessage response is its own sendmsg plus
 its own hand-off, about 9 system calls and 140 us. So the floor per message is mostly calls per
 message: full calls are cheap per message, a receive carrying a few messages is not.
 """

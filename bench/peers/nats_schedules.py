@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.harness.procs import LOOPBACK, Server, ServerProcess, free_port, tcp_open, wait_ready
+from bench.harness.procs import LOOPBACK, ChildProcess, Server, free_port, tcp_open, wait_ready
 from bench.peers.base import ConsumerClient, Msg, Peer, ProducerClient
 
 MIN_NATS_VERSION = (2, 12, 0)
@@ -146,7 +146,7 @@ class NatsSchedules(Peer):
         data_dir.mkdir(parents=True, exist_ok=True)
         argv = [find_nats_server(), "-a", LOOPBACK, "-p", str(addr["port"]), "-js", "-sd", str(data_dir)]
         started = time.monotonic()
-        server = Server([ServerProcess("nats-server", argv, log_dir / "nats.log")], addr, data_dir)
+        server = Server([ChildProcess("nats-server", argv, log_dir / "nats.log")], addr, data_dir)
 
         async def ask() -> bool:
             nc = await _connect(addr)

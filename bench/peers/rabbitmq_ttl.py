@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.harness.procs import LOOPBACK, Server, ServerProcess, free_port, tcp_open, wait_ready
+from bench.harness.procs import LOOPBACK, ChildProcess, Server, free_port, tcp_open, wait_ready
 from bench.peers.base import ConsumerClient, Msg, Peer, ProducerClient
 
 RABBIT_BIN = Path("/usr/lib/rabbitmq/bin")
@@ -169,12 +169,12 @@ class RabbitTtl(Peer):
         (data_dir / "enabled_plugins").write_text("[].\n")
         env = _env(addr, data_dir)
         started = time.monotonic()
-        epmd = ServerProcess("epmd", ["epmd", "-address", LOOPBACK, "-port", str(addr["epmd_port"])],
+        epmd = ChildProcess("epmd", ["epmd", "-address", LOOPBACK, "-port", str(addr["epmd_port"])],
                              log_dir / "epmd.log", env=env)
         procs = [epmd]
         server = Server(procs, addr, data_dir)
         wait_ready(server, lambda: tcp_open(addr["epmd_port"]), 30, started)
-        procs.append(ServerProcess("rabbitmq-server", [str(RABBIT_BIN / "rabbitmq-server")],
+        procs.append(ChildProcess("rabbitmq-server", [str(RABBIT_BIN / "rabbitmq-server")],
                                    log_dir / "rabbitmq.log", env=env, cwd=data_dir))
 
         def probe() -> bool:

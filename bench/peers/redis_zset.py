@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.harness.procs import LOOPBACK, Server, ServerProcess, free_port, tcp_open, wait_ready
+from bench.harness.procs import LOOPBACK, ChildProcess, Server, free_port, tcp_open, wait_ready
 from bench.peers.base import ConsumerClient, Msg, Peer, ProducerClient
 
 KEY = "bench:delayed"
@@ -100,7 +100,7 @@ class RedisZset(Peer):
                 "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--daemonize", "no",
                 "--protected-mode", "yes"]
         started = time.monotonic()
-        server = Server([ServerProcess("redis-server", argv, log_dir / "redis.log")], addr, data_dir)
+        server = Server([ChildProcess("redis-server", argv, log_dir / "redis.log")], addr, data_dir)
 
         def probe() -> bool:
             if not tcp_open(addr["port"]):

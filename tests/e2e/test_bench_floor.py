@@ -140,21 +140,3 @@ def test_floor_through_the_bench_clients(floor: Any) -> None:
         assert all(recv >= due for _, due, recv in seen)
 
     asyncio.run(go())
-
-
-@pytest.mark.parametrize("mode", ["aio", "sync-1"])
-def test_floor_modes_serves_each_grpcio_mode(mode: str) -> None:
-    """`bench/bench_floor_modes.py` (the floor's send in grpcio's server modes) counts a message
-    only when its reply's entry says OK, so a mode that answered wrongly would count none."""
-    import json
-    import tempfile
-
-    from bench.bench_floor_modes import main
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "modes.json"
-        assert main(["--modes", mode, "--producers", "1", "--batch", "10", "--seconds", "1", "--out", str(out)]) == 0
-        (row,) = json.loads(out.read_text())["rows"]
-    assert row["mode"] == mode
-    assert row["messages"] >= 10 and row["messages"] % 10 == 0
-    assert row["server_cpu_us_per_msg"] > 0
