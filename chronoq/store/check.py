@@ -582,7 +582,7 @@ def _bad_record(report: CheckReport, path: Path, pread: Pread, position: int, en
     """Report the record at `position` that failed its checks; return where to read on (None:
     a torn tail, where the log ends once a restart has truncated it). A torn tail below the
     checkpoint is a problem, not a repair: the records there had been dispatched, so
-    acknowledged, in either flush mode (recovery: `CommitLog._lost_below_checkpoint`). Below a
+    acknowledged, in either flush mode (recovery: `commitlog_recovery._lost_below_checkpoint`). Below a
     version-2 checkpoint the segment still spans (`walked_from`), recovery's walk never meets
     it: a restart keeps those bytes, and readers quarantine them, as any damage."""
     verdict, resume = classify(pread, check_frame, position, end)
