@@ -199,7 +199,7 @@ def _bad_record(report: CheckReport, path: Path, pread: Pread, position: int, en
                                    "readers quarantine them (skip and report them)")
             report.damage.add(position, checkpoint, len(report.problems) - 1)
             return checkpoint  # where recovery's walk starts
-        return None  # the log's end is below the checkpoint: `_check_log` reports it, once
+        return None  # the log's end is below the checkpoint: `check_log` reports it, once
     if is_last:
         report.repairs.append(f"{path}: torn tail at position {position} ({end - position} bytes): {reason}; no valid "
                               "record follows, so nothing fsynced is in it (with flush = \"sync\", nothing "
