@@ -31,7 +31,7 @@ from rocksdict import AccessType, Options, Rdict
 from chronoq.errors import CorruptRecord
 from chronoq.model import LINKS_TOPIC, TIMER_TOPIC
 from chronoq.store import files
-from chronoq.store.commitlog import SEGMENT_HEADER_SIZE
+from chronoq.store.commitlog_segment import SEGMENT_HEADER_SIZE
 from chronoq.store.consumequeue import LINKED
 from chronoq.store.links import decode_links
 from chronoq.store.record import decode_record

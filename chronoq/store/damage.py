@@ -18,7 +18,7 @@ The rules (`classify`):
   header is not a header): a torn tail. Recovery truncates it; with `flush = "sync"` that loses
   nothing acknowledged, because a send is acknowledged only after an fsync that covered the
   whole record (with "async", what a power loss took before its fsync: the option's price). A
-  torn tail below the checkpoint held acknowledged records: `CommitLog._lost_below_checkpoint`.
+  torn tail below the checkpoint held acknowledged records: `commitlog_recovery._lost_below_checkpoint`.
 
 A quarantined range costs the records inside it and nothing else: every reader steps over it,
 `stats` and `chronoq check` report it, consume queues get a hole entry (size 0) at each queue

@@ -13,7 +13,7 @@ from chronoq.clock import FakeClock
 from chronoq.config import Config
 from chronoq.errors import BrokerClosed, FlushFailed
 from chronoq.model import OutgoingMessage
-from chronoq.store import commitlog
+from chronoq.store import group_commit
 
 
 def test_a_dying_flusher_fails_waiting_senders_instead_of_hanging(tmp_path: Path, monkeypatch) -> None:
@@ -24,7 +24,7 @@ def test_a_dying_flusher_fails_waiting_senders_instead_of_hanging(tmp_path: Path
         def explode(fds: list[int]) -> None:
             raise RuntimeError("simulated flusher bug")
 
-        monkeypatch.setattr(commitlog, "_fsync_all", explode)
+        monkeypatch.setattr(group_commit, "_fsync_all", explode)
         with pytest.raises(FlushFailed):
             await asyncio.wait_for(broker.send(OutgoingMessage("t", b"lost?")), 5)
         assert broker.fatal is not None

@@ -18,7 +18,7 @@ import pytest
 from server_harness import receive_request, running
 
 from chronoq.broker import Broker
-from chronoq.client import AsyncConsumer, InvalidArgument, aio
+from chronoq.client import AsyncConsumer, InvalidArgument, connection
 from chronoq.config import Config
 from chronoq.model import OutgoingMessage
 from chronoq.protocol import batch_receive
@@ -162,7 +162,7 @@ def test_a_batched_response_stays_within_what_the_sdk_accepts_whatever_the_messa
     retried; the messages, already invisible, came back grouped the same way until they were
     dead-lettered). Here the SDK takes 64 KiB, messages may be 256 KiB, each is 30 KB: grouped
     by `max_receive_response_bytes` (set to 32 KiB) the receive gets all three."""
-    monkeypatch.setattr(aio, "MAX_GRPC_MESSAGE_BYTES", 64 * 1024)
+    monkeypatch.setattr(connection, "MAX_GRPC_MESSAGE_BYTES", 64 * 1024)
 
     async def body() -> None:
         async with running(tmp_path, max_message_size_bytes=256 * 1024, max_receive_response_bytes=32 * 1024) as h:

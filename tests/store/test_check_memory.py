@@ -32,7 +32,7 @@ from chronoq.broker import Broker
 from chronoq.clock import FakeClock
 from chronoq.config import Config
 from chronoq.model import OutgoingMessage
-from chronoq.store import check, files
+from chronoq.store import check, check_log, check_queues, files
 from chronoq.store.consumequeue import CQ_HEADER_SIZE, ENTRY_SIZE, encode_entry
 from chronoq.store.record import HEADER_SIZE
 
@@ -136,18 +136,18 @@ def test_findings_do_not_depend_on_the_chunk_and_window_sizes(tmp_path: Path, se
     assert usual.records > 0 and usual.cq_entries > 0
     if seed:
         assert usual.problems, done
-    monkeypatch.setattr(check, "CHUNK_ENTRIES", 3)
-    monkeypatch.setattr(check, "MAX_HELD_CHUNKS", 2)
-    monkeypatch.setattr(check, "SEGMENT_WINDOW_BYTES", HEADER_SIZE + 5)
+    monkeypatch.setattr(check_queues, "CHUNK_ENTRIES", 3)
+    monkeypatch.setattr(check_queues, "MAX_HELD_CHUNKS", 2)
+    monkeypatch.setattr(check_log, "SEGMENT_WINDOW_BYTES", HEADER_SIZE + 5)
     peaks: list[int] = []
 
-    class Counted(check._Entries):
-        def get(self, q: check._Queue, index: int) -> tuple[int, int, int] | None:
+    class Counted(check_queues.QueueEntries):
+        def get(self, q: check_queues.Queue, index: int) -> tuple[int, int, int] | None:
             entry = super().get(q, index)
             peaks.append(self.held_peak)
             return entry
 
-    monkeypatch.setattr(check, "_Entries", Counted)
+    monkeypatch.setattr(check, "QueueEntries", Counted)
     small = check.check_data_dir(data)
     assert dataclasses.asdict(small) == dataclasses.asdict(usual), done
     assert peaks and max(peaks) <= 3 * 2  # entries held: CHUNK_ENTRIES * MAX_HELD_CHUNKS

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from chronoq.store.commitlog import SyncThread
+from chronoq.store.group_commit import SyncThread
 
 
 def test_calls_run_in_order_on_the_thread_and_errors_reach_their_future() -> None:

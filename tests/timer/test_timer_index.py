@@ -23,12 +23,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import chronoq
-from chronoq.errors import DataDirLocked, IndexPositionWentBack
+from chronoq.errors import DataDirLocked, IndexPositionWentBack, TimerIndexClosed, TimerIndexCorrupt
 from chronoq.model import TimerState
-from chronoq.timer import index as index_module
+from chronoq.timer import index_retention as index_retention_module
 from chronoq.timer import index_txn as index_txn_module
 from chronoq.timer.engine import IndexBatch, TimerEngine, TimerEntry
-from chronoq.timer.index import (
+from chronoq.timer.index import RocksTimerIndex
+from chronoq.timer.index_codec import (
     CF_COUNTERS,
     CF_HISTORY,
     CF_ID,
@@ -38,11 +39,8 @@ from chronoq.timer.index import (
     CF_POS,
     CF_TIME,
     META_FORMAT_VERSION,
-    RocksTimerIndex,
-    TimerIndexClosed,
-    TimerIndexCorrupt,
+    decode_fired_history,
 )
-from chronoq.timer.index_codec import decode_fired_history
 from chronoq.timer.memory import MemoryTimerEngine, MemoryTimerState
 
 T0 = 1_700_000_000_000
@@ -580,7 +578,7 @@ def test_fired_history_rows_hold_a_bounded_number_and_prune_forgets_about_a_chun
     """A fire step writes a `history` row per HISTORY_FIRED_MAX timers it fired, and a prune
     write forgets about `_PRUNE_CHUNK` timers (whole rows), however big the step was."""
     monkeypatch.setattr(index_txn_module, "HISTORY_FIRED_MAX", 4)
-    monkeypatch.setattr(index_module, "_PRUNE_CHUNK", 3)
+    monkeypatch.setattr(index_retention_module, "_PRUNE_CHUNK", 3)
     with RocksTimerIndex.open(tmp_path / "idx") as index:
         log = Log(index)
         fired = log.add(*(T0 + i for i in range(10)))
@@ -597,7 +595,7 @@ def test_fired_history_rows_hold_a_bounded_number_and_prune_forgets_about_a_chun
 
 
 def test_prune_history_in_chunks_and_roll_redirects(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(index_module, "_PRUNE_CHUNK", 3)
+    monkeypatch.setattr(index_retention_module, "_PRUNE_CHUNK", 3)
     with RocksTimerIndex.open(tmp_path / "idx") as index:
         log = Log(index)
         fired = log.add(*(T0 + i for i in range(10)))
