@@ -60,6 +60,7 @@ from chronoq.http.console import (
 from chronoq.http.metrics import make_registry
 from chronoq.protocol.admin import details_json
 from chronoq.server.admin_service import AdminService
+from chronoq.server.net import bind_failure
 from chronoq.timer.recall import encode_recall_handle
 
 log = logging.getLogger(__name__)
@@ -134,8 +135,6 @@ class HttpServer:
 
     async def start(self) -> int:
         """Bind and serve; returns the bound port. A port that cannot be bound is a ConfigError."""
-        from chronoq.server.serve import bind_failure
-
         runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
         await runner.setup()
         site = web.TCPSite(runner, self.config.host, self.config.http_port, reuse_address=True)

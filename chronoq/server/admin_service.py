@@ -49,6 +49,7 @@ from chronoq.protocol import admin as codec
 from chronoq.protocol.errors import InvalidField, MalformedRequest, MissingField
 from chronoq.server.auth import AUTH_OFF, Authenticator, Principal
 from chronoq.server.grpc_service import authenticate
+from chronoq.server.net import max_request_bytes
 from chronoq.timefmt import duration
 from chronoq.timer.recall import decode_recall_handle
 from chronoq.validate import check_key, check_message_id
@@ -59,7 +60,7 @@ Method = Callable[[dict[str, Any], Principal], Awaitable[dict[str, Any]]]
 
 READ_REPLY_MARGIN_BYTES = 64 * 1024
 """Room for a ReadMessages reply's envelope (code, message, next_offset, truncated) between its
-messages' byte budget and gRPC's send limit (`serve.max_request_bytes`)."""
+messages' byte budget and gRPC's send limit (`net.max_request_bytes`)."""
 
 
 class AdminService:
@@ -67,8 +68,6 @@ class AdminService:
         self.broker = broker
         self.config = config
         self.auth = authenticator or Authenticator(AUTH_OFF)
-        from chronoq.server.serve import max_request_bytes  # serve imports this module
-
         self.read_reply_budget_bytes = max_request_bytes(config) - READ_REPLY_MARGIN_BYTES
         """The most encoded JSON of messages one ReadMessages reply carries: below gRPC's send
         limit (`max_request_bytes`, from `max_message_size_bytes`) by the reply's envelope."""
