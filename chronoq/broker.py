@@ -46,7 +46,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any
 
 from chronoq.accept import Accept
@@ -69,10 +69,12 @@ from chronoq.model import (
 )
 from chronoq.retention import Retention
 from chronoq.store import files
+from chronoq.store.commitlog import FsyncTimes
 from chronoq.store.groups import GroupStore
 from chronoq.store.messagestore import MessageStore, OpenReport
+from chronoq.timer.engine import TimerEntry
 from chronoq.timer.loop import TimerLoop, open_timer_service
-from chronoq.timer.metrics import DELAY_EDGES_MS, DelayHistogram
+from chronoq.timer.metrics import DELAY_EDGES_MS, DelayHistogram, TimerLatencies
 from chronoq.timer.recall import decode_recall_handle
 from chronoq.timer.service import TimerService
 from chronoq.topics import Topics
@@ -103,7 +105,8 @@ class Broker:
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self._stop_following_clock: Callable[[], None] = _nothing
-        self.fatal: BaseException | None = None
+        self._fatal: BaseException | None = None
+        self._failed = asyncio.Event()
         # Counted at the doors (see the module docstring); restart at zero, as Prometheus expects.
         self.accepted_by_topic: dict[str, int] = {}
         self.timers_by_topic: dict[str, int] = {}
@@ -115,6 +118,27 @@ class Broker:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def fatal(self) -> BaseException | None:
+        """Why the broker stopped accepting work (a background task died, the log failed), or None."""
+        return self._fatal
+
+    @fatal.setter
+    def fatal(self, why: BaseException | None) -> None:
+        self._fatal = why
+        if why is None:
+            self._failed.clear()
+        else:
+            self._failed.set()
+
+    async def wait_failed(self) -> BaseException:
+        """Return `fatal` once the broker has failed (the server's watchdog waits on it)."""
+        while self._fatal is None:
+            await self._failed.wait()
+            if self._fatal is None:
+                self._failed.clear()
+        return self._fatal
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -253,7 +277,7 @@ class Broker:
         `disk_full_retry_ms` (if sooner), logging once per episode, never dying of it."""
         delay_ms = interval_ms
         while True:
-            await asyncio.sleep(delay_ms / 1000)
+            await self.clock.sleep_ms(delay_ms)
             try:
                 await work(self.clock.now_ms())
             except DiskFull as e:
@@ -292,6 +316,11 @@ class Broker:
 
     def get_topic(self, name: str) -> TopicConfig:
         return self.topics.get(name)
+
+    def topic_for_send(self, name: str) -> TopicConfig:
+        """The topic, or for a new one with auto-create on, the route its first send will give it
+        (creating nothing)."""
+        return self.topics.for_send(name)
 
     def list_topics(self) -> list[TopicConfig]:
         return self.topics.list()
@@ -400,6 +429,32 @@ class Broker:
     def query_key(self, key: str) -> list[TimerStatus]:
         return self.timer.engine.lookup_key(key)
 
+    def pending_between(self, from_ms: int, to_ms: int, topic: str | None, limit: int,
+                        max_scanned: int) -> tuple[list[TimerEntry], bool]:
+        """Pending timers due in [from_ms, to_ms) (of `topic`, None: all), earliest first (the
+        console's search; `TimerEngine.pending_between`)."""
+        return self.timer.engine.pending_between(from_ms, to_ms, topic, limit, max_scanned)
+
+    def pending_due_before_s(self, slot_s: int) -> int:
+        """Pending timers due in seconds before `slot_s`, from the index's counters."""
+        return self.timer.engine.pending_due_before_s(slot_s)
+
+    def pending_total(self) -> int:
+        return self.timer.engine.metrics(self.clock.now_ms()).pending_total
+
+    def timer_latencies(self) -> TimerLatencies:
+        """The timer index's latency histograms since start (delivery error, enqueue and fire lag)."""
+        return self.timer.engine.latencies
+
+    @property
+    def fired_by_topic(self) -> Mapping[str, int]:
+        """Timers fired since start, per real topic (counted where they fire)."""
+        return self.timer.fired_by_topic
+
+    def timers_undispatched(self) -> int:
+        """Timer records written and not yet indexed (waiting for their group commit)."""
+        return self.store.undispatched(TIMER_TOPIC)
+
     async def fire_timers(self, positions: list[int]) -> tuple[int, int]:
         """For the Spark engine: fire these pending timers now if due by the fire horizon, as the
         loop fires (idempotent)."""
@@ -422,6 +477,18 @@ class Broker:
             "trace": self.trace_stats(),
             "groups": self.group_stats(),
         }
+
+    def now_ms(self) -> int:
+        """Broker time (`clock.py`)."""
+        return self.clock.now_ms()
+
+    def disk_stats(self) -> dict[str, object]:
+        """Free space, its limits, and what a full disk is holding back (`MessageStore.disk_stats`)."""
+        return self.store.disk_stats()
+
+    def fsync_seconds(self) -> FsyncTimes:
+        """The commit log's group-commit fsync durations since start."""
+        return self.store.log.fsync_seconds
 
     def trace_stats(self) -> dict[str, Any]:
         """Whether the delivery trace is on (`trace_enable`), still recording, and if it stopped

@@ -46,6 +46,7 @@ import signal
 import ssl
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -60,6 +61,9 @@ from chronoq.server.auth import AUTH_OFF, AuthConfig, Authenticator, load_auth
 from chronoq.server.grpc_service import MessagingService
 from chronoq.server.net import bind_address, bind_failure, max_request_bytes
 
+if TYPE_CHECKING:
+    from chronoq.broker import Broker
+
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 2.0
@@ -68,7 +72,6 @@ LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "[::1]", "localhost"})
 NO_AUTH_WARNING = ("auth is off and chronoq listens on {address}, beyond loopback: anyone who can reach the port "
                    "may send, receive, cancel and administer. Turn it on with [auth] enabled = true and "
                    "[[auth.users]] in the --config file (README, \"Authentication\").")
-WATCHDOG_INTERVAL_S = 1.0
 def server_options(config: Config) -> list[tuple[str, int]]:
     limit = max_request_bytes(config)
     return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
@@ -261,12 +264,11 @@ def http_url(host: str, port: int) -> str:
     return f"http://{bind_address(shown, port)}/"
 
 
-async def _watch_broker(broker: object, stop: asyncio.Event) -> None:
+async def _watch_broker(broker: Broker, stop: asyncio.Event) -> None:
     """A broker whose background task died refuses all work; stop serving so a supervisor sees
     the exit (code 1) instead of a server that answers 50002 (BrokerClosed) forever."""
-    while getattr(broker, "fatal", None) is None:
-        await asyncio.sleep(WATCHDOG_INTERVAL_S)
-    log.error("broker failed (%r); stopping the server", broker.fatal)  # type: ignore[attr-defined]
+    why = await broker.wait_failed()
+    log.error("broker failed (%r); stopping the server", why)
     stop.set()
 
 

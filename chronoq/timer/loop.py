@@ -108,7 +108,7 @@ class TimerLoop:
                 except DiskFull as e:  # destroyed, but no room to make it again yet
                     self.store.disk.note_full("timer index rebuild", e)
                 if self.service.index_damaged is not None:
-                    await asyncio.sleep(self.config.disk_full_retry_ms / 1000)
+                    await self.clock.sleep_ms(self.config.disk_full_retry_ms)
                     continue
             now = self.clock.fire_horizon_ms()
             if now < self._next_step_ms - self.config.timer_fire_gap_ms:
@@ -132,7 +132,7 @@ class TimerLoop:
                 self.store.disk.note_full("timer firing", e)
                 fired = None
             if fired is None:
-                await asyncio.sleep(self.config.disk_full_retry_ms / 1000)
+                await self.clock.sleep_ms(self.config.disk_full_retry_ms)
                 continue
             self.store.disk.note_ok("timer firing")
             if fired >= self.config.timer_fire_batch:
