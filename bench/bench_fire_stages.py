@@ -30,16 +30,17 @@ sys.path.insert(0, str(ROOT))
 from bench.bench_fire_instructions import broker_with_due_timers  # noqa: E402
 from chronoq.store.consumequeue import ConsumeQueue  # noqa: E402
 from chronoq.store.messagestore import MessageStore  # noqa: E402
+from chronoq.timer import service as timer_service  # noqa: E402
 from chronoq.timer.index import RocksTimerIndex  # noqa: E402
 from chronoq.timer.service import TimerService  # noqa: E402
 
-STAGES: tuple[tuple[type, str, str], ...] = (
+STAGES: tuple[tuple[Any, str, str], ...] = (
     (RocksTimerIndex, "due", "due scan"),
     (MessageStore, "check_records", "check the timer records' frames"),
     (TimerService, "_links_for", "links (the frame check included)"),
     (MessageStore, "append", "encode and write the link record"),
     (ConsumeQueue, "append_many", "consume-queue entries"),
-    (TimerService, "_batch_for", "index batch from the dispatched records"),
+    (timer_service, "index_batch", "index batch from the dispatched records"),  # as the service calls it
     (RocksTimerIndex, "apply", "index: mark fired"),
 )
 

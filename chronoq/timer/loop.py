@@ -15,11 +15,13 @@ early (`poke`). It never dies of its own faults: a full disk holds firing back
 (`disk_full_retry_ms`, the timers stay pending: nothing lost, nothing early), and a timer index
 found damaged while running is rebuilt from the log in one step on the loop.
 
-The index is derived state. `open_timer_service` opens it and replays the log from its
-`indexed_position`; missing, damaged, of another format version, or ahead of the log or behind
-its retained start (files restored from different times), it is destroyed and rebuilt. The dispatch listener
-(`on_dispatch`) applies every durable record to it; a damaged index there only marks it for the
-loop to rebuild, so senders are never held up by derived state.
+The index is derived state. `open_timer_service` opens the one `timer_engine` names (passed in
+as an `EngineChoice`, `timer/engines.py`: this module names no implementation) and replays the
+log from its `indexed_position`; missing, damaged, of another format version, or ahead of the
+log or behind its retained start (files restored from different times), it is destroyed and
+rebuilt. One that is not durable (the in-memory engine) starts empty and replays the whole log.
+Dispatch (`index`, `chronoq/dispatch.py`) applies every durable record to it; a damaged index
+there only marks it for the loop to rebuild, so senders are never held up by derived state.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from chronoq.errors import DiskFull, TimerIndexCorrupt
 from chronoq.model import SCHEDULE_TOPIC, SYS_TIMER_DEL_UNIQKEY, SYS_TIMER_OUT_MS, TIMER_TOPIC, StoredMessage
 from chronoq.store import files
 from chronoq.store.messagestore import MessageStore, PreparedMessage
-from chronoq.timer.index import RocksTimerIndex
+from chronoq.timer.engine import TimerEngine
+from chronoq.timer.engines import EngineChoice
 from chronoq.timer.service import TimerService
 
 log = logging.getLogger("chronoq.timer")
@@ -44,11 +47,14 @@ Append = Callable[[list[PreparedMessage]], Awaitable[list[StoredMessage]]]
 
 
 class TimerLoop:
-    def __init__(self, config: Config, clock: Clock, store: MessageStore, service: TimerService) -> None:
+    def __init__(self, config: Config, clock: Clock, store: MessageStore, service: TimerService,
+                 engines: EngineChoice) -> None:
         self.config = config
         self.clock = clock
         self.store = store
         self.service = service
+        self.engines = engines
+        """How a damaged index is thrown away and opened again (`timer/engines.py`)."""
         self._wakeup = asyncio.Event()
         self.index_rebuilds = 0
         self._asleep_until_ms: float = 0
@@ -66,12 +72,13 @@ class TimerLoop:
         """Something changed what is due first (a cancel): look again now."""
         self._wakeup.set()
 
-    def on_dispatch(self, msgs: list[StoredMessage]) -> None:
-        """Durable records: apply them to the index (the store calls this before it releases the
-        senders, so an acknowledged timer is indexed) and wake the loop if they touch timers."""
+    def index(self, msgs: list[StoredMessage]) -> None:
+        """The timer index's step of dispatch (`chronoq/dispatch.py`): apply durable records to
+        the index (before their senders are released, so an acknowledged timer is indexed, and a
+        link record's timers are marked fired) and wake the loop if they touch timers."""
         if self.service.index_damaged is None:
             try:
-                self.service.on_dispatch(msgs, self.clock.now_ms())
+                self.service.index(msgs, self.clock.now_ms())
             except TimerIndexCorrupt as e:
                 # The records are durable in the log; only the derived index is hurt. The loop
                 # rebuilds it (from the log, these records included); senders go on. The reason
@@ -175,35 +182,32 @@ class TimerLoop:
         what has been dispatched; later records arrive through dispatch as usual). Runs in one
         step on the loop, so no fire, cancel or roll sees a half-built index."""
         log.error("%s: rebuilding it from the commit log while running", reason)
-        path = self.config.data_dir / files.TIMER_DIR
         with contextlib.suppress(Exception):
             self.service.engine.close()
-        RocksTimerIndex.destroy(path)
-        self.service.replace_engine(RocksTimerIndex.open(path, **_index_memory(self.config), disk=self.store.disk))
+        self.engines.destroy()
+        self.service.replace_engine(self.engines.open())
         self.service.recover(self.store.dispatched_position)
         self.service.index_damaged = None
         self.index_rebuilds += 1
 
 
-def _index_memory(config: Config) -> dict[str, int]:
-    return {"block_cache_bytes": config.timer_index_block_cache_bytes,
-            "write_buffer_bytes": config.timer_index_write_buffer_bytes}
-
-
-def open_timer_service(config: Config, store: MessageStore, append: Append) -> TimerService:
-    """Open the timer index and bring it up to the log's end (rebuilt when it cannot be used)."""
+def open_timer_service(config: Config, store: MessageStore, append: Append, engines: EngineChoice) -> TimerService:
+    """Open the timer index `engines` names and bring it up to the log's end (rebuilt when it
+    cannot be used). An index that is not durable starts empty each time: the whole retained log
+    is replayed into it."""
     path = config.data_dir / files.TIMER_DIR
-    index: RocksTimerIndex | None = None
+    index: TimerEngine | None = None
     try:
-        index = RocksTimerIndex.open(path, **_index_memory(config), disk=store.disk)
-        if index.indexed_position > store.log.end_position:
+        index = engines.open()
+        if engines.durable and index.indexed_position > store.log.end_position:
             raise TimerIndexCorrupt(path, f"it covers the log up to {index.indexed_position}, past the log's "
                                           f"end {store.log.end_position}")
-        if index.indexed_position < store.log.start_position:
+        if engines.durable and index.indexed_position < store.log.start_position:
             # Older than the retained log (restored from an old copy): the link records and
             # tombstones that settled some of its timers are deleted, so a replay from the log's
             # start would leave those timers pending for good, and, enough of them, starve
-            # every later one of a fire step.
+            # every later one of a fire step. (An empty index knows no timer to leave pending,
+            # but one opened from disk cannot tell it is empty from its position alone.)
             raise TimerIndexCorrupt(path, f"it covers the log up to {index.indexed_position}, before the "
                                           f"retained log's start {store.log.start_position}")
         timer = TimerService(config, store, index, append)
@@ -220,8 +224,8 @@ def open_timer_service(config: Config, store: MessageStore, append: Append) -> T
         if index is not None:
             index.close()
         raise
-    RocksTimerIndex.destroy(path)
-    timer = TimerService(config, store, RocksTimerIndex.open(path, **_index_memory(config), disk=store.disk), append)
+    engines.destroy()
+    timer = TimerService(config, store, engines.open(), append)
     try:
         timer.recover()
     except BaseException:

@@ -118,19 +118,23 @@ def _roll_copies(b: Broker) -> Counter[str]:
 
 
 def _fill_at_roll_chunk(b: Broker, disk: Disk, chunk: int, leave_bytes: int) -> None:
-    """Add a dispatch listener (after the timer index's and the long polls') that fills the disk,
-    all but `leave_bytes`, when the `chunk`-th roll chunk is dispatched: its copies are durable
-    and indexed, and the next write the step makes meets a full disk."""
+    """Make the last step of dispatch (after the queues, the timer index and the trace: the long
+    polls') fill the disk, all but `leave_bytes`, when the `chunk`-th roll chunk is dispatched:
+    its copies are durable and indexed, and the next write the step makes meets a full disk."""
     seen = 0
+    wake_long_polls = b.dispatch.long_polls
 
-    def listener(batch: list[StoredMessage]) -> None:
-        nonlocal seen
-        if any(m.topic == TIMER_TOPIC and SYS_TIMER_ROLLED_FROM in m.system_properties for m in batch):
-            seen += 1
-            if seen == chunk:
-                disk.fill(leave_bytes)
+    class FillAfterLongPolls:
+        def arrived(self, batch: list[StoredMessage]) -> None:
+            nonlocal seen
+            if wake_long_polls is not None:
+                wake_long_polls.arrived(batch)
+            if any(m.topic == TIMER_TOPIC and SYS_TIMER_ROLLED_FROM in m.system_properties for m in batch):
+                seen += 1
+                if seen == chunk:
+                    disk.fill(leave_bytes)
 
-    b.store.listeners.append(listener)
+    b.dispatch.long_polls = FillAfterLongPolls()
 
 
 @pytest.mark.parametrize("meets", ["the roll's first append", "the roll's second append", "the checkpoint"])
