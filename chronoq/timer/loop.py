@@ -67,6 +67,9 @@ class TimerLoop:
         self.passes = 0
         """Times the loop asked the index what is due (each costs a RocksDB seek): for `stats`
         and the tests of when the loop wakes."""
+        self.sleeping = False
+        """True while the loop waits (for a deadline, the fire gap, a wake-up, or a full disk's
+        retry), False while it works: a test on a `FakeClock` moves the clock once it is True."""
 
     def poke(self) -> None:
         """Something changed what is due first (a cancel): look again now."""
@@ -115,7 +118,7 @@ class TimerLoop:
                 except DiskFull as e:  # destroyed, but no room to make it again yet
                     self.store.disk.note_full("timer index rebuild", e)
                 if self.service.index_damaged is not None:
-                    await self.clock.sleep_ms(self.config.disk_full_retry_ms)
+                    await self._sleep(self.clock.sleep_ms(self.config.disk_full_retry_ms))
                     continue
             now = self.clock.fire_horizon_ms()
             if now < self._next_step_ms - self.config.timer_fire_gap_ms:
@@ -124,7 +127,7 @@ class TimerLoop:
                 # Timers fired a moment ago: let those falling due meanwhile gather, so they
                 # fire in one step. The step at the end of the gap reads the index anew, after
                 # the check above (the index may have been found damaged meanwhile).
-                await self.clock.sleep_until_horizon(self._next_step_ms, now)
+                await self._sleep(self.clock.sleep_until_horizon(self._next_step_ms, now))
                 continue
             self._wakeup.clear()
             self.passes += 1
@@ -139,7 +142,7 @@ class TimerLoop:
                 self.store.disk.note_full("timer firing", e)
                 fired = None
             if fired is None:
-                await self.clock.sleep_ms(self.config.disk_full_retry_ms)
+                await self._sleep(self.clock.sleep_ms(self.config.disk_full_retry_ms))
                 continue
             self.store.disk.note_ok("timer firing")
             if fired >= self.config.timer_fire_batch:
@@ -150,7 +153,7 @@ class TimerLoop:
             if deadline is None:
                 self._asleep_until_ms = math.inf
                 try:
-                    await self._wakeup.wait()
+                    await self._sleep(self._wakeup.wait())
                 finally:
                     self._asleep_until_ms = 0
             elif deadline > now or fired == 0 or self._next_step_ms > now:
@@ -161,11 +164,18 @@ class TimerLoop:
                 waker = asyncio.ensure_future(self._wakeup.wait())
                 self._asleep_until_ms = wake_ms
                 try:
-                    await asyncio.wait((sleeper, waker), return_when=asyncio.FIRST_COMPLETED)
+                    await self._sleep(asyncio.wait((sleeper, waker), return_when=asyncio.FIRST_COMPLETED))
                 finally:
                     self._asleep_until_ms = 0
                     sleeper.cancel()
                     waker.cancel()
+
+    async def _sleep(self, wait: Awaitable[object]) -> None:
+        self.sleeping = True
+        try:
+            await wait
+        finally:
+            self.sleeping = False
 
     async def run_due(self) -> int:
         """Do all work due at the clock's fire horizon: fire every due timer (in batches).

@@ -29,6 +29,8 @@ from chronoq.clock import FakeClock
 from chronoq.errors import TimerAlreadyFired, TimerNotFound
 from chronoq.model import OutgoingMessage, StoredMessage
 
+pytestmark = pytest.mark.usefixtures("each_timer_engine")
+
 TOPICS = ("pa", "pb")
 LEVELS_MS = (1000, 5000, 10_000)
 
