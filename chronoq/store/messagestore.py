@@ -3,8 +3,11 @@
 Theory of operation: `append()` encodes records for the log's current end, assigns each its
 queue and queue offset, and writes them (page cache) in one call; `wait_durable()` returns when
 an fsync covers them. When the log reports new durable bytes, the store *dispatches* those
-records: appends their consume-queue entries and hands them to the dispatch listeners (the timer
-engine, long-polling receivers). So nothing is visible to a consumer before it is durable.
+records through the one `Dispatch` it was handed (`chronoq/dispatch.py`, which names every
+consumer: its own consume queues (`enter`), then the timer index, the trace and the long
+polls), and only then are their senders released. So nothing is visible to a consumer before
+it is durable. The read cache (`store/readcache.py`) keeps what was just dispatched, and
+checkpoints are written by `store/checkpointing.py`.
 
 Recovery (`open`) in order: lock the directory; read the topic table; open the log, truncating a
 torn tail and quarantining damage (`store/damage.py`; a tail lost below the checkpoint, as a power
@@ -14,7 +17,8 @@ log from the checkpoint's dispatched position (idempotent: an entry is appended 
 queue is missing it);
 rebuild damaged queues from the whole log. A queue offset whose record was lost to damage gets a
 *hole* entry (size 0) so the queue stays dense and readers step over it.
-The store knows nothing of consumers or timers: listeners and the broker own those meanings.
+The store knows nothing of consumers or timers: the rooms dispatch reaches, and the broker, own
+those meanings.
 
 Retention (`expired_before`) deletes whole segments, oldest first, once the youngest store time
 inside one is older than `retention_ms`: store times, never file times (a directory restored from
@@ -25,7 +29,7 @@ A re-base of broker time (`clock.py`) moves the store times kept for this (`cloc
 with it, so no segment waits out the step.
 
 A full disk (`store/diskspace.py`) is back-pressure. Dispatch that runs out of space writing
-derived state (a consume-queue append, a listener's RocksDB write) keeps the records it could not
+derived state (a consume-queue append, the timer index's RocksDB write) keeps the records it could not
 finish in line and reports how far it got, so their senders stay unacknowledged; the log's
 flusher retries it, sends are refused meanwhile (`check_room_for_send`), and it resumes when
 space returns. A process out of file descriptors with no consume-queue file left to give up
@@ -58,7 +62,6 @@ entry follows (`queue_entries`).
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import fcntl
 import itertools
@@ -68,7 +71,6 @@ import resource
 import shutil
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -89,6 +91,7 @@ from chronoq.errors import (
 )
 from chronoq.model import LINKS_TOPIC, MessageType, StoredMessage, TopicConfig
 from chronoq.store import files, fsync
+from chronoq.store.checkpointing import CheckpointWriter
 from chronoq.store.commitlog import CommitLog, RecoveryReport, Segment
 from chronoq.store.consumequeue import ConsumeQueue, OpenFiles, TakenFlush, tag_hash
 from chronoq.store.diskspace import DiskSpace, is_disk_full
@@ -135,7 +138,7 @@ fire step of 8,192), so at most ~16 MB at the default step."""
 
 def _out_of_fds(exc: BaseException) -> bool:
     """Whether `exc` says the process (EMFILE) or the system (ENFILE) had no descriptor for a
-    consume-queue file. (Not a listener's RocksDB "Too many open files": whether a RocksDB write
+    consume-queue file. (Not the timer index's RocksDB "Too many open files": whether a RocksDB write
     recovers from that without a reopen is untested, so it still raises as before.)"""
     return isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE)
 
@@ -149,36 +152,6 @@ def _warn_if_queue_files_exceed_the_fd_limit(max_open_queue_files: int) -> None:
         log.warning("max_open_queue_files = %d: consume queues may hold %d descriptors, more than half the "
                     "process's open-file limit (ulimit -n) %d; lower it or raise the limit",
                     max_open_queue_files, 2 * max_open_queue_files, soft)
-
-
-async def _finished(job: Future[None]) -> None:
-    """Wait until a worker thread's `job` is done, without taking its outcome (the caller takes
-    it from `job`) and without cancelling it if the wait is cancelled (`asyncio.wait` does not)."""
-    done = asyncio.wrap_future(job)
-    done.add_done_callback(_retrieve)
-    await asyncio.wait((done,))
-
-
-def _retrieve(done: asyncio.Future[None]) -> None:
-    """Mark the loop's copy of a thread's outcome as seen (it is taken from the thread's future)."""
-    if not done.cancelled():
-        done.exception()
-
-
-def _sync_and_record(taken: list[TakenFlush], path: Path, checkpoint: bytes) -> None:
-    """A checkpoint's disk work (on a worker thread, or the caller's): make the taken queue
-    writes durable, then replace the checkpoint file. The descriptors are released either way.
-    A job whose checkpoint was given back (its worker could not start when it was queued) does
-    nothing: its queues count as dirty again, and a later checkpoint syncs and records them."""
-    if any(t.given_back for t in taken):
-        return
-    try:
-        for t in taken:
-            t.sync()
-    finally:
-        for t in taken:
-            t.close()
-    write_atomic(path, checkpoint)
 
 
 @dataclass(slots=True)
@@ -267,10 +240,8 @@ class MessageStore:
         """Link record position -> its decoded links and its store time, the last `LINKS_CACHED`
         dispatched or read: a link's queue entry names its link record, which every read of it
         goes through."""
-        self._checkpoint_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chronoq-checkpoint")
-        """Runs background checkpoints' disk work (`checkpoint_in_background`), one at a time."""
-        self._checkpoint_thread: Future[None] | None = None
-        """The background checkpoint submitted last, until its outcome is taken."""
+        self._checkpoints = CheckpointWriter(self.dir / files.CHECKPOINT, self._checkpoint_failed)
+        """Writes checkpoints, on the caller's thread or its own (`store/checkpointing.py`)."""
         self.disk = DiskSpace(config.data_dir, min_free_bytes=config.disk_min_free_bytes,
                               reserve_file_bytes=config.disk_reserve_file_bytes)
         self._dispatch_blocked: str | None = None
@@ -808,7 +779,7 @@ class MessageStore:
         return None if msg is None else self.linked_reads.view(msg, topic, queue_id, queue_offset, linked_ms)
 
     def links_in(self, msg: StoredMessage) -> Links:
-        """The links of link record `msg` (decoded at its dispatch, so its listeners read them
+        """The links of link record `msg` (decoded at its dispatch, so the rooms dispatch reaches read them
         from the cache)."""
         cached = self._links_cache.get(msg.position)
         return cached[0] if cached is not None else decode_links(msg.body, msg.position)
@@ -882,13 +853,9 @@ class MessageStore:
         (open, close, retention before it deletes; tests). After any fsync error (here or in the
         log) it raises FlushFailed and writes nothing: the checkpoint on disk stays at the last
         point known durable, and a restart replays the log from there."""
-        self._settle_background_checkpoint()
+        self._checkpoints.settle()
         position, taken = self._take_checkpoint()
-        try:
-            _sync_and_record(taken, self.dir / files.CHECKPOINT, encode_checkpoint(position, 0))
-        except BaseException as e:
-            self._checkpoint_failed(e)
-            raise
+        self._checkpoints.write_now(taken, encode_checkpoint(position, 0))
         return position
 
     async def checkpoint_in_background(self) -> int:
@@ -898,30 +865,9 @@ class MessageStore:
         on the loop, before the thread starts: the position dispatched so far and the queue
         files dirty up to it. Cancelled while waiting (the broker closing), the thread finishes
         regardless, and the next checkpoint waits for it and takes its outcome."""
-        if self._checkpoint_thread is not None:
-            await _finished(self._checkpoint_thread)
-            self._settle_background_checkpoint()
+        await self._checkpoints.wait_for_running()
         position, taken = self._take_checkpoint()
-        try:
-            job = self._checkpoint_pool.submit(_sync_and_record, taken, self.dir / files.CHECKPOINT,
-                                               encode_checkpoint(position, 0))
-        except BaseException:
-            # No worker thread (RuntimeError: a pids limit; it starts on first use): give back
-            # what was taken, or the next checkpoint would cover those queues' entries unsynced
-            # (and the duplicates leak). The job stays queued in the pool; a worker that starts
-            # later finds it given back and skips it (`_sync_and_record`).
-            for t in taken:
-                t.untake()
-            raise
-        self._checkpoint_thread = job
-        # Cancelled here, the thread runs on (its queues are counted clean already) and whoever
-        # checkpoints next takes its outcome.
-        await _finished(job)
-        if self._checkpoint_thread is job:
-            self._checkpoint_thread = None
-        # Taken here even if a checkpoint on the loop settled it meanwhile: this caller (the
-        # broker's tick) must hear of a full disk, or it would end the episode as recovered.
-        self._checkpoint_outcome(job, quiet_disk_full=False)
+        await self._checkpoints.write_in_background(taken, encode_checkpoint(position, 0))
         return position
 
     def _take_checkpoint(self) -> tuple[int, list[TakenFlush]]:
@@ -953,28 +899,6 @@ class MessageStore:
                 t.untake()
             raise
         return position, taken
-
-    def _settle_background_checkpoint(self) -> None:
-        """Wait for a background checkpoint still running (a close, or a checkpoint after a
-        cancelled one) and take its outcome: an fsync error fails the log for good and is
-        raised; a full disk only means that checkpoint was not written (the one before stays
-        valid), and one is about to be tried again."""
-        job, self._checkpoint_thread = self._checkpoint_thread, None
-        if job is not None:
-            self._checkpoint_outcome(job, quiet_disk_full=True)
-
-    def _checkpoint_outcome(self, job: Future[None], *, quiet_disk_full: bool) -> None:
-        """`job`'s result (waiting for it), as a checkpoint on this thread would have raised it."""
-        try:
-            job.result()
-        except BaseException as e:
-            try:
-                self._checkpoint_failed(e)
-            except DiskFull:
-                if quiet_disk_full:
-                    return
-                raise
-            raise
 
     def _checkpoint_failed(self, e: BaseException) -> None:
         """What a failed checkpoint means: an fsync error fails the log for good (re-raised by
@@ -1043,12 +967,12 @@ class MessageStore:
         try:
             if hasattr(self, "log"):
                 try:
-                    self._settle_background_checkpoint()
+                    self._checkpoints.settle()
                 except ChronoqError:
                     pass  # an fsync error is the log's failure now: no checkpoint below
                 except Exception:
                     log.exception("the last background checkpoint failed; closing with a new one")
-                self._checkpoint_pool.shutdown(wait=True)
+                self._checkpoints.shutdown()
                 self.log.close()
                 healthy = self.log.failure is None
                 try:
