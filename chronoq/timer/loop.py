@@ -221,7 +221,10 @@ def open_timer_service(config: Config, store: MessageStore, append: Append, engi
             raise TimerIndexCorrupt(path, f"it covers the log up to {index.indexed_position}, before the "
                                           f"retained log's start {store.log.start_position}")
         timer = TimerService(config, store, index, append)
-        timer.recover()
+        replayed = timer.recover()
+        if not engines.durable:
+            log.warning('timer_engine = "%s": the timer index is kept in memory only, not durable; it was rebuilt '
+                        "from the whole retained commit log (%d records), as at every start", engines.name, replayed)
         return timer
     except TimerIndexCorrupt as e:
         # The error's own advice ("rebuild it from the commit log") is what happens next: say so once.
