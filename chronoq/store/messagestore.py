@@ -55,7 +55,7 @@ record means to it (skip it, drop an in-flight entry, mark a timer damaged). `re
 same read for callers to whom damage means "skip", and `readable_entry` the read of a queue
 entry: a link's (`store/links.py`: a link record enters records already in the log into other
 topics' queues, how timers fire) goes through its link record to the linked record, shown as
-the message that queue holds (`linked_view`, which the link's writer sets). A link record's
+the message that queue holds (`linked_reads.view`, the link writer's say). A link record's
 links are dispatched, replayed and rebuilt as queue entries by the rule every record's own
 entry follows (`queue_entries`).
 """
@@ -764,7 +764,7 @@ class MessageStore:
         (`position`, `size`): `readable`'s answer for it (None: removed by retention, a hole, or
         damaged and skipped). A link entry (`LINKED` in `size`) is read through its link record,
         and the linked record (its own topic is another: a fired timer's) is shown as the message
-        the queue holds, as its linker says (`linked_view`)."""
+        the queue holds, as its linker says (`linked_reads.view`)."""
         try:
             if not size & LINKED:
                 return self.read_at(position, size)
