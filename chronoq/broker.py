@@ -3,14 +3,17 @@
 Theory of operation: a message walks through rooms, each a module of its own:
 - `accept.py`: admission (`validate.py`), topics (`topics.py`), the dedupe window, timer routing
   (`timer/service.py`), the append, the wait for the group commit;
-- the store (`store/`): the commit log, consume queues, and the *dispatch* of durable records to
-  their consume queues, the timer index and waiting long polls, before any sender is released,
-  so an acknowledged message is durable, visible and indexed;
+- the store (`store/`): the commit log and consume queues; then *dispatch* (`dispatch.py`, the
+  one list of where a durable record goes: its queues, the timer index, the trace, the long
+  polls), before any sender is released, so an acknowledged message is durable, visible and
+  indexed;
 - `timer/loop.py` and `timer/service.py`: when timers fire, and what firing writes (a link record
   entering each timer record into its real topic's queue, which dispatch then makes visible);
 - `deliver.py` over `consumers.py`: receive (long polls), ack, invisible durations, retries, DLQ;
 - `retention.py`: rolling pending timers forward and deleting expired segments.
-This module builds them (`open`), owns their background tasks (the flusher, the timer loop, the
+This module builds them (`open`), each given what it needs when built; the timer index is the
+one `timer_engine` names (`timer/engines.py`), and who fires is `timer_firer`'s
+(`timer/firing.py`). It owns their background tasks (the flusher, the timer loop, the
 checkpoint and retention ticks), stops them (`close`), and refuses work once one of them failed
 (`fatal`). Its public methods only check that the broker is open and hand over to a room.
 The two doors also count what passed them, per topic, in plain dicts (`accepted_by_topic`,
@@ -46,13 +49,14 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any
 
 from chronoq.accept import Accept
 from chronoq.clock import Clock, SystemClock
 from chronoq.config import Config, ConfigError
 from chronoq.deliver import Deliver
+from chronoq.dispatch import Dispatch
 from chronoq.errors import BrokerClosed, ChronoqError, DiskFull, FlushFailed, InvalidRecallHandle, RecallTopicMismatch
 from chronoq.model import (
     ALL_MESSAGE_TYPES,
@@ -69,10 +73,14 @@ from chronoq.model import (
 )
 from chronoq.retention import Retention
 from chronoq.store import files
+from chronoq.store.commitlog import FsyncTimes
 from chronoq.store.groups import GroupStore
 from chronoq.store.messagestore import MessageStore, OpenReport
+from chronoq.timer.engine import TimerEntry
+from chronoq.timer.engines import EngineChoice, engine_choice
 from chronoq.timer.loop import TimerLoop, open_timer_service
-from chronoq.timer.metrics import DELAY_EDGES_MS, DelayHistogram
+from chronoq.timer.metrics import DELAY_EDGES_MS, DelayHistogram, TimerLatencies
+from chronoq.timer.reads import FiredReads
 from chronoq.timer.recall import decode_recall_handle
 from chronoq.timer.service import TimerService
 from chronoq.topics import Topics
@@ -83,27 +91,36 @@ log = logging.getLogger("chronoq.broker")
 
 class Broker:
     def __init__(self, config: Config, clock: Clock, store: MessageStore, groups: GroupStore,
-                 timer: TimerService, open_report: OpenReport) -> None:
+                 timer: TimerService, engines: EngineChoice, open_report: OpenReport) -> None:
         self.config = config
         self.clock = clock
         self.store = store
         self.groups = groups
         self.timer = timer
         self.open_report = open_report
+        fired_reads = FiredReads(store, timer)
         self.trace: TraceJournal | None = TraceJournal(
             config.data_dir, segment_size_bytes=config.trace_segment_size_bytes,
-            retention_bytes=config.trace_retention_bytes, fired_in=timer.fired_in) if config.trace_enable else None
+            retention_bytes=config.trace_retention_bytes, fired_in=fired_reads.fired_in) \
+            if config.trace_enable else None
         self.topics = Topics(config, store, clock)
         self.accept = Accept(config, clock, store, self.topics, timer)
         append = _appender(store, clock)
         self.deliver = Deliver(config, clock, store, groups, self.topics, timer.levels, append, self.trace)
         self.consumers = self.deliver.consumers
-        self.timer_loop = TimerLoop(config, clock, store, timer)
+        self.timer_loop = TimerLoop(config, clock, store, timer, engines)
         self.retention = Retention(config, store, groups, timer)
+        # The path of every durable record, in one place (`chronoq/dispatch.py`): its queues,
+        # the timer index (where a link record tells the timer room its fire is durable), the
+        # trace, the long polls. A fired timer reads through its link as `timer/reads.py` says.
+        self.dispatch = Dispatch(queues=store, timer_index=self.timer_loop, trace=self.trace,
+                                 long_polls=self.deliver)
+        store.dispatch_through(self.dispatch, fired_reads)
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self._stop_following_clock: Callable[[], None] = _nothing
-        self.fatal: BaseException | None = None
+        self._fatal: BaseException | None = None
+        self._failed = asyncio.Event()
         # Counted at the doors (see the module docstring); restart at zero, as Prometheus expects.
         self.accepted_by_topic: dict[str, int] = {}
         self.timers_by_topic: dict[str, int] = {}
@@ -115,6 +132,27 @@ class Broker:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def fatal(self) -> BaseException | None:
+        """Why the broker stopped accepting work (a background task died, the log failed), or None."""
+        return self._fatal
+
+    @fatal.setter
+    def fatal(self, why: BaseException | None) -> None:
+        self._fatal = why
+        if why is None:
+            self._failed.clear()
+        else:
+            self._failed.set()
+
+    async def wait_failed(self) -> BaseException:
+        """Return `fatal` once the broker has failed (the server's watchdog waits on it)."""
+        while self._fatal is None:
+            await self._failed.wait()
+            if self._fatal is None:
+                self._failed.clear()
+        return self._fatal
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -130,13 +168,14 @@ class Broker:
                 write_buffer_bytes=config.groups_write_buffer_bytes, disk=store.disk)
             groups.clamp(lambda topic, queue_id: store.queue(topic, queue_id).next_offset)
             groups.restamp_ahead(clock.now_ms(), max(config.max_invisible_duration_ms, *config.delay_levels_ms))
-            timer = open_timer_service(config, store, _appender(store, clock))
+            engines = engine_choice(config, store.disk)
+            timer = open_timer_service(config, store, _appender(store, clock), engines)
             if stranded := timer.delay_queues.stranded():
                 shown = ", ".join(f"level {lv}: {n}" for lv, n in sorted(stranded.items()))
                 raise ConfigError(f"delay_levels has {timer.levels.max_level} levels, but messages sent at higher "
                                   f"levels have not fired yet ({shown}); nothing would fire them. Keep at least "
                                   f"{max(stranded)} levels until they have")
-            broker = cls(config, clock, store, groups, timer, report)
+            broker = cls(config, clock, store, groups, timer, engines, report)
         except BaseException:
             if timer is not None:
                 timer.engine.close()
@@ -148,18 +187,6 @@ class Broker:
         store.create_topic(TIMER_TOPIC, 1, ALL_MESSAGE_TYPES, now, exist_ok=True)
         store.create_topic(LINKS_TOPIC, 1, ALL_MESSAGE_TYPES, now, exist_ok=True)
         store.create_topic(SCHEDULE_TOPIC, timer.levels.max_level, ALL_MESSAGE_TYPES, now, exist_ok=True)
-        # Dispatch order: the index first (an acknowledged timer is indexed), then the trace, then
-        # the long polls (a consumer woken now finds the records in their queues).
-        # A fired timer is read through the link that fired it, and looks as its fired copy would.
-        store.linked_view = timer.delivered_view
-        # A link record damaged on disk is read from the index's copy of it.
-        store.link_copy = timer.link_copy
-        # A timer is read when it fires: the read cache leaves out what it would evict before.
-        store.next_read_ms = timer.next_read_ms
-        store.listeners.append(broker.timer_loop.on_dispatch)
-        if broker.trace is not None:
-            store.listeners.append(broker.trace.dispatched)
-        store.listeners.append(broker.deliver.on_dispatch)
         store.log.on_failed = broker._store_failed
         broker._stop_following_clock = clock.add_rebase_listener(broker._clock_rebased)
         broker._spawn(store.log.flush_loop(), "flusher")
@@ -253,7 +280,7 @@ class Broker:
         `disk_full_retry_ms` (if sooner), logging once per episode, never dying of it."""
         delay_ms = interval_ms
         while True:
-            await asyncio.sleep(delay_ms / 1000)
+            await self.clock.sleep_ms(delay_ms)
             try:
                 await work(self.clock.now_ms())
             except DiskFull as e:
@@ -292,6 +319,11 @@ class Broker:
 
     def get_topic(self, name: str) -> TopicConfig:
         return self.topics.get(name)
+
+    def topic_for_send(self, name: str) -> TopicConfig:
+        """The topic, or for a new one with auto-create on, the route its first send will give it
+        (creating nothing)."""
+        return self.topics.for_send(name)
 
     def list_topics(self) -> list[TopicConfig]:
         return self.topics.list()
@@ -400,6 +432,32 @@ class Broker:
     def query_key(self, key: str) -> list[TimerStatus]:
         return self.timer.engine.lookup_key(key)
 
+    def pending_between(self, from_ms: int, to_ms: int, topic: str | None, limit: int,
+                        max_scanned: int) -> tuple[list[TimerEntry], bool]:
+        """Pending timers due in [from_ms, to_ms) (of `topic`, None: all), earliest first (the
+        console's search; `TimerEngine.pending_between`)."""
+        return self.timer.engine.pending_between(from_ms, to_ms, topic, limit, max_scanned)
+
+    def pending_due_before_s(self, slot_s: int) -> int:
+        """Pending timers due in seconds before `slot_s`, from the index's counters."""
+        return self.timer.engine.pending_due_before_s(slot_s)
+
+    def pending_total(self) -> int:
+        return self.timer.engine.metrics(self.clock.now_ms()).pending_total
+
+    def timer_latencies(self) -> TimerLatencies:
+        """The timer index's latency histograms since start (delivery error, enqueue and fire lag)."""
+        return self.timer.engine.latencies
+
+    @property
+    def fired_by_topic(self) -> Mapping[str, int]:
+        """Timers fired since start, per real topic (counted where they fire)."""
+        return self.timer.fired_by_topic
+
+    def timers_undispatched(self) -> int:
+        """Timer records written and not yet indexed (waiting for their group commit)."""
+        return self.store.undispatched(TIMER_TOPIC)
+
     async def fire_timers(self, positions: list[int]) -> tuple[int, int]:
         """For the Spark engine: fire these pending timers now if due by the fire horizon, as the
         loop fires (idempotent)."""
@@ -422,6 +480,18 @@ class Broker:
             "trace": self.trace_stats(),
             "groups": self.group_stats(),
         }
+
+    def now_ms(self) -> int:
+        """Broker time (`clock.py`)."""
+        return self.clock.now_ms()
+
+    def disk_stats(self) -> dict[str, object]:
+        """Free space, its limits, and what a full disk is holding back (`MessageStore.disk_stats`)."""
+        return self.store.disk_stats()
+
+    def fsync_seconds(self) -> FsyncTimes:
+        """The commit log's group-commit fsync durations since start."""
+        return self.store.log.fsync_seconds
 
     def trace_stats(self) -> dict[str, Any]:
         """Whether the delivery trace is on (`trace_enable`), still recording, and if it stopped

@@ -40,7 +40,10 @@ re-base (an absolute one is a wall-clock fact): a timer due by a relative delay 
 clock that was ahead fires late by that much, never early.
 
 `FakeClock.advance()` moves time forward and wakes every sleeper whose deadline has come, in
-deadline order, so background loops driven by it stay deterministic. It never re-bases.
+deadline order, so background loops driven by it stay deterministic. It never re-bases. Every
+wait of a broker's background task is one of the clock's (`sleep_until`, `sleep_until_horizon`,
+`sleep_ms`: the timer loop, the checkpoint and retention ticks, a full disk's retry), so a test
+on a `FakeClock` runs them exactly when it moves the clock.
 """
 
 from __future__ import annotations
@@ -90,6 +93,13 @@ class Clock(Protocol):
         """Return once `fire_horizon_ms() >= deadline_ms`, or at a look that finds the horizon
         below `from_ms`, the horizon the caller chose the deadline at (the wall clock went back
         since: the caller looks again at what is due); never earlier."""
+        ...
+
+    async def sleep_ms(self, interval_ms: int) -> None:
+        """Return once `interval_ms` has passed on this clock, as a periodic task waits between
+        its runs. `SystemClock`: real (event-loop) time, which a step of the wall clock or a
+        pause of broker time neither shortens nor lengthens; `FakeClock`: until the test has
+        moved it on that far."""
         ...
 
     def real_wait_ms(self, deadline_ms: int) -> float:
@@ -287,6 +297,11 @@ class SystemClock:
                 return
             await asyncio.sleep(wait_ms / 1000)
 
+    async def sleep_ms(self, interval_ms: int) -> None:
+        # Real time, not broker time: a checkpoint or retention tick must not stop for the
+        # length of a pause after the wall clock stepped back.
+        await asyncio.sleep(interval_ms / 1000)
+
     async def sleep_until_horizon(self, deadline_ms: int, from_ms: int) -> None:
         from_ns = from_ms * NS_PER_MS
         while (wait_ms := self.horizon_wait_ms(deadline_ms)) > 0:
@@ -340,6 +355,9 @@ class FakeClock:
 
     async def sleep_until_horizon(self, deadline_ms: int, from_ms: int) -> None:
         await self.sleep_until(deadline_ms)  # a fake clock never goes back
+
+    async def sleep_ms(self, interval_ms: int) -> None:
+        await self.sleep_until(self._now_ms + interval_ms)
 
     def set(self, now_ms: int) -> None:
         if now_ms < self._now_ms:

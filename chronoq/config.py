@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import itertools
+import logging
 import re
 import tomllib
 from collections.abc import Mapping
@@ -48,6 +49,8 @@ default (its clients ask for 4) and 8-16 is the usual range; 256 is 16 times tha
 topic writes one header-only file per queue on the event loop, and a directory fsync each: 256
 queues held the loop ~120 ms here (1,024: ~0.7 s; 65,000: 139 s, no send, receive or timer
 meanwhile; measured 2026-11-25)."""
+
+log = logging.getLogger("chronoq.config")
 
 DEFAULT_DELAY_LEVELS = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
 
@@ -168,9 +171,21 @@ class Config:
 
     # -- timers ------------------------------------------------------------------------------
     timer_wheel_enable: bool = True
-    timer_engine: Literal["rocksdb", "spark"] = "rocksdb"
+    timer_engine: Literal["rocksdb", "memory"] = "rocksdb"
+    """The timer index the broker keeps (`timer/engines.py`, the one place this is read):
+    "rocksdb" (the default) keeps it on disk beside the log, so a restart replays only what the
+    index had not applied. "memory" keeps it in the process only: it is NOT durable, and every
+    start rebuilds it by replaying the whole retained commit log (slower to start, O(pending)
+    lookups); nothing acknowledged is lost, since the log is the truth, but the statuses of
+    timers whose records retention deleted are forgotten. Chosen only by naming it. The old value
+    "spark" is read as `timer_firer = "spark"` on the RocksDB index, with a warning naming the
+    new setting, for one release."""
+    timer_firer: Literal["broker", "spark"] = "broker"
+    """Who fires due timers (`timer/firing.py`): "broker" (the default: its own loop) or "spark"
+    (a Spark job reads the timer topic and calls FireTimers; the broker's loop is only the
+    backstop, `timer_spark_backstop_ms`)."""
     timer_spark_backstop_ms: int = limit(60_000)
-    """With timer_engine = "spark": the broker itself fires a timer overdue by this much (the
+    """With timer_firer = "spark": the broker itself fires a timer overdue by this much (the
     Spark job is down, or dropped it), so none waits forever."""
     timer_precision_ms: int = limit(1)
     timer_max_delay_ms: int = limit(30 * DAY_MS, maximum=100 * 365 * DAY_MS)
@@ -264,6 +279,14 @@ class Config:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.timer_engine in _DEPRECATED_TIMER_ENGINES:
+            # The engine name once said who fires too; that is `timer_firer` now.
+            firer = _DEPRECATED_TIMER_ENGINES[self.timer_engine]
+            log.warning('timer_engine = "%s" is deprecated and will be refused in the next release: it now '
+                        'names the timer index ("rocksdb" or "memory"); who fires is timer_firer = "%s". '
+                        'Read as timer_engine = "rocksdb", timer_firer = "%s"', self.timer_engine, firer, firer)
+            object.__setattr__(self, "timer_engine", "rocksdb")
+            object.__setattr__(self, "timer_firer", firer)
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, check_setting(f.name, getattr(self, f.name)))
         self._validate_together()
@@ -371,7 +394,8 @@ def check_setting(name: str, value: Any, *, source: str = "") -> Any:
         ok = isinstance(value, (str, Path)) and str(value) != ""
         value = Path(value) if ok else value
     elif get_origin(kind) is Literal:
-        ok = value in get_args(kind) and isinstance(value, str)
+        ok = isinstance(value, str) and (value in get_args(kind)
+                                         or (name == "timer_engine" and value in _DEPRECATED_TIMER_ENGINES))
     elif kind is str:
         ok = isinstance(value, str)
     else:  # Mapping
@@ -479,6 +503,10 @@ def parse_delay_levels(text: str) -> tuple[int, ...]:
         raise ConfigError(f"delay_levels must not decrease: {text!r}")
     return levels
 
+
+_DEPRECATED_TIMER_ENGINES = {"spark": "spark"}
+"""Old `timer_engine` values that named who fires: value -> the `timer_firer` it means now.
+Accepted (with a warning, `Config.__post_init__`) for one release."""
 
 _FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(Config)}
 _HINTS: dict[str, Any] = get_type_hints(Config)

@@ -4,7 +4,7 @@ Theory of operation: the rules of RocketMQ 5's simple consumers (what a receive 
 invisible durations, attempts, acks) are `consumers.py`'s, pure decisions over the store; this
 room adds what takes time and I/O around them:
 - Long polls. A receive that finds nothing waits until a dispatch of its topic (the store calls
-  `on_dispatch` once records are durable and in their consume queues), the next redelivery, or
+  `arrived` once records are durable and in their consume queues), the next redelivery, or
   its `wait_ms`, whichever comes first. It registers a plain future before it looks, so a
   dispatch between the look and the wait still wakes it, and that future is woken in one loop
   turn (not through the two extra tasks of `wait_for(event.wait())`). `wait_ms` is a real-time
@@ -67,9 +67,10 @@ class Deliver:
         self._dead_lettering: set[tuple[str, str]] = set()
         """(group, receipt handle) of in-flight entries whose DLQ copy is being written."""
 
-    def on_dispatch(self, msgs: list[StoredMessage]) -> None:
-        """Records of these topics just became visible: wake the long polls waiting on them (a
-        link record's links are records of the topics they were linked into: fired timers)."""
+    def arrived(self, msgs: list[StoredMessage]) -> None:
+        """The long polls' step of dispatch (`chronoq/dispatch.py`): records of these topics just
+        became visible, so wake the long polls waiting on them (a link record's links are records
+        of the topics they were linked into: fired timers)."""
         topics = {m.topic for m in msgs}
         if LINKS_TOPIC in topics:
             for m in msgs:

@@ -258,9 +258,9 @@ class TraceJournal:
             self._stop(e)
 
     def dispatched(self, msgs: list[StoredMessage]) -> None:
-        """A store dispatch listener: journal timers accepted (their timer records), fired (the
-        link records that fired them, and the fired copies of delay levels and of older brokers)
-        and cancelled (their tombstones: dispatched once durable, before the cancel is
+        """The trace's step of dispatch (`chronoq/dispatch.py`): journal timers accepted (their
+        timer records), fired (the link records that fired them, and the fired copies of delay
+        levels and of older brokers) and cancelled (their tombstones: dispatched once durable, before the cancel is
         acknowledged); rolled copies are none of these."""
         for m in msgs:
             if m.topic == LINKS_TOPIC:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+import timer_helpers
 from disk_helpers import Disk, mount_tmpfs, unmount
 
 from chronoq.broker import Broker
@@ -88,6 +89,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if item.get_closest_marker("timeout") is None and any(
                 item.get_closest_marker(m) for m in ("slow", "spark", "interop")):
             item.add_marker(pytest.mark.timeout(LONG_TEST_TIMEOUT_S))
+
+
+@pytest.fixture(params=timer_helpers.TIMER_ENGINES)
+def each_timer_engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test once per timer index a broker runs on (`timer_engine`), given to every broker
+    the test opens through `timer_helpers.make_config`. A test marked `rocksdb_index` reads or
+    damages that index's files, and runs on it alone."""
+    marker = request.node.get_closest_marker("rocksdb_index")
+    if marker is not None and request.param != "rocksdb":
+        pytest.skip(f"reads or damages the RocksDB index's files ({marker.args[0]})")
+    monkeypatch.setattr(timer_helpers, "TIMER_ENGINE", request.param)
+    return str(request.param)
 
 
 @pytest.fixture

@@ -6,12 +6,18 @@ when it calls `run_due()`. A restart is `close()` + `open()` on the same directo
 clock. A crash between two steps is simulated without mocks by copying derived state (the timer
 index directory) aside and putting the old copy back before the reopen: the broker then sees
 exactly what it would after a process death at that point (a log ahead of its index).
+
+The broker-level suites run over every timer index a broker can run on (`TIMER_ENGINES`, the
+values `timer_engine` accepts): a test module lists the `each_timer_engine` fixture
+(tests/conftest.py), which sets `TIMER_ENGINE` for `make_config`, and a test that reads or
+damages the RocksDB index's files is marked `rocksdb_index` (it has no meaning elsewhere).
 """
 
 from __future__ import annotations
 
 import asyncio
 import shutil
+import typing
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,6 +30,10 @@ from chronoq.store import files
 from chronoq.store.messagestore import MessageStore
 
 T = TypeVar("T")
+TIMER_ENGINES: tuple[str, ...] = typing.get_args(typing.get_type_hints(Config)["timer_engine"])
+"""Every timer index a broker runs on (`timer/engines.py`)."""
+TIMER_ENGINE = "rocksdb"
+"""The index `make_config` gives a broker: the default, or the one `each_timer_engine` is running."""
 START_MS = 1_700_000_000_000
 GROUP = "g-timer"
 
@@ -67,7 +77,7 @@ def run_without_cycle_collector(coro: Awaitable[T]) -> T:
 
 
 def make_config(data_dir: Path, **overrides: Any) -> Config:
-    return Config(data_dir=data_dir, **overrides)
+    return Config(data_dir=data_dir, **{"timer_engine": TIMER_ENGINE, **overrides})
 
 
 async def open_broker(data_dir: Path, clock: FakeClock, **overrides: Any) -> Broker:

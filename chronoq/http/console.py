@@ -25,17 +25,16 @@ Nothing here blocks: each function does bounded work (limits in `config.py`).
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import html
 import re
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
+from chronoq.clock import Clock
 from chronoq.config import DAY_MS, HOUR_MS, MINUTE_MS, SECOND_MS
 from chronoq.errors import ConsoleInputError, Unauthorized
 from chronoq.errors import (
@@ -255,11 +254,12 @@ class ErrorHistory:
         self.samples.append(sample)
         return sample
 
-    async def run(self, now_ms: Callable[[], int], interval_ms: int) -> None:
-        """Sample every `interval_ms` until cancelled (owned by the HTTP server's task group)."""
+    async def run(self, clock: Clock, interval_ms: int) -> None:
+        """Sample every `interval_ms` of `clock` (the broker's) until cancelled (owned by the HTTP
+        server's task group)."""
         while True:
-            await asyncio.sleep(interval_ms / 1000)
-            self.sample(now_ms())
+            await clock.sleep_ms(interval_ms)
+            self.sample(clock.now_ms())
 
 
 def error_chart_svg(samples: list[ErrorSample], interval_ms: int) -> str:

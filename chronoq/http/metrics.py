@@ -29,21 +29,23 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from chronoq.model import TIMER_TOPIC
 from chronoq.store.commitlog import FSYNC_BUCKETS_S
 from chronoq.timer.metrics import DUE_BUCKETS, MORE_BUCKET, OVERDUE_BUCKET, LatencyHistogram
+
+if TYPE_CHECKING:
+    from chronoq.broker import Broker  # the type only: the broker imports the store, the servers stay light
 
 LATENCY_BUCKETS_MS: tuple[int, ...] = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10_000, 30_000,
                                        60_000, 300_000, 3_600_000)
 """Upper edges (ms) of the `le` buckets the timer latency histograms are exported with."""
 
 
-def make_registry(broker: Any) -> CollectorRegistry:
+def make_registry(broker: Broker) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(BrokerCollector(broker))
     return registry
@@ -84,7 +86,7 @@ def histogram_buckets(hist: LatencyHistogram, edges: Iterable[int]) -> list[tupl
 
 
 class BrokerCollector(Collector):
-    def __init__(self, broker: Any) -> None:
+    def __init__(self, broker: Broker) -> None:
         self.broker = broker
 
     def collect(self) -> Iterator[Metric]:
@@ -93,7 +95,7 @@ class BrokerCollector(Collector):
         timer: Mapping[str, Any] = stats["timer"]
         yield from self._timer_gauges(timer)
         yield from self._counters()
-        latencies = broker.timer.engine.latencies
+        latencies = broker.timer_latencies()
         for name, hist, doc in (
             ("chronoq_timer_delivery_error_ms", latencies.delivery_error_ms,
              "Fired minus due per fired timer, ms (from max(due, accepted); < 0 would be early)"),
@@ -140,7 +142,7 @@ class BrokerCollector(Collector):
         yield GaugeMetricFamily("rocketmq_timer_enqueue_lag",
                                 "Timer messages written to the log and not yet in the time index (waiting for "
                                 "their group commit; chronoq acknowledges a timer only once indexed)",
-                                value=self.broker.store.undispatched(TIMER_TOPIC))
+                                value=self.broker.timers_undispatched())
         delays = HistogramMetricFamily("rocketmq_delay_message_latency",
                                        "Delay asked for by each accepted timer message, per topic: due minus "
                                        "accepted, seconds (0 when already due)", labels=["topic"])
@@ -160,7 +162,7 @@ class BrokerCollector(Collector):
             ("rocketmq_timer_enqueue", "Timer messages accepted into the time index, per topic",
              broker.timers_by_topic),
             ("rocketmq_timer_dequeue", "Timer messages fired (copied to their topic), per topic",
-             broker.timer.fired_by_topic),
+             broker.fired_by_topic),
         ):
             counter = CounterMetricFamily(name, doc, labels=["topic"])
             for topic, n in sorted(counts.items()):
@@ -174,7 +176,7 @@ class BrokerCollector(Collector):
         yield GaugeMetricFamily("chronoq_commitlog_segments", "Commit-log segment files", value=log["segments"])
         yield GaugeMetricFamily("chronoq_commitlog_damaged_ranges", "Quarantined stretches of the commit log",
                                 value=log["damaged_ranges"])
-        times = self.broker.store.log.fsync_seconds
+        times = self.broker.fsync_seconds()
         fsync = HistogramMetricFamily("chronoq_commitlog_fsync_latency_seconds",
                                       "Group-commit fsync durations (one per group commit)")
         cumulative = list(itertools.accumulate(times.counts))

@@ -37,7 +37,7 @@ import logging
 import struct
 from collections.abc import Awaitable, Callable
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -60,7 +60,11 @@ from chronoq.http.console import (
 from chronoq.http.metrics import make_registry
 from chronoq.protocol.admin import details_json
 from chronoq.server.admin_service import AdminService
+from chronoq.server.net import bind_failure
 from chronoq.timer.recall import encode_recall_handle
+
+if TYPE_CHECKING:
+    from chronoq.broker import Broker  # the type only: the broker imports the store, the servers stay light
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +102,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 
 class HttpServer:
-    def __init__(self, broker: Any, config: Config, admin: AdminService, access: Access | None = None) -> None:
+    def __init__(self, broker: Broker, config: Config, admin: AdminService, access: Access | None = None) -> None:
         self.broker = broker
         self.config = config
         self.admin = admin
@@ -109,7 +113,7 @@ class HttpServer:
             "CancelMessage": admin.cancel_message, "SearchTimers": admin.search_timers,
             "PendingByDue": admin.pending_by_due,
         }
-        self.history = ErrorHistory(broker.timer.engine.latencies.delivery_error_ms, config.console_history_samples)
+        self.history = ErrorHistory(broker.timer_latencies().delivery_error_ms, config.console_history_samples)
         self.starting = True
         """Until `serve` sets it False, once its gRPC port serves: an HTTP readiness probe must not
         say ready before a gRPC client can be answered."""
@@ -134,8 +138,6 @@ class HttpServer:
 
     async def start(self) -> int:
         """Bind and serve; returns the bound port. A port that cannot be bound is a ConfigError."""
-        from chronoq.server.serve import bind_failure
-
         runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
         await runner.setup()
         site = web.TCPSite(runner, self.config.host, self.config.http_port, reuse_address=True)
@@ -153,7 +155,7 @@ class HttpServer:
 
     async def run(self) -> None:
         """The sampler behind the delivery-error chart, until cancelled."""
-        await self.history.run(self.broker.clock.now_ms, self.config.console_sample_interval_ms)
+        await self.history.run(self.broker.clock, self.config.console_sample_interval_ms)
 
     async def stop(self) -> None:
         self.stopping = True
@@ -176,7 +178,7 @@ class HttpServer:
             return "shutting down"
         if self.starting:
             return "starting: the gRPC port does not serve yet"
-        disk = broker.store.disk_stats()
+        disk = broker.disk_stats()
         if disk["min_free_bytes"] and disk["free_bytes"] < disk["min_free_bytes"]:
             return (f"disk full: {disk['free_bytes']} bytes free, below disk_min_free_bytes "
                     f"({disk['min_free_bytes']}); sends are refused until space is freed")
@@ -264,7 +266,7 @@ class HttpServer:
         return _json({"cancelled": reply["message_id"], "topic": doc["topic"]})
 
     async def search(self, request: web.Request) -> web.Response:
-        now_ms = self.broker.clock.now_ms()
+        now_ms = self.broker.now_ms()
         from_ms = parse_time_ms(request.query.get("from", "now"), now_ms, "from")
         to_ms = parse_time_ms(request.query.get("to", ""), now_ms, "to")
         doc: dict[str, Any] = {"topic": request.query.get("topic") or None, "from_ms": from_ms, "to_ms": to_ms}

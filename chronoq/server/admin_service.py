@@ -38,7 +38,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -49,9 +49,13 @@ from chronoq.protocol import admin as codec
 from chronoq.protocol.errors import InvalidField, MalformedRequest, MissingField
 from chronoq.server.auth import AUTH_OFF, Authenticator, Principal
 from chronoq.server.grpc_service import authenticate
+from chronoq.server.net import max_request_bytes
 from chronoq.timefmt import duration
 from chronoq.timer.recall import decode_recall_handle
 from chronoq.validate import check_key, check_message_id
+
+if TYPE_CHECKING:
+    from chronoq.broker import Broker  # the type only: the broker imports the store, the servers stay light
 
 log = logging.getLogger(__name__)
 
@@ -59,16 +63,14 @@ Method = Callable[[dict[str, Any], Principal], Awaitable[dict[str, Any]]]
 
 READ_REPLY_MARGIN_BYTES = 64 * 1024
 """Room for a ReadMessages reply's envelope (code, message, next_offset, truncated) between its
-messages' byte budget and gRPC's send limit (`serve.max_request_bytes`)."""
+messages' byte budget and gRPC's send limit (`net.max_request_bytes`)."""
 
 
 class AdminService:
-    def __init__(self, broker: Any, config: Config, authenticator: Authenticator | None = None) -> None:
+    def __init__(self, broker: Broker, config: Config, authenticator: Authenticator | None = None) -> None:
         self.broker = broker
         self.config = config
         self.auth = authenticator or Authenticator(AUTH_OFF)
-        from chronoq.server.serve import max_request_bytes  # serve imports this module
-
         self.read_reply_budget_bytes = max_request_bytes(config) - READ_REPLY_MARGIN_BYTES
         """The most encoded JSON of messages one ReadMessages reply carries: below gRPC's send
         limit (`max_request_bytes`, from `max_message_size_bytes`) by the reply's envelope."""
@@ -182,7 +184,7 @@ class AdminService:
                                         "(timer_search_max_rows)")
         if topic is not None:
             self.broker.get_topic(topic)  # TopicNotFound names an unknown topic
-        entries, truncated = self.broker.timer.engine.pending_between(
+        entries, truncated = self.broker.pending_between(
             from_ms, to_ms, topic, limit, self.config.timer_search_max_scanned)
         return codec.ok_json(timers=[{"message_id": e.message_id, "topic": e.topic, "deliver_at_ms": e.deliver_at_ms,
                                       "accepted_ms": e.accepted_ms, "keys": list(e.keys)} for e in entries],
@@ -198,12 +200,11 @@ class AdminService:
             raise InvalidField("bar_s", f"{bar_s} must be positive")
         if not 0 < bars <= self.config.timer_chart_max_bars:
             raise InvalidField("bars", f"{bars} is not in 1..{self.config.timer_chart_max_bars} (timer_chart_max_bars)")
-        now_ms = self.broker.clock.now_ms()
+        now_ms = self.broker.now_ms()
         if from_s is None:
             from_s = now_ms // 1000
-        engine = self.broker.timer.engine
-        edges = [engine.pending_due_before_s(from_s + i * bar_s) for i in range(bars + 1)]
-        total = engine.metrics(now_ms).pending_total
+        edges = [self.broker.pending_due_before_s(from_s + i * bar_s) for i in range(bars + 1)]
+        total = self.broker.pending_total()
         return codec.ok_json(from_s=from_s, bar_s=bar_s, counts=[b - a for a, b in itertools.pairwise(edges)],
                              before=edges[0], after=total - edges[-1], total=total)
 

@@ -42,7 +42,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -57,6 +57,9 @@ from chronoq.protocol.v2 import SERVICE_NAME, service
 from chronoq.server.auth import AUTH_OFF, Authenticator, Principal
 from chronoq.server.renewals import Renewals
 from chronoq.timer.recall import decode_recall_handle
+
+if TYPE_CHECKING:
+    from chronoq.broker import Broker  # the type only: the broker imports the store, the servers stay light
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +119,7 @@ class MessagingService:
     """The servicer. `advertised` is the address routes name; None (server bound to a wildcard
     address) means "the address the client says it used"."""
 
-    def __init__(self, broker: Any, config: Config, *, advertised: rq.Endpoint | None, port: int,
+    def __init__(self, broker: Broker, config: Config, *, advertised: rq.Endpoint | None, port: int,
                  authenticator: Authenticator | None = None) -> None:
         self.broker = broker
         self.config = config
@@ -204,7 +207,7 @@ class MessagingService:
         """The topic; for a new one with auto-create on, the route it will have. A route query
         creates nothing (consumers ask too, and a mistyped topic must not appear): the first
         send creates the topic, with these queues."""
-        return self.broker.topics.for_send(name)
+        return self.broker.topic_for_send(name)
 
     # -- unary RPCs -------------------------------------------------------------------------------
 
@@ -317,7 +320,7 @@ class MessagingService:
             for r in received:
                 self.renewals.hold(r.receipt_handle, group=command.group, topic=command.topic, client_id=client_id,
                                    invisible_until_ms=r.invisible_until_ms, owner=caller.name)
-        return rs.receive_responses(received, invisible_ms, self.broker.clock.now_ms())
+        return rs.receive_responses(received, invisible_ms, self.broker.now_ms())
 
     async def _receive_stream(self, request: Any, context: grpc.aio.ServicerContext) -> list[Any]:
         """ReceiveMessage's whole stream, an error as its one status response."""

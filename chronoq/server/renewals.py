@@ -48,10 +48,13 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from chronoq.clock import Clock
 from chronoq.errors import ChronoqError, PermissionDenied, Throttled
+
+if TYPE_CHECKING:
+    from chronoq.broker import Broker  # the type only: the broker imports the store, the servers stay light
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +80,7 @@ class Held:
 
 
 class Renewals:
-    def __init__(self, broker: Any, clock: Clock, *, duration_ms: int, max_hold_ms: int, max_clients: int) -> None:
+    def __init__(self, broker: Broker, clock: Clock, *, duration_ms: int, max_hold_ms: int, max_clients: int) -> None:
         self._broker = broker
         self._clock = clock
         self.duration_ms = duration_ms

@@ -40,14 +40,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import gc
 import logging
 import signal
-import socket
 import ssl
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -60,6 +59,10 @@ from chronoq.protocol.v2 import SERVICE_NAME
 from chronoq.server.admin_service import AdminService
 from chronoq.server.auth import AUTH_OFF, AuthConfig, Authenticator, load_auth
 from chronoq.server.grpc_service import MessagingService
+from chronoq.server.net import bind_address, bind_failure, max_request_bytes
+
+if TYPE_CHECKING:
+    from chronoq.broker import Broker
 
 log = logging.getLogger(__name__)
 
@@ -69,25 +72,10 @@ LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "[::1]", "localhost"})
 NO_AUTH_WARNING = ("auth is off and chronoq listens on {address}, beyond loopback: anyone who can reach the port "
                    "may send, receive, cancel and administer. Turn it on with [auth] enabled = true and "
                    "[[auth.users]] in the --config file (README, \"Authentication\").")
-WATCHDOG_INTERVAL_S = 1.0
-REQUEST_OVERHEAD_BYTES = 1024 * 1024
-"""Room for protobuf/JSON framing above the payload limit in one request."""
-
-
-def max_request_bytes(config: Config) -> int:
-    """gRPC's receive limit: one batch of messages at the message limit, base64 (admin JSON)
-    included. Larger requests are refused by gRPC itself with RESOURCE_EXHAUSTED."""
-    return 2 * config.max_message_size_bytes + REQUEST_OVERHEAD_BYTES
-
-
 def server_options(config: Config) -> list[tuple[str, int]]:
     limit = max_request_bytes(config)
     return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
             ("grpc.so_reuseport", 0)]
-
-
-def bind_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 def server_credentials(config: Config) -> grpc.ServerCredentials | None:
@@ -127,29 +115,6 @@ def check_tls_pair(cert_path: str, cert: bytes, key_path: str, key: bytes) -> No
                               "(--tls-cert)") from None
         raise ConfigError(f"cannot use {cert_path} and {key_path} for TLS: {exc.reason or exc} (an encrypted "
                           "key is not supported: decrypt it with `openssl pkey -in KEY -out PLAIN-KEY`)") from None
-
-
-def bind_failure(host: str, port: int) -> str:
-    """Why a port cannot be bound, found by binding it with a plain socket the way gRPC does
-    (gRPC's own error only says "Failed to bind")."""
-    try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        return f"cannot resolve host {host!r} ({exc.strerror})"
-    for family, kind, proto, _, address in infos:
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(address)
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    return f"port {port} is in use (another chronoq serve, or another program); choose another --port"
-                if exc.errno == errno.EACCES:
-                    return f"no permission to bind port {port} (ports below 1024 need root); choose another --port"
-                if exc.errno == errno.EADDRNOTAVAIL:
-                    return f"{host} is not an address of this machine; choose another --host"
-                return exc.strerror or str(exc)
-    return "gRPC could not bind it (set GRPC_VERBOSITY=debug for gRPC's own log)"
 
 
 def check_data_dir_path(data_dir: Path) -> None:
@@ -299,12 +264,11 @@ def http_url(host: str, port: int) -> str:
     return f"http://{bind_address(shown, port)}/"
 
 
-async def _watch_broker(broker: object, stop: asyncio.Event) -> None:
+async def _watch_broker(broker: Broker, stop: asyncio.Event) -> None:
     """A broker whose background task died refuses all work; stop serving so a supervisor sees
     the exit (code 1) instead of a server that answers 50002 (BrokerClosed) forever."""
-    while getattr(broker, "fatal", None) is None:
-        await asyncio.sleep(WATCHDOG_INTERVAL_S)
-    log.error("broker failed (%r); stopping the server", broker.fatal)  # type: ignore[attr-defined]
+    why = await broker.wait_failed()
+    log.error("broker failed (%r); stopping the server", why)
     stop.set()
 
 

@@ -1,6 +1,6 @@
 """The Spark timer engine: a Structured Streaming job that holds pending timers and fires them.
 
-Theory of operation. With `timer_engine = "spark"` the broker appends timer messages (and
+Theory of operation. With `timer_firer = "spark"` the broker appends timer messages (and
 cancels, as tombstones) to its timer topic `rmq_sys_wheel_timer` and leaves the rest to this job:
 
     chronoq source (timer topic, per-queue offsets)

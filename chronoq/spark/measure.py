@@ -1,6 +1,6 @@
 """Measure the Spark timer engine's firing error on this machine, end to end.
 
-Theory of operation: start a real `chronoq serve` (timer_engine=spark, trace_enable=true) in a
+Theory of operation: start a real `chronoq serve` (timer_firer=spark, trace_enable=true) in a
 child process, start the engine, send N timer messages due evenly over `spread_ms` starting
 `lead_ms` after the sending begins, wait until the broker reports nothing pending, then stop
 everything, export the broker's delivery trace and run the delivery report on it. The report's
@@ -57,7 +57,7 @@ def run_measurement(spark: Any, options: MeasureOptions, log: Any = print) -> di
 
     work = Path(options.work_dir)
     data_dir = work / "data"
-    server = ServerProcess(data_dir, settings={"timer_engine": "spark", "trace_enable": True}).start()
+    server = ServerProcess(data_dir, settings={"timer_firer": "spark", "trace_enable": True}).start()
     engine_options = EngineOptions(server=server.address, checkpoint=str(work / "ckpt"), bucket_ms=options.bucket_ms,
                                    shards=options.shards, trigger_ms=options.trigger_ms)
     try:

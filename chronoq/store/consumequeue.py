@@ -164,14 +164,15 @@ class OpenFiles:
     for such a broker. An fsync error there calls `on_fsync_failed` (the store fails for good)
     and is raised."""
 
-    def __init__(self, limit: int = DEFAULT_MAX_OPEN_FILES) -> None:
+    def __init__(self, limit: int = DEFAULT_MAX_OPEN_FILES, *,
+                 on_fsync_failed: Callable[[str], None] | None = None) -> None:
         if limit < 1:
             raise ValueError(f"OpenFiles needs a limit of at least 1, not {limit}")
         self.limit = limit
         self._open: OrderedDict[CQFile, None] = OrderedDict()
         self.evictions = 0
         self.evicted_dirty = 0
-        self.on_fsync_failed: Callable[[str], None] | None = None
+        self.on_fsync_failed = on_fsync_failed
         self._dirty_queues: dict[ConsumeQueue, None] = {}
         """Queues written (or whose directory changed) since their last `take_dirty`: all a
         checkpoint visits. Visiting every queue cost ~0.9 us each on the loop, every second:

@@ -25,11 +25,12 @@ its queue lacks that offset). The offsets are handed out when the record is enco
 
 A reader resolves a link entry through the link record to the linked record
 (`MessageStore.readable_entry`), and shows it as a message of the queue it was read from: that
-queue's topic, queue id and offset, and whatever else its linker says (`linked_view`: the timer
-room strips its bookkeeping). A link never points forward: it names a record written before its
-link record. Retention keeps a linked record as long as a link record within retention names
-it (design.md, "Retention of fired timers"); a link past retention whose record is gone is
-skipped, as an entry retention removed.
+queue's topic, queue id and offset, and whatever else its linker says
+(`MessageStore.linked_reads`: the timer room strips its bookkeeping, `timer/reads.py`). A link
+never points forward: it names a record written before its link record. Retention keeps a
+linked record as long as a link record within retention names it (design.md, "Retention of
+fired timers"); a link past retention whose record is gone is skipped, as an entry retention
+removed.
 
 Pure functions and a column builder; no I/O. The body's byte layout is documented once, in
 docs/disk-format.md ("Link record"); `tests/store/test_links.py` checks it and fuzzes the decoder,

@@ -3,8 +3,11 @@
 Theory of operation: `append()` encodes records for the log's current end, assigns each its
 queue and queue offset, and writes them (page cache) in one call; `wait_durable()` returns when
 an fsync covers them. When the log reports new durable bytes, the store *dispatches* those
-records: appends their consume-queue entries and hands them to the dispatch listeners (the timer
-engine, long-polling receivers). So nothing is visible to a consumer before it is durable.
+records through the one `Dispatch` it was handed (`chronoq/dispatch.py`, which names every
+consumer: its own consume queues (`enter`), then the timer index, the trace and the long
+polls), and only then are their senders released. So nothing is visible to a consumer before
+it is durable. The read cache (`store/readcache.py`) keeps what was just dispatched, and
+checkpoints are written by `store/checkpointing.py`.
 
 Recovery (`open`) in order: lock the directory; read the topic table; open the log, truncating a
 torn tail and quarantining damage (`store/damage.py`; a tail lost below the checkpoint, as a power
@@ -14,7 +17,8 @@ log from the checkpoint's dispatched position (idempotent: an entry is appended 
 queue is missing it);
 rebuild damaged queues from the whole log. A queue offset whose record was lost to damage gets a
 *hole* entry (size 0) so the queue stays dense and readers step over it.
-The store knows nothing of consumers or timers: listeners and the broker own those meanings.
+The store knows nothing of consumers or timers: the rooms dispatch reaches, and the broker, own
+those meanings.
 
 Retention (`expired_before`) deletes whole segments, oldest first, once the youngest store time
 inside one is older than `retention_ms`: store times, never file times (a directory restored from
@@ -25,7 +29,7 @@ A re-base of broker time (`clock.py`) moves the store times kept for this (`cloc
 with it, so no segment waits out the step.
 
 A full disk (`store/diskspace.py`) is back-pressure. Dispatch that runs out of space writing
-derived state (a consume-queue append, a listener's RocksDB write) keeps the records it could not
+derived state (a consume-queue append, the timer index's RocksDB write) keeps the records it could not
 finish in line and reports how far it got, so their senders stay unacknowledged; the log's
 flusher retries it, sends are refused meanwhile (`check_room_for_send`), and it resumes when
 space returns. A process out of file descriptors with no consume-queue file left to give up
@@ -43,7 +47,7 @@ on the caller's thread at open, close and before retention deletes, and on the s
 worker thread for the broker's periodic tick (`checkpoint_in_background`), so the loop does not
 wait out its fsyncs: what it covers is decided on the loop first, and the next checkpoint, or
 the close, takes its outcome. Records just dispatched stay decoded in a bounded read cache, in a
-form the garbage collector stops tracking (`_CachedRecord`).
+form the garbage collector stops tracking (`store/readcache.py`).
 
 Reads (`read_at`) return None for a record retention removed or a hole, and raise
 `CorruptRecord` for a damaged one, after quarantining it: each caller decides what a lost
@@ -51,14 +55,13 @@ record means to it (skip it, drop an in-flight entry, mark a timer damaged). `re
 same read for callers to whom damage means "skip", and `readable_entry` the read of a queue
 entry: a link's (`store/links.py`: a link record enters records already in the log into other
 topics' queues, how timers fire) goes through its link record to the linked record, shown as
-the message that queue holds (`linked_view`, which the link's writer sets). A link record's
+the message that queue holds (`linked_reads.view`, the link writer's say). A link record's
 links are dispatched, replayed and rebuilt as queue entries by the rule every record's own
 entry follows (`queue_entries`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import fcntl
 import itertools
@@ -67,13 +70,13 @@ import os
 import resource
 import shutil
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 from chronoq.config import Config
+from chronoq.dispatch import Dispatch
 from chronoq.errors import (
     ChronoqError,
     CorruptRecord,
@@ -88,6 +91,7 @@ from chronoq.errors import (
 )
 from chronoq.model import LINKS_TOPIC, MessageType, StoredMessage, TopicConfig
 from chronoq.store import files, fsync
+from chronoq.store.checkpointing import CheckpointWriter
 from chronoq.store.commitlog import CommitLog, RecoveryReport, Segment
 from chronoq.store.consumequeue import ConsumeQueue, OpenFiles, TakenFlush, tag_hash
 from chronoq.store.diskspace import DiskSpace, is_disk_full
@@ -100,37 +104,33 @@ from chronoq.store.meta import (
     read_checkpoint_versioned,
     write_atomic,
 )
+from chronoq.store.readcache import CACHED_SIZE, ReadCache, from_cache
 from chronoq.store.record import encode_record
 
-DispatchListener = Callable[[list[StoredMessage]], None]
-LinkedView = Callable[[StoredMessage, str, int, int, int], StoredMessage]
-"""(linked record, the topic, queue id and offset it was read at, when it was linked there: its
-link record's store time) -> the message it is there."""
-LinkCopy = Callable[[int], tuple[Links, int] | None]
-"""A link record's position -> its links and store time from a copy kept elsewhere (None: no
-copy): read in its place when the record is damaged on disk."""
-NextRead = Callable[[StoredMessage], int | None]
-"""A record just dispatched -> the broker time before which nothing reads it by position (a
-timer's due time), `NEVER_READ`, or None: it may be read at once. The read cache asks it."""
+
+class LinkedReads(Protocol):
+    """What the writer of the links (the timer room, `timer/reads.py`) says about reading them."""
+
+    def view(self, msg: StoredMessage, topic: str, queue_id: int, queue_offset: int,
+             linked_ms: int) -> StoredMessage:
+        """A linked record, read at `queue_offset` of queue (`topic`, `queue_id`), where it was
+        linked at `linked_ms` (its link record's store time): the message it is there."""
+        ...
+
+    def link_copy(self, position: int) -> tuple[Links, int] | None:
+        """A link record's links and store time from a copy kept elsewhere (None: no copy): read
+        in its place when the record is damaged on disk."""
+        ...
+
+    def next_read_ms(self, msg: StoredMessage) -> int | None:
+        """A record just dispatched -> the broker time before which nothing reads it by position
+        (a timer's due time), `NEVER_READ`, or None: it may be read at once. The read cache asks it."""
+        ...
+
+
 NEVER_READ = -1
-_CACHED_OBJECT_BYTES = 400
-"""What a decoded record costs in memory beyond its bytes (the StoredMessage, its strings, dicts
-and the cache's slot), roughly, for a small message: what `read_cache_bytes` counts per record."""
 log = logging.getLogger("chronoq.store")
 
-_CachedRecord = tuple[Any, ...]
-"""A cached record: StoredMessage's fields in order, the message type as a plain int and each
-properties dict as a flat tuple (k1, v1, k2, v2, ...). A tuple holding only strings, ints, bytes
-and such tuples is one the garbage collector stops tracking (most in the first young collection
-they survive, the rest in the first full one that sees them; a dict inside would keep an entry
-tracked for good), where each StoredMessage (a class instance) is tracked for life: with tens of
-thousands of records cached, every full collection walked all of them, a pause of up to 150 ms
-on the event loop under load (the delivery-error tail). Building the StoredMessage again on a
-hit costs ~1 µs, and gives the caller its own copy."""
-_CACHED_SIZE = 13
-"""The index of `size` in a `_CachedRecord`."""
-_CACHED_STORE_MS = 11
-"""The index of `store_ms` in a `_CachedRecord`."""
 LINKS_CACHED = 64
 """Decoded link records kept (`MessageStore._links_cache`): ~30 bytes a link (~250 KB for a full
 fire step of 8,192), so at most ~16 MB at the default step."""
@@ -138,7 +138,7 @@ fire step of 8,192), so at most ~16 MB at the default step."""
 
 def _out_of_fds(exc: BaseException) -> bool:
     """Whether `exc` says the process (EMFILE) or the system (ENFILE) had no descriptor for a
-    consume-queue file. (Not a listener's RocksDB "Too many open files": whether a RocksDB write
+    consume-queue file. (Not the timer index's RocksDB "Too many open files": whether a RocksDB write
     recovers from that without a reopen is untested, so it still raises as before.)"""
     return isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE)
 
@@ -152,68 +152,6 @@ def _warn_if_queue_files_exceed_the_fd_limit(max_open_queue_files: int) -> None:
         log.warning("max_open_queue_files = %d: consume queues may hold %d descriptors, more than half the "
                     "process's open-file limit (ulimit -n) %d; lower it or raise the limit",
                     max_open_queue_files, 2 * max_open_queue_files, soft)
-
-
-async def _finished(job: Future[None]) -> None:
-    """Wait until a worker thread's `job` is done, without taking its outcome (the caller takes
-    it from `job`) and without cancelling it if the wait is cancelled (`asyncio.wait` does not)."""
-    done = asyncio.wrap_future(job)
-    done.add_done_callback(_retrieve)
-    await asyncio.wait((done,))
-
-
-def _retrieve(done: asyncio.Future[None]) -> None:
-    """Mark the loop's copy of a thread's outcome as seen (it is taken from the thread's future)."""
-    if not done.cancelled():
-        done.exception()
-
-
-def _sync_and_record(taken: list[TakenFlush], path: Path, checkpoint: bytes) -> None:
-    """A checkpoint's disk work (on a worker thread, or the caller's): make the taken queue
-    writes durable, then replace the checkpoint file. The descriptors are released either way.
-    A job whose checkpoint was given back (its worker could not start when it was queued) does
-    nothing: its queues count as dirty again, and a later checkpoint syncs and records them."""
-    if any(t.given_back for t in taken):
-        return
-    try:
-        for t in taken:
-            t.sync()
-    finally:
-        for t in taken:
-            t.close()
-    write_atomic(path, checkpoint)
-
-
-def _cached(m: StoredMessage) -> _CachedRecord:
-    # Fresh inner tuples (the keys too): made just before the entry, the collection that first
-    # sees the entry has untracked them when it reaches it.
-    return (m.message_id, m.topic, m.queue_id, m.queue_offset, int(m.message_type), m.tag, (*m.keys,),
-            _flat(m.properties), _flat(m.system_properties), m.body, m.born_ms, m.store_ms, m.position, m.size)
-
-
-def _read_at_once(msg: StoredMessage) -> int | None:
-    return None
-
-
-def _no_link_copy(position: int) -> tuple[Links, int] | None:
-    return None
-
-
-def _flat(d: Mapping[str, str]) -> tuple[str, ...]:
-    return tuple(itertools.chain.from_iterable(d.items())) if d else ()
-
-
-def _unflat(t: tuple[str, ...]) -> dict[str, str]:
-    return dict(zip(t[::2], t[1::2], strict=True)) if t else {}
-
-
-_MESSAGE_TYPE_OF = {int(t): t for t in MessageType}
-"""A cached record's type number -> its MessageType: a dict lookup, not the enum's ~1.5 µs call."""
-
-
-def _from_cache(c: _CachedRecord) -> StoredMessage:
-    return StoredMessage(c[0], c[1], c[2], c[3], _MESSAGE_TYPE_OF[c[4]], c[5], c[6], _unflat(c[7]), _unflat(c[8]),
-                         c[9], c[10], c[11], c[12], c[13])
 
 
 @dataclass(slots=True)
@@ -237,13 +175,24 @@ class PreparedMessage:
     topics' queues; `append` chooses their queues and offsets and encodes the body."""
 
 
-def _relabelled(msg: StoredMessage, topic: str, queue_id: int, queue_offset: int, linked_ms: int) -> StoredMessage:
-    """A linked record as a message of the queue it was read from, stored there when it was
-    linked, nothing else changed: the view of a store opened without the room that wrote the
-    links (`chronoq check`, tools)."""
-    return StoredMessage(msg.message_id, topic, queue_id, queue_offset, msg.message_type, msg.tag, msg.keys,
-                         msg.properties, msg.system_properties, msg.body, msg.born_ms, linked_ms, msg.position,
-                         msg.size)
+class PlainLinkedReads:
+    """How links read in a store opened without the room that wrote them (`chronoq check`,
+    tools): a linked record as a message of the queue it was read from, stored there when it was
+    linked, nothing else changed; no copies of link records; every record may be read at once."""
+
+    @staticmethod
+    def view(msg: StoredMessage, topic: str, queue_id: int, queue_offset: int, linked_ms: int) -> StoredMessage:
+        return StoredMessage(msg.message_id, topic, queue_id, queue_offset, msg.message_type, msg.tag, msg.keys,
+                             msg.properties, msg.system_properties, msg.body, msg.born_ms, linked_ms, msg.position,
+                             msg.size)
+
+    @staticmethod
+    def link_copy(position: int) -> tuple[Links, int] | None:
+        return None
+
+    @staticmethod
+    def next_read_ms(msg: StoredMessage) -> int | None:
+        return None
 
 
 @dataclass
@@ -267,43 +216,32 @@ class MessageStore:
         self.dir = config.data_dir
         self.topics: dict[str, TopicConfig] = {}
         self._cqs: dict[tuple[str, int], ConsumeQueue] = {}
-        self.queue_files = OpenFiles(config.max_open_queue_files)
+        self.queue_files = OpenFiles(config.max_open_queue_files, on_fsync_failed=self._queue_fsync_failed)
         """Every consume queue's open files, at most `max_open_queue_files` (least recently used
         closed first): the store's descriptors do not grow with the number of queues."""
-        self.queue_files.on_fsync_failed = lambda reason: self.log.fail(reason)
         self._next_qoff: dict[tuple[str, int], int] = {}
         self._round_robin: dict[str, itertools.count[int]] = {}
         self._undispatched: deque[StoredMessage] = deque()
         self.dispatched_position = 0
-        self.listeners: list[DispatchListener] = []
-        self.linked_view: LinkedView = _relabelled
-        """How a record read through a link looks in the queue it was linked into: the writer of
-        the links says (the broker sets the timer room's `delivered_view`)."""
-        self.link_copy: LinkCopy = _no_link_copy
-        """Where a damaged link record's links are read instead (the broker sets the timer room's
-        `link_copy`: the timer index keeps a copy of each link record while it is retained)."""
+        self._dispatch = Dispatch.queues_only(self)
+        """Where durable records go (`chronoq/dispatch.py`): the queues only, until the broker
+        hands over the dispatch it built with every consumer (`dispatch_through`)."""
+        self.linked_reads: LinkedReads = PlainLinkedReads()
+        """How a record read through a link looks in the queue it was linked into, where a
+        damaged link record's links are read instead, and when a record is next read: the writer
+        of the links says (the broker hands over the timer room's `timer/reads.py`)."""
         self.damaged_links_read: set[int] = set()
         """Positions of damaged link records whose links were read from their copy (for stats and
         a log line per record, not per read)."""
-        self.next_read_ms: NextRead = _read_at_once
-        """When a record just dispatched is next read (the broker sets the timer room's
-        `next_read_ms`): the read cache leaves out a record it would evict before then."""
         self.skipped_damaged = 0
-        self._read_cache: OrderedDict[int, _CachedRecord] = OrderedDict()
-        """position -> record, in dispatch order (`_cache_records`). An OrderedDict, not a dict:
-        evicting the oldest of a plain dict (`next(iter(d))`) walks over every slot freed since
-        its last resize, which made each eviction cost more the longer the cache ran."""
-        self._read_cache_bytes = 0
+        self.read_cache = ReadCache(config.read_cache_bytes)
+        """Records just dispatched, decoded, for the reads that usually follow (`store/readcache.py`)."""
         self._links_cache: OrderedDict[int, tuple[Links, int]] = OrderedDict()
         """Link record position -> its decoded links and its store time, the last `LINKS_CACHED`
         dispatched or read: a link's queue entry names its link record, which every read of it
         goes through."""
-        self.read_cache_hits = 0
-        """Reads that stepped over a damaged record (each range is logged once, when found)."""
-        self._checkpoint_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chronoq-checkpoint")
-        """Runs background checkpoints' disk work (`checkpoint_in_background`), one at a time."""
-        self._checkpoint_thread: Future[None] | None = None
-        """The background checkpoint submitted last, until its outcome is taken."""
+        self._checkpoints = CheckpointWriter(self.dir / files.CHECKPOINT, self._checkpoint_failed)
+        """Writes checkpoints, on the caller's thread or its own (`store/checkpointing.py`)."""
         self.disk = DiskSpace(config.data_dir, min_free_bytes=config.disk_min_free_bytes,
                               reserve_file_bytes=config.disk_reserve_file_bytes)
         self._dispatch_blocked: str | None = None
@@ -344,6 +282,18 @@ class MessageStore:
             store._unlock()
             raise
         return store, report
+
+    def dispatch_through(self, dispatch: Dispatch, linked_reads: LinkedReads) -> None:
+        """Hand over what the rooms built on this store decide (the broker, once each exists):
+        where durable records go from now on (`dispatch`, built with every consumer) and how
+        linked records read (`linked_reads`). Recovery dispatched nothing to anyone: it wrote the
+        queues itself, and each room replays the log for its own state."""
+        self._dispatch = dispatch
+        self.linked_reads = linked_reads
+
+    def _queue_fsync_failed(self, reason: str) -> None:
+        """A consume queue's fsync failed: the store fails as a whole, as for the log's."""
+        self.log.fail(reason)
 
     def _lock(self) -> None:
         fd = os.open(self.dir / files.LOCK, os.O_RDWR | os.O_CREAT, 0o644)
@@ -699,14 +649,14 @@ class MessageStore:
                 "dispatch_out_of_fds": self._dispatch_out_of_fds}
 
     def _on_durable(self, end: int) -> int | None:
-        """Dispatch the records below `end` (durable ones; in async mode, written ones). Returns
+        """Dispatch the records below `end` (durable ones; in async mode, written ones): the
+        dispatch step (`chronoq/dispatch.py`) takes them to their queues and every room. Returns
         None when all are dispatched, else the position of the first one that is not: the disk
         ran out of space while writing its derived state, and the call is repeated later.
         Repeating is safe: consume queues skip entries they hold, the timer index ignores what
         it has applied (its write is one atomic batch), wake-ups are idempotent."""
         pending = self._undispatched
         batch: list[StoredMessage] = []
-        per_queue: dict[tuple[str, int], tuple[int, list[tuple[int, int, int]]]] = {}
         stale = 0
         for msg in pending:
             if msg.position >= end:
@@ -714,26 +664,10 @@ class MessageStore:
             if msg.position < self.dispatched_position:
                 stale += 1  # dispatched already: a record is never dispatched twice
                 continue
-            key = (msg.topic, msg.queue_id)
-            entries = per_queue.get(key)
-            if entries is None:
-                entries = per_queue[key] = (msg.queue_offset, [])
-            entries[1].append((msg.position, msg.size, tag_hash(msg.tag)))
-            if msg.topic == LINKS_TOPIC:
-                links = decode_links(msg.body, msg.position)
-                self._remember_links(msg.position, links, msg.store_ms)  # its consumers read it next
-                for topic, qid, qoff, position, size, th in link_entries(msg.position, links):
-                    entries = per_queue.get((topic, qid))
-                    if entries is None:
-                        entries = per_queue[(topic, qid)] = (qoff, [])
-                    entries[1].append((position, size, th))
             batch.append(msg)
         if batch:
             try:
-                for key, (first_offset, entries) in per_queue.items():
-                    self._cq(key).append_many(entries, first_offset)
-                for listener in self.listeners:
-                    listener(batch)
+                self._dispatch(batch)
             except Exception as e:
                 if is_disk_full(e):
                     self._dispatch_blocked = f"dispatching durable records from position {batch[0].position}"
@@ -752,7 +686,7 @@ class MessageStore:
                     raise
                 return batch[0].position
             self.dispatched_position = batch[-1].position + batch[-1].size
-            self._cache_records(batch)
+            self.read_cache.put(batch, self.linked_reads.next_read_ms)
         for _ in range(stale + len(batch)):
             pending.popleft()
         if self._dispatch_blocked is not None:
@@ -763,7 +697,34 @@ class MessageStore:
             log.warning("dispatch resumed: file descriptors were freed")
         return None
 
+    def enter(self, records: list[StoredMessage]) -> None:
+        """The queues' step of dispatch: each record's consume-queue entry, and each link's of a
+        link record (whose decoded links are kept for the rooms that read them next), appended
+        per queue in one write."""
+        per_queue: dict[tuple[str, int], tuple[int, list[tuple[int, int, int]]]] = {}
+        for msg in records:
+            key = (msg.topic, msg.queue_id)
+            entries = per_queue.get(key)
+            if entries is None:
+                entries = per_queue[key] = (msg.queue_offset, [])
+            entries[1].append((msg.position, msg.size, tag_hash(msg.tag)))
+            if msg.topic == LINKS_TOPIC:
+                links = decode_links(msg.body, msg.position)
+                self._remember_links(msg.position, links, msg.store_ms)  # its consumers read it next
+                for topic, qid, qoff, position, size, th in link_entries(msg.position, links):
+                    entries = per_queue.get((topic, qid))
+                    if entries is None:
+                        entries = per_queue[(topic, qid)] = (qoff, [])
+                    entries[1].append((position, size, th))
+        for key, (first_offset, entries) in per_queue.items():
+            self._cq(key).append_many(entries, first_offset)
+
     # -- reading ----------------------------------------------------------------------------
+
+    @property
+    def read_cache_hits(self) -> int:
+        """Reads the read cache answered since start."""
+        return self.read_cache.hits
 
     def queue(self, topic: str, queue_id: int) -> ConsumeQueue:
         return self._cq((topic, queue_id))
@@ -771,49 +732,17 @@ class MessageStore:
     def queue_keys(self) -> list[tuple[str, int]]:
         return list(self._cqs)
 
-    def _cache_records(self, batch: list[StoredMessage]) -> None:
-        """Keep the records just dispatched, decoded, for the reads that usually follow at once
-        (a consumer keeping up, a short timer firing): first in, first out, within
-        `read_cache_bytes`. Records never change once written, so a cached one is the record.
-
-        Once the cache is full, it holds what was dispatched over its last `span` ms (the oldest
-        entry's store time to now): a record not read before then (`next_read_ms`: a timer due
-        later, a tombstone) would be evicted unread, so it is left out, and costs neither the
-        entry's building (a few µs a timer accepted) nor the room of a record read sooner."""
-        budget = self.config.read_cache_bytes
-        if not budget:
-            return
-        cache = self._read_cache
-        held = self._read_cache_bytes
-        next_read_ms = self.next_read_ms
-        horizon_ms = None  # until the cache is full: everything is kept
-        for msg in batch:
-            if msg.topic == LINKS_TOPIC:
-                continue  # read by the index and queues at dispatch, never again by position
-            cost = msg.size + _CACHED_OBJECT_BYTES
-            if horizon_ms is None and held + cost > budget and cache:
-                now_ms = msg.store_ms  # (a clock stepped back reads as a span of 0)
-                horizon_ms = now_ms + max(0, now_ms - next(iter(cache.values()))[_CACHED_STORE_MS])
-            if horizon_ms is not None:
-                read_ms = next_read_ms(msg)
-                if read_ms is not None and (read_ms < 0 or read_ms > horizon_ms):
-                    continue
-            cache[msg.position] = _cached(msg)
-            held += cost
-        while held > budget and cache:
-            held -= cache.popitem(last=False)[1][_CACHED_SIZE] + _CACHED_OBJECT_BYTES
-        self._read_cache_bytes = held
-
     def read_at(self, position: int, size: int) -> StoredMessage | None:
         """The record at `position`; None when retention has removed it or the queue entry is a
         hole (size 0: lost to damage). Raises CorruptRecord when the record is damaged, after
         quarantining the bytes (`CommitLog.quarantine`)."""
         if position < self.log.start_position or size == 0:
             return None
-        cached = self._read_cache.get(position)
-        if cached is not None and cached[_CACHED_SIZE] == size:
-            self.read_cache_hits += 1
-            return _from_cache(cached)
+        cache = self.read_cache
+        cached = cache.records.get(position)
+        if cached is not None and cached[CACHED_SIZE] == size:
+            cache.hits += 1
+            return from_cache(cached)
         try:
             return self.log.read(position, size)
         except CorruptRecord as e:
@@ -835,7 +764,7 @@ class MessageStore:
         (`position`, `size`): `readable`'s answer for it (None: removed by retention, a hole, or
         damaged and skipped). A link entry (`LINKED` in `size`) is read through its link record,
         and the linked record (its own topic is another: a fired timer's) is shown as the message
-        the queue holds, as its linker says (`linked_view`)."""
+        the queue holds, as its linker says (`linked_reads.view`)."""
         try:
             if not size & LINKED:
                 return self.read_at(position, size)
@@ -847,10 +776,10 @@ class MessageStore:
         except CorruptRecord:
             self.skipped_damaged += 1
             return None
-        return None if msg is None else self.linked_view(msg, topic, queue_id, queue_offset, linked_ms)
+        return None if msg is None else self.linked_reads.view(msg, topic, queue_id, queue_offset, linked_ms)
 
     def links_in(self, msg: StoredMessage) -> Links:
-        """The links of link record `msg` (decoded at its dispatch, so its listeners read them
+        """The links of link record `msg` (decoded at its dispatch, so the rooms dispatch reaches read them
         from the cache)."""
         cached = self._links_cache.get(msg.position)
         return cached[0] if cached is not None else decode_links(msg.body, msg.position)
@@ -870,7 +799,7 @@ class MessageStore:
                 cached = (decode_links(rec.body, position), rec.store_ms)
             except CorruptRecord as e:
                 self._quarantine_if_damaged(position, e.reason)
-                copy = self.link_copy(position)
+                copy = self.linked_reads.link_copy(position)
                 if copy is None:
                     raise
                 cached = copy
@@ -897,11 +826,11 @@ class MessageStore:
         magic, position and CRC32C, each run of adjacent records read in one `pread`. Returns
         {position: why} for those that fail (quarantined, as `read_at` does). A record in the
         read cache passed its checks when it was written and is not read again."""
-        cache = self._read_cache
+        cache = self.read_cache.records
         todo = []
         for position, size in spans:
             cached = cache.get(position)
-            if cached is None or cached[_CACHED_SIZE] != size:
+            if cached is None or cached[CACHED_SIZE] != size:
                 todo.append((position, size))
         bad = self.log.check_records(todo) if todo else {}
         for position, reason in bad.items():
@@ -924,13 +853,9 @@ class MessageStore:
         (open, close, retention before it deletes; tests). After any fsync error (here or in the
         log) it raises FlushFailed and writes nothing: the checkpoint on disk stays at the last
         point known durable, and a restart replays the log from there."""
-        self._settle_background_checkpoint()
+        self._checkpoints.settle()
         position, taken = self._take_checkpoint()
-        try:
-            _sync_and_record(taken, self.dir / files.CHECKPOINT, encode_checkpoint(position, 0))
-        except BaseException as e:
-            self._checkpoint_failed(e)
-            raise
+        self._checkpoints.write_now(taken, encode_checkpoint(position, 0))
         return position
 
     async def checkpoint_in_background(self) -> int:
@@ -940,30 +865,9 @@ class MessageStore:
         on the loop, before the thread starts: the position dispatched so far and the queue
         files dirty up to it. Cancelled while waiting (the broker closing), the thread finishes
         regardless, and the next checkpoint waits for it and takes its outcome."""
-        if self._checkpoint_thread is not None:
-            await _finished(self._checkpoint_thread)
-            self._settle_background_checkpoint()
+        await self._checkpoints.wait_for_running()
         position, taken = self._take_checkpoint()
-        try:
-            job = self._checkpoint_pool.submit(_sync_and_record, taken, self.dir / files.CHECKPOINT,
-                                               encode_checkpoint(position, 0))
-        except BaseException:
-            # No worker thread (RuntimeError: a pids limit; it starts on first use): give back
-            # what was taken, or the next checkpoint would cover those queues' entries unsynced
-            # (and the duplicates leak). The job stays queued in the pool; a worker that starts
-            # later finds it given back and skips it (`_sync_and_record`).
-            for t in taken:
-                t.untake()
-            raise
-        self._checkpoint_thread = job
-        # Cancelled here, the thread runs on (its queues are counted clean already) and whoever
-        # checkpoints next takes its outcome.
-        await _finished(job)
-        if self._checkpoint_thread is job:
-            self._checkpoint_thread = None
-        # Taken here even if a checkpoint on the loop settled it meanwhile: this caller (the
-        # broker's tick) must hear of a full disk, or it would end the episode as recovered.
-        self._checkpoint_outcome(job, quiet_disk_full=False)
+        await self._checkpoints.write_in_background(taken, encode_checkpoint(position, 0))
         return position
 
     def _take_checkpoint(self) -> tuple[int, list[TakenFlush]]:
@@ -995,28 +899,6 @@ class MessageStore:
                 t.untake()
             raise
         return position, taken
-
-    def _settle_background_checkpoint(self) -> None:
-        """Wait for a background checkpoint still running (a close, or a checkpoint after a
-        cancelled one) and take its outcome: an fsync error fails the log for good and is
-        raised; a full disk only means that checkpoint was not written (the one before stays
-        valid), and one is about to be tried again."""
-        job, self._checkpoint_thread = self._checkpoint_thread, None
-        if job is not None:
-            self._checkpoint_outcome(job, quiet_disk_full=True)
-
-    def _checkpoint_outcome(self, job: Future[None], *, quiet_disk_full: bool) -> None:
-        """`job`'s result (waiting for it), as a checkpoint on this thread would have raised it."""
-        try:
-            job.result()
-        except BaseException as e:
-            try:
-                self._checkpoint_failed(e)
-            except DiskFull:
-                if quiet_disk_full:
-                    return
-                raise
-            raise
 
     def _checkpoint_failed(self, e: BaseException) -> None:
         """What a failed checkpoint means: an fsync error fails the log for good (re-raised by
@@ -1085,12 +967,12 @@ class MessageStore:
         try:
             if hasattr(self, "log"):
                 try:
-                    self._settle_background_checkpoint()
+                    self._checkpoints.settle()
                 except ChronoqError:
                     pass  # an fsync error is the log's failure now: no checkpoint below
                 except Exception:
                     log.exception("the last background checkpoint failed; closing with a new one")
-                self._checkpoint_pool.shutdown(wait=True)
+                self._checkpoints.shutdown()
                 self.log.close()
                 healthy = self.log.failure is None
                 try:

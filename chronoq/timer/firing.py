@@ -2,12 +2,13 @@
 
 Theory of operation: a timer engine answers "what is due at now_ms?"; the firing policy says
 what the broker's timer loop does with that answer. With the broker as the firer (the default,
-`timer_engine = "rocksdb"`) the loop fires what is due at `now_ms`. With a job as the firer
-(`timer_engine = "spark"`: a Spark job reads the timer topic and calls FireTimers) the loop is
+`timer_firer = "broker"`) the loop fires what is due at `now_ms`. With a job as the firer
+(`timer_firer = "spark"`: a Spark job reads the timer topic and calls FireTimers) the loop is
 only a backstop: it fires what is overdue by `backstop_ms`, so a job that is down, or dropped a
 timer, never leaves one waiting forever; FireTimers skips whatever already fired, so the two
 never fire one timer twice. The policy is a value built once from the config
-(`firing_policy`): the timer service asks it, instead of comparing engine names.
+(`firing_policy`): the timer service asks it, instead of comparing setting values. Which
+index holds the timers (`timer_engine`) is another question, `timer/engines.py`'s.
 Pure: no clock, no I/O.
 """
 
@@ -37,13 +38,13 @@ class FiringPolicy:
 
 BROKER_FIRES = FiringPolicy("broker")
 
-_BY_ENGINE: dict[str, Callable[[Config], FiringPolicy]] = {
-    "rocksdb": lambda config: BROKER_FIRES,
+_BY_FIRER: dict[str, Callable[[Config], FiringPolicy]] = {
+    "broker": lambda config: BROKER_FIRES,
     "spark": lambda config: FiringPolicy("job", config.timer_spark_backstop_ms),
 }
-"""Each `timer_engine` name and who fires its timers: the one place an engine name is looked at."""
+"""Each `timer_firer` value and its policy: the one place that setting is looked at."""
 
 
 def firing_policy(config: Config) -> FiringPolicy:
-    """The policy of `config.timer_engine` (`Config.validate` has refused any other name)."""
-    return _BY_ENGINE[config.timer_engine](config)
+    """The policy of `config.timer_firer` (`Config` has refused any other value)."""
+    return _BY_FIRER[config.timer_firer](config)

@@ -15,11 +15,13 @@ early (`poke`). It never dies of its own faults: a full disk holds firing back
 (`disk_full_retry_ms`, the timers stay pending: nothing lost, nothing early), and a timer index
 found damaged while running is rebuilt from the log in one step on the loop.
 
-The index is derived state. `open_timer_service` opens it and replays the log from its
-`indexed_position`; missing, damaged, of another format version, or ahead of the log or behind
-its retained start (files restored from different times), it is destroyed and rebuilt. The dispatch listener
-(`on_dispatch`) applies every durable record to it; a damaged index there only marks it for the
-loop to rebuild, so senders are never held up by derived state.
+The index is derived state. `open_timer_service` opens the one `timer_engine` names (passed in
+as an `EngineChoice`, `timer/engines.py`: this module names no implementation) and replays the
+log from its `indexed_position`; missing, damaged, of another format version, or ahead of the
+log or behind its retained start (files restored from different times), it is destroyed and
+rebuilt. One that is not durable (the in-memory engine) starts empty and replays the whole log.
+Dispatch (`index`, `chronoq/dispatch.py`) applies every durable record to it; a damaged index
+there only marks it for the loop to rebuild, so senders are never held up by derived state.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from chronoq.errors import DiskFull, TimerIndexCorrupt
 from chronoq.model import SCHEDULE_TOPIC, SYS_TIMER_DEL_UNIQKEY, SYS_TIMER_OUT_MS, TIMER_TOPIC, StoredMessage
 from chronoq.store import files
 from chronoq.store.messagestore import MessageStore, PreparedMessage
-from chronoq.timer.index import RocksTimerIndex
+from chronoq.timer.engine import TimerEngine
+from chronoq.timer.engines import EngineChoice
 from chronoq.timer.service import TimerService
 
 log = logging.getLogger("chronoq.timer")
@@ -44,11 +47,14 @@ Append = Callable[[list[PreparedMessage]], Awaitable[list[StoredMessage]]]
 
 
 class TimerLoop:
-    def __init__(self, config: Config, clock: Clock, store: MessageStore, service: TimerService) -> None:
+    def __init__(self, config: Config, clock: Clock, store: MessageStore, service: TimerService,
+                 engines: EngineChoice) -> None:
         self.config = config
         self.clock = clock
         self.store = store
         self.service = service
+        self.engines = engines
+        """How a damaged index is thrown away and opened again (`timer/engines.py`)."""
         self._wakeup = asyncio.Event()
         self.index_rebuilds = 0
         self._asleep_until_ms: float = 0
@@ -61,17 +67,21 @@ class TimerLoop:
         self.passes = 0
         """Times the loop asked the index what is due (each costs a RocksDB seek): for `stats`
         and the tests of when the loop wakes."""
+        self.sleeping = False
+        """True while the loop waits (for a deadline, the fire gap, a wake-up, or a full disk's
+        retry), False while it works: a test on a `FakeClock` moves the clock once it is True."""
 
     def poke(self) -> None:
         """Something changed what is due first (a cancel): look again now."""
         self._wakeup.set()
 
-    def on_dispatch(self, msgs: list[StoredMessage]) -> None:
-        """Durable records: apply them to the index (the store calls this before it releases the
-        senders, so an acknowledged timer is indexed) and wake the loop if they touch timers."""
+    def index(self, msgs: list[StoredMessage]) -> None:
+        """The timer index's step of dispatch (`chronoq/dispatch.py`): apply durable records to
+        the index (before their senders are released, so an acknowledged timer is indexed, and a
+        link record's timers are marked fired) and wake the loop if they touch timers."""
         if self.service.index_damaged is None:
             try:
-                self.service.on_dispatch(msgs, self.clock.now_ms())
+                self.service.index(msgs, self.clock.now_ms())
             except TimerIndexCorrupt as e:
                 # The records are durable in the log; only the derived index is hurt. The loop
                 # rebuilds it (from the log, these records included); senders go on. The reason
@@ -108,7 +118,7 @@ class TimerLoop:
                 except DiskFull as e:  # destroyed, but no room to make it again yet
                     self.store.disk.note_full("timer index rebuild", e)
                 if self.service.index_damaged is not None:
-                    await asyncio.sleep(self.config.disk_full_retry_ms / 1000)
+                    await self._sleep(self.clock.sleep_ms(self.config.disk_full_retry_ms))
                     continue
             now = self.clock.fire_horizon_ms()
             if now < self._next_step_ms - self.config.timer_fire_gap_ms:
@@ -117,7 +127,7 @@ class TimerLoop:
                 # Timers fired a moment ago: let those falling due meanwhile gather, so they
                 # fire in one step. The step at the end of the gap reads the index anew, after
                 # the check above (the index may have been found damaged meanwhile).
-                await self.clock.sleep_until_horizon(self._next_step_ms, now)
+                await self._sleep(self.clock.sleep_until_horizon(self._next_step_ms, now))
                 continue
             self._wakeup.clear()
             self.passes += 1
@@ -132,7 +142,7 @@ class TimerLoop:
                 self.store.disk.note_full("timer firing", e)
                 fired = None
             if fired is None:
-                await asyncio.sleep(self.config.disk_full_retry_ms / 1000)
+                await self._sleep(self.clock.sleep_ms(self.config.disk_full_retry_ms))
                 continue
             self.store.disk.note_ok("timer firing")
             if fired >= self.config.timer_fire_batch:
@@ -143,7 +153,7 @@ class TimerLoop:
             if deadline is None:
                 self._asleep_until_ms = math.inf
                 try:
-                    await self._wakeup.wait()
+                    await self._sleep(self._wakeup.wait())
                 finally:
                     self._asleep_until_ms = 0
             elif deadline > now or fired == 0 or self._next_step_ms > now:
@@ -154,11 +164,18 @@ class TimerLoop:
                 waker = asyncio.ensure_future(self._wakeup.wait())
                 self._asleep_until_ms = wake_ms
                 try:
-                    await asyncio.wait((sleeper, waker), return_when=asyncio.FIRST_COMPLETED)
+                    await self._sleep(asyncio.wait((sleeper, waker), return_when=asyncio.FIRST_COMPLETED))
                 finally:
                     self._asleep_until_ms = 0
                     sleeper.cancel()
                     waker.cancel()
+
+    async def _sleep(self, wait: Awaitable[object]) -> None:
+        self.sleeping = True
+        try:
+            await wait
+        finally:
+            self.sleeping = False
 
     async def run_due(self) -> int:
         """Do all work due at the clock's fire horizon: fire every due timer (in batches).
@@ -175,39 +192,39 @@ class TimerLoop:
         what has been dispatched; later records arrive through dispatch as usual). Runs in one
         step on the loop, so no fire, cancel or roll sees a half-built index."""
         log.error("%s: rebuilding it from the commit log while running", reason)
-        path = self.config.data_dir / files.TIMER_DIR
         with contextlib.suppress(Exception):
             self.service.engine.close()
-        RocksTimerIndex.destroy(path)
-        self.service.replace_engine(RocksTimerIndex.open(path, **_index_memory(self.config), disk=self.store.disk))
+        self.engines.destroy()
+        self.service.replace_engine(self.engines.open())
         self.service.recover(self.store.dispatched_position)
         self.service.index_damaged = None
         self.index_rebuilds += 1
 
 
-def _index_memory(config: Config) -> dict[str, int]:
-    return {"block_cache_bytes": config.timer_index_block_cache_bytes,
-            "write_buffer_bytes": config.timer_index_write_buffer_bytes}
-
-
-def open_timer_service(config: Config, store: MessageStore, append: Append) -> TimerService:
-    """Open the timer index and bring it up to the log's end (rebuilt when it cannot be used)."""
+def open_timer_service(config: Config, store: MessageStore, append: Append, engines: EngineChoice) -> TimerService:
+    """Open the timer index `engines` names and bring it up to the log's end (rebuilt when it
+    cannot be used). An index that is not durable starts empty each time: the whole retained log
+    is replayed into it."""
     path = config.data_dir / files.TIMER_DIR
-    index: RocksTimerIndex | None = None
+    index: TimerEngine | None = None
     try:
-        index = RocksTimerIndex.open(path, **_index_memory(config), disk=store.disk)
-        if index.indexed_position > store.log.end_position:
+        index = engines.open()
+        if engines.durable and index.indexed_position > store.log.end_position:
             raise TimerIndexCorrupt(path, f"it covers the log up to {index.indexed_position}, past the log's "
                                           f"end {store.log.end_position}")
-        if index.indexed_position < store.log.start_position:
+        if engines.durable and index.indexed_position < store.log.start_position:
             # Older than the retained log (restored from an old copy): the link records and
             # tombstones that settled some of its timers are deleted, so a replay from the log's
             # start would leave those timers pending for good, and, enough of them, starve
-            # every later one of a fire step.
+            # every later one of a fire step. (An empty index knows no timer to leave pending,
+            # but one opened from disk cannot tell it is empty from its position alone.)
             raise TimerIndexCorrupt(path, f"it covers the log up to {index.indexed_position}, before the "
                                           f"retained log's start {store.log.start_position}")
         timer = TimerService(config, store, index, append)
-        timer.recover()
+        replayed = timer.recover()
+        if not engines.durable:
+            log.warning('timer_engine = "%s": the timer index is kept in memory only, not durable; it was rebuilt '
+                        "from the whole retained commit log (%d records), as at every start", engines.name, replayed)
         return timer
     except TimerIndexCorrupt as e:
         # The error's own advice ("rebuild it from the commit log") is what happens next: say so once.
@@ -220,8 +237,8 @@ def open_timer_service(config: Config, store: MessageStore, append: Append) -> T
         if index is not None:
             index.close()
         raise
-    RocksTimerIndex.destroy(path)
-    timer = TimerService(config, store, RocksTimerIndex.open(path, **_index_memory(config), disk=store.disk), append)
+    engines.destroy()
+    timer = TimerService(config, store, engines.open(), append)
     try:
         timer.recover()
     except BaseException:

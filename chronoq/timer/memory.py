@@ -10,9 +10,10 @@ state lives in a `MemoryTimerState` the caller keeps, so closing an engine and o
 on the same state is a restart without a disk (what a durable engine's reopen gives).
 
 It is the reference model the engine suite (`tests/timer/test_timer_index.py`) runs beside every
-durable engine, and an engine for tests that need no RocksDB. It is not for production: `due`,
+durable engine, and an engine a broker can run on (`timer_engine = "memory"`, `timer/engines.py`):
+the broker-level timer suites run over it and RocksDB alike. It is not for production: `due`,
 `next_deadline_ms` and the counters scan every pending timer (O(pending)), and nothing survives
-the process.
+the process (a broker on it replays the whole retained log into a new one at every start).
 """
 
 from __future__ import annotations
@@ -202,6 +203,31 @@ class MemoryTimerEngine:
         out = sorted((e for e in self._pending() if start_position <= e.position < end_position),
                      key=lambda e: e.position)
         return out if limit is None else out[:limit]
+
+    def pending_due_before_s(self, slot_s: int) -> int:
+        self._check_open()
+        return sum(1 for e in self._pending() if e.deliver_at_ms // 1000 < slot_s)
+
+    def pending_between(self, from_ms: int, to_ms: int, topic: str | None, limit: int,
+                        max_scanned: int) -> tuple[list[TimerEntry], bool]:
+        # The RocksDB index's rule: entries in due order from `from_ms`, each one read counts
+        # toward `max_scanned` whatever its topic, and stopping at a bound with entries left
+        # in the range says so.
+        if to_ms <= from_ms or limit <= 0:
+            return [], False
+        out: list[TimerEntry] = []
+        scanned = 0
+        for entry in self._pending():
+            if entry.deliver_at_ms < from_ms:
+                continue
+            if entry.deliver_at_ms >= to_ms:
+                break
+            if len(out) >= limit or scanned >= max_scanned:
+                return out, True
+            scanned += 1
+            if topic is None or entry.topic == topic:
+                out.append(entry)
+        return out, False
 
     def level_progress(self, level: int) -> int | None:
         return self.state.levels.get(level)

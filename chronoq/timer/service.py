@@ -4,13 +4,14 @@ Theory of operation (RocketMQ 5's shape, with RocksDB in place of the timer log 
 1. Accept: `route()` rewrites a timer message to the system timer topic, keeping the real topic,
    queue and due time in system properties; the broker appends it, so it is durable when acked.
    Delay-level messages go instead to the schedule topic, one queue per level (RocketMQ 4).
-2. Index: every durable record is dispatched to `on_dispatch`, which turns timer records,
-   tombstones, link records and rolled copies into one `IndexBatch` for the engine. The engine is
+2. Index: every durable record is dispatched to `index` (`chronoq/dispatch.py`), which turns
+   timer records, tombstones, link records and rolled copies into one `IndexBatch` for the
+   engine (`timer/indexing.py`). The engine is
    derived state: `recover()` replays the log from `engine.indexed_position`; nothing fires then.
 3. Fire: `fire_due(now_ms)` asks the engine for due entries and writes ONE link record for
    them (`store/links.py`): each timer record, where it lies, enters its real topic's queue
    (the queue the producer chose, its message group's, or the round robin) with the original
-   id; readers see it as `delivered_view` makes it (real topic, timer bookkeeping cleared).
+   id; readers see it as `timer/reads.py` makes it (real topic, timer bookkeeping cleared).
    RocketMQ 5 re-appends a full copy of each message instead; a link is 30 bytes, and no
    message is read, decoded or encoded again to fire it (only its frame is checked). The fire
    waits for durability; the link record's own dispatch marks the timers fired. A crash between
@@ -41,7 +42,6 @@ returns is encoded by `timer/recall.py`.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -49,7 +49,6 @@ from typing import Any
 
 from chronoq.config import Config
 from chronoq.errors import (
-    ChronoqError,
     CorruptRecord,
     DiskFull,
     InvalidRecallHandle,
@@ -82,20 +81,19 @@ from chronoq.model import (
     TimerState,
     TimerStatus,
 )
-from chronoq.store.consumequeue import tag_hash
-from chronoq.store.links import LinkBatch, Links, decode_links
-from chronoq.store.messagestore import NEVER_READ, MessageStore, PreparedMessage
+from chronoq.store.links import LinkBatch
+from chronoq.store.messagestore import MessageStore, PreparedMessage
 from chronoq.timefmt import instant
 from chronoq.timer.delay_queues import DelayLevelQueues
 from chronoq.timer.engine import DueTimers, IndexBatch, TimerEngine, TimerEntry
 from chronoq.timer.firing import firing_policy
+from chronoq.timer.indexing import index_batch
 from chronoq.timer.levels import DelayLevels
+from chronoq.timer.reads import delivered_properties
 from chronoq.timer.recall import encode_recall_handle
 
 log = logging.getLogger("chronoq.timer")
 Append = Callable[[list[PreparedMessage]], Awaitable[list[StoredMessage]]]
-_TIMER_ONLY_PROPS = (SYS_REAL_TOPIC, SYS_REAL_QUEUE_ID, SYS_TIMER_ENQUEUE_MS, SYS_TIMER_ROLL_TIMES,
-                     SYS_TIMER_ROLLED_FROM, SYS_DELAY_LEVEL)
 __all__ = ["Append", "TimerService"]
 
 
@@ -177,12 +175,14 @@ class TimerService:
 
     # -- index ------------------------------------------------------------------------------
 
-    def on_dispatch(self, msgs: list[StoredMessage], now_ms: int | None) -> None:
-        """Index durable records. If the engine refuses (a full disk: `DiskFull`), nothing here
-        changed and the store calls again later with the same records."""
+    def index(self, msgs: list[StoredMessage], now_ms: int | None) -> None:
+        """Index durable records (`timer/indexing.py`; `now_ms` None: a replay). If the engine
+        refuses (a full disk: `DiskFull`), nothing here changed and the store calls again later
+        with the same records."""
         indexed = self.engine.indexed_position
         end = max(msgs[-1].position + msgs[-1].size, indexed) if msgs else indexed
-        batch, indexed_seconds = self._batch_for(msgs, now_ms, end)
+        batch, indexed_seconds = index_batch(msgs, now_ms, end, self.store,
+                                             settles_reservations=now_ms is not None and bool(self._reserved))
         try:
             if batch.adds or batch.cancels or batch.fired or batch.rolled or batch.level_progress or end > indexed:
                 self.engine.apply(batch)
@@ -194,63 +194,6 @@ class TimerService:
         self._unreserve_all(indexed_seconds)
         if batch.level_progress or any(m.topic == SCHEDULE_TOPIC for m in msgs):
             self.delay_queues.invalidate()
-
-    def _batch_for(self, msgs: list[StoredMessage], now_ms: int | None,
-                   indexed_position: int) -> tuple[IndexBatch, list[int]]:
-        """The engine's batch for `msgs` (bringing it to `indexed_position`), and the due seconds
-        whose slot reservations it settles."""
-        adds: list[TimerEntry] = []
-        cancels: list[tuple[str, str, int, int, int | None]] = []
-        fired: list[tuple[int, int]] = []
-        rolled: list[tuple[int, TimerEntry]] = []
-        level_offsets: dict[int, int] = {}
-        link_floors: list[tuple[int, int]] = []
-        link_copies: list[tuple[int, int, bytes]] = []
-        indexed_seconds: list[int] = []
-        for m in msgs:
-            sp = m.system_properties
-            if m.topic == LINKS_TOPIC:
-                # Only fires write link records: each link is a timer fired by it.
-                positions = self.store.links_in(m).positions
-                if positions:
-                    fired.extend(zip(positions, itertools.repeat(m.store_ms, len(positions)), strict=True))
-                    link_floors.append((self.store.log.segment_base(m.position), min(positions)))
-                    # Kept while the link record is: read in its place if it is damaged on disk.
-                    link_copies.append((m.position, m.store_ms, m.body))
-                continue
-            if m.topic == TIMER_TOPIC:
-                if SYS_TIMER_DEL_UNIQKEY in sp:
-                    # The due time names which timer of the id, on tombstones marked so. Older ones
-                    # (index format version 2 and before) reach every timer of the id, as then:
-                    # that cancel was acknowledged for the id (a cancel by id alone, or the first
-                    # timer's own handle refused), and a rebuild must not deliver what it cancelled.
-                    due_ms = sp.get(SYS_TIMER_OUT_MS) if SYS_TIMER_DEL_AT_DUE in sp else None
-                    cancels.append((sp[SYS_REAL_TOPIC], sp[SYS_TIMER_DEL_UNIQKEY], m.store_ms, m.position,
-                                    None if due_ms is None else int(due_ms)))
-                    continue
-                due = int(sp[SYS_TIMER_OUT_MS])
-                real_qid = sp.get(SYS_REAL_QUEUE_ID)
-                group = sp.get(SYS_MESSAGE_GROUP)
-                entry = TimerEntry(due, m.position, m.size, m.message_id, sp[SYS_REAL_TOPIC],
-                                   int(sp.get(SYS_TIMER_ENQUEUE_MS, m.store_ms)), m.keys, tag_hash(m.tag),
-                                   None if real_qid is None else int(real_qid), tag_hash(group) if group else None)
-                if SYS_TIMER_ROLLED_FROM in sp:
-                    rolled.append((int(sp[SYS_TIMER_ROLLED_FROM]), entry))  # reserved nothing: not a send
-                else:
-                    if now_ms is not None and self._reserved:
-                        indexed_seconds.append(due // 1000)
-                    adds.append(entry)
-            elif SYS_FIRED_FROM in sp:
-                if SYS_FIRED_OFFSET in sp and SYS_DELAY_LEVEL in sp:
-                    level = int(sp[SYS_DELAY_LEVEL])
-                    level_offsets[level] = max(level_offsets.get(level, 0), int(sp[SYS_FIRED_OFFSET]) + 1)
-                else:
-                    # A fired copy: how timers fired before link records (index format 3 and
-                    # before); a log that holds them is still read so.
-                    fired.append((int(sp[SYS_FIRED_FROM]), m.store_ms))
-        return IndexBatch(adds=adds, cancels=cancels, fired=fired, rolled=rolled, applied_ms=now_ms,
-                          level_progress=level_offsets, link_floors=link_floors, link_copies=link_copies,
-                          indexed_position=indexed_position), indexed_seconds
 
     def recover(self, end: int | None = None) -> int:
         """Replay the log into the engine from its indexed position up to `end` (the log's end);
@@ -264,11 +207,11 @@ class TimerService:
         for msg in self.store.scan(start, end):
             chunk.append(msg)
             if len(chunk) >= 1024:
-                self.on_dispatch(chunk, None)
+                self.index(chunk, None)
                 n += len(chunk)
                 chunk = []
         if chunk:
-            self.on_dispatch(chunk, None)
+            self.index(chunk, None)
             n += len(chunk)
         return n
 
@@ -442,62 +385,12 @@ class TimerService:
             return entry
         return None
 
-    def fired_in(self, link_record: StoredMessage) -> list[tuple[str, str, int]]:
-        """(real topic, message id, due time) of each timer a link record fired, read from
-        their records (the delivery trace's question; the fire path itself reads none)."""
-        out = []
-        links = self.store.links_in(link_record)
-        for i, (position, size) in enumerate(zip(links.positions, links.sizes, strict=True)):
-            rec = self.store.readable(position, size)
-            due = None if rec is None else rec.deliver_at_ms
-            if rec is not None and due is not None:
-                out.append((links.topics[links.topic_indexes[i]], rec.message_id, due))
-        return out
-
-    @staticmethod
-    def next_read_ms(rec: StoredMessage) -> int | None:
-        """When a record just dispatched is next read by position (`store.next_read_ms`, for the
-        read cache): a timer when it is due (its fire checks it, its consumers read it), a
-        tombstone never (`NEVER_READ`); anything else may be read at once (None)."""
-        if rec.topic != TIMER_TOPIC:
-            return None
-        sp = rec.system_properties
-        if SYS_TIMER_DEL_UNIQKEY in sp:
-            return NEVER_READ
-        due = sp.get(SYS_TIMER_OUT_MS)
-        # Never raises (it runs in dispatch): a value that is not a u63 in decimal says nothing.
-        return int(due) if due is not None and len(due) <= 19 and due.isascii() and due.isdigit() else None
-
-    def link_copy(self, position: int) -> tuple[Links, int] | None:
-        """The links of the link record at `position` and its store time, from the engine's copy
-        (`store.link_copy`: what a reader falls back on when that record is damaged on disk);
-        None when the engine has none, or cannot say now (being rebuilt, or waiting for disk)."""
-        if self.index_damaged is not None:
-            return None
-        try:
-            copy = self.engine.link_copy(position)
-            return None if copy is None else (decode_links(copy[0], position), copy[1])
-        except (ChronoqError, CorruptRecord):
-            return None
-
-    @staticmethod
-    def delivered_view(rec: StoredMessage, topic: str, queue_id: int, queue_offset: int,
-                       fired_ms: int) -> StoredMessage:
-        """A timer record read through the link that fired it (`store.linked_view`): the message
-        as its consumers see it at `queue_offset` of queue (`topic`, `queue_id`), with its
-        original id, stored there when it fired (its link record's store time), and the system
-        properties a fired copy had (`_delivered_properties`). Its position stays the timer
-        record's."""
-        return StoredMessage(rec.message_id, topic, queue_id, queue_offset, rec.message_type, rec.tag, rec.keys,
-                             rec.properties, _delivered_properties(rec), rec.body, rec.born_ms, fired_ms,
-                             rec.position, rec.size)
-
     def delivered_copy(self, rec: StoredMessage, extra: dict[str, str] | None = None) -> PreparedMessage:
         """The message as its consumers will see it, for the delay levels, which fire copies:
-        real topic, original id, timer bookkeeping cleared (`_delivered_properties`)."""
+        real topic, original id, timer bookkeeping cleared (`timer/reads.py`, `delivered_properties`)."""
         real_topic = rec.system_properties[SYS_REAL_TOPIC]
         real_qid = rec.system_properties.get(SYS_REAL_QUEUE_ID)
-        sp = _delivered_properties(rec)
+        sp = delivered_properties(rec)
         sp.update(extra or {})
         topic = self.store.topics.get(real_topic)
         qid = int(real_qid) if real_qid is not None and topic and int(real_qid) < topic.queue_count else None
@@ -632,14 +525,3 @@ class TimerService:
         out["pending_by_delay_level"] = self.delay_queues.pending_by_level()
         out["damaged"] = self.damaged_timers
         return out
-
-
-def _delivered_properties(rec: StoredMessage) -> dict[str, str]:
-    """A fired timer's system properties as its consumers see them: the timer bookkeeping
-    cleared, the due time kept (TIMER_OUT_MS, so a consumer can tell how late it is), and
-    TIMER_FIRED_FROM naming the timer record's position."""
-    sp = dict(rec.system_properties)
-    for k in _TIMER_ONLY_PROPS:
-        sp.pop(k, None)
-    sp[SYS_FIRED_FROM] = str(rec.position)
-    return sp

@@ -12,7 +12,9 @@ import pytest
 from chronoq import errors
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
-from chronoq.model import SCHEDULE_TOPIC, SYS_MESSAGE_GROUP, TIMER_TOPIC, MessageType, OutgoingMessage
+from chronoq.model import SCHEDULE_TOPIC, SYS_MESSAGE_GROUP, TIMER_TOPIC, MessageType, OutgoingMessage, StoredMessage
+from chronoq.store import files
+from chronoq.store.meta import read_checkpoint
 
 
 def test_send_then_read_returns_every_field(run_broker: Callable) -> None:
@@ -186,3 +188,83 @@ def test_long_poll_wakes_on_arrival(run_broker: Callable) -> None:
         assert [m.message.message_id for m in got] == [r.message_id]
 
     run_broker(body)
+
+
+def test_the_periodic_ticks_wait_on_the_injected_clock(make_config: Callable, arun: Callable) -> None:
+    """The checkpoint tick sleeps on the broker's clock (`Clock.sleep_ms`): on a FakeClock, real
+    time passing runs no tick, and moving the clock by the interval runs one."""
+
+    async def main() -> None:
+        clock = FakeClock()
+        config = make_config(checkpoint_interval_ms=1_000, retention_check_interval_ms=3_600_000)
+        broker = await Broker.open(config, clock=clock)
+        try:
+            await broker.send(OutgoingMessage("t", b"x"))
+            written = read_checkpoint(config.data_dir / files.CHECKPOINT)
+            assert written is not None and written < broker.store.dispatched_position
+            await asyncio.sleep(0.3)
+            assert read_checkpoint(config.data_dir / files.CHECKPOINT) == written, "a tick ran on real time"
+            clock.advance(1_000)
+            for _ in range(500):
+                if read_checkpoint(config.data_dir / files.CHECKPOINT) == broker.store.dispatched_position:
+                    break
+                await asyncio.sleep(0.01)
+            assert read_checkpoint(config.data_dir / files.CHECKPOINT) == broker.store.dispatched_position
+        finally:
+            await broker.close()
+
+    arun(main())
+
+
+def test_the_fake_clock_wakes_an_interval_sleeper_when_moved_that_far(arun: Callable) -> None:
+    async def main() -> None:
+        clock = FakeClock()
+        sleeper = asyncio.ensure_future(clock.sleep_ms(500))
+        await asyncio.sleep(0.01)
+        clock.advance(499)
+        await asyncio.sleep(0.01)
+        assert not sleeper.done()
+        clock.advance(1)
+        await asyncio.wait_for(sleeper, 1)
+
+    arun(main())
+
+
+def test_dispatch_takes_each_durable_run_through_its_rooms_in_order(run_broker: Callable) -> None:
+    """The path of a durable record is the broker's one `Dispatch` (`chronoq/dispatch.py`): the
+    store's queues, the timer index, the trace, the long polls, in that order, each once a run."""
+    calls: list[tuple[str, list[str]]] = []
+
+    class Room:
+        def __init__(self, name: str, inner: object) -> None:
+            self.name, self.inner = name, inner
+
+        def record(self, method: str, records: list[StoredMessage]) -> None:
+            calls.append((self.name, [m.message_id for m in records]))
+            getattr(self.inner, method)(records)
+
+        def enter(self, records: list[StoredMessage]) -> None:
+            self.record("enter", records)
+
+        def index(self, records: list[StoredMessage]) -> None:
+            self.record("index", records)
+
+        def dispatched(self, records: list[StoredMessage]) -> None:
+            self.record("dispatched", records)
+
+        def arrived(self, records: list[StoredMessage]) -> None:
+            self.record("arrived", records)
+
+    async def body(broker: Broker, clock: FakeClock) -> None:
+        dispatch = broker.dispatch
+        assert (dispatch.queues, dispatch.timer_index, dispatch.trace, dispatch.long_polls) == (
+            broker.store, broker.timer_loop, broker.trace, broker.deliver)
+        dispatch.queues = Room("queues", broker.store)
+        dispatch.timer_index = Room("timer index", broker.timer_loop)
+        dispatch.trace = Room("trace", broker.trace)
+        dispatch.long_polls = Room("long polls", broker.deliver)
+        sent = await broker.send(OutgoingMessage("t", b"x", message_id="m1", delay_ms=1_000))
+        assert calls == [(room, ["m1"]) for room in ("queues", "timer index", "trace", "long polls")]
+        assert broker.query(sent.message_id)[0].deliver_at_ms == clock.now_ms() + 1_000
+
+    run_broker(body, trace_enable=True)

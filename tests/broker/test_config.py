@@ -78,10 +78,29 @@ def test_a_toml_value_of_the_wrong_type_is_one_line_naming_file_key_value(tmp_pa
 
 def test_toml_booleans_and_integers_of_the_right_type_load(tmp_path: Path) -> None:
     path = tmp_path / "chronoq.toml"
-    path.write_text('trace_enable = false\nport = 18460\ndata_dir = "d"\ntimer_engine = "spark"\n')
+    path.write_text('trace_enable = false\nport = 18460\ndata_dir = "d"\ntimer_engine = "memory"\n'
+                    'timer_firer = "spark"\n')
     config = Config.load(path)
-    assert (config.trace_enable, config.port, config.data_dir, config.timer_engine) == (False, 18460, Path("d"),
-                                                                                         "spark")
+    assert (config.trace_enable, config.port, config.data_dir, config.timer_engine, config.timer_firer) == (
+        False, 18460, Path("d"), "memory", "spark")
+
+
+@pytest.mark.parametrize("source", ["toml", "environment", "argument"])
+def test_the_old_timer_engine_spark_is_read_as_timer_firer_spark_with_a_warning(
+        tmp_path: Path, source: str, caplog: pytest.LogCaptureFixture) -> None:
+    """`timer_engine = "spark"` said who fires; that is `timer_firer` now, and `timer_engine`
+    names the index. The old value keeps working for one release, saying what to write instead."""
+    path = tmp_path / "chronoq.toml"
+    path.write_text('timer_engine = "spark"\n')
+    with caplog.at_level("WARNING", logger="chronoq.config"):
+        config = {"toml": lambda: Config.load(path),
+                  "environment": lambda: Config.load(env={"CHRONOQ_TIMER_ENGINE": "spark"}),
+                  "argument": lambda: Config(timer_engine="spark")}[source]()
+    assert (config.timer_engine, config.timer_firer) == ("rocksdb", "spark")
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "chronoq.config"]
+    assert 'timer_engine = "spark" is deprecated' in warning and 'timer_firer = "spark"' in warning
+    assert config.replace(port=18461).timer_firer == "spark"  # a copy keeps it, without a second warning
+    assert len([r for r in caplog.records if r.name == "chronoq.config"]) == 1
 
 
 def test_environment_text_is_read_as_the_setting_type_or_refused() -> None:
@@ -91,7 +110,8 @@ def test_environment_text_is_read_as_the_setting_type_or_refused() -> None:
     for key, raw, expected in [("CHRONOQ_PORT", "eighty", "an integer in 1..65535"),
                                ("CHRONOQ_TRACE_ENABLE", "maybe", "true or false"),
                                ("CHRONOQ_MAX_LONG_POLL_MS", "0", "an integer >= 1"),
-                               ("CHRONOQ_TIMER_ENGINE", "wheel", "one of 'rocksdb', 'spark'")]:
+                               ("CHRONOQ_TIMER_ENGINE", "wheel", "one of 'rocksdb', 'memory'"),
+                               ("CHRONOQ_TIMER_FIRER", "job", "one of 'broker', 'spark'")]:
         with pytest.raises(ConfigError) as info:
             Config.load(env={key: raw})
         name = key[len("CHRONOQ_"):].lower()

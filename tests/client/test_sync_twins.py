@@ -77,8 +77,8 @@ def test_a_public_callable_without_a_twin_is_refused_by_name() -> None:
 
 @pytest.fixture(scope="module")
 def spark_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    # timer_engine = "spark": the broker does not fire timers itself (for 60 s), FireTimers does.
-    with ServerProcess(tmp_path_factory.mktemp("twins") / "data", settings={"timer_engine": "spark"}) as proc:
+    # timer_firer = "spark": the broker does not fire timers itself (for 60 s), FireTimers does.
+    with ServerProcess(tmp_path_factory.mktemp("twins") / "data", settings={"timer_firer": "spark"}) as proc:
         yield proc.address
 
 

@@ -124,7 +124,7 @@ def test_read_messages_caps_its_reply_by_bytes_and_pages_past_big_messages(tmp_p
     over the 1.5 MiB limit of this config, and the call always failed."""
     from chronoq.model import OutgoingMessage
     from chronoq.server.admin_service import AdminService
-    from chronoq.server.serve import max_request_bytes
+    from chronoq.server.net import max_request_bytes
 
     async def body() -> None:
         async with running(tmp_path, max_message_size_bytes=256 * 1024, flush="async") as h:

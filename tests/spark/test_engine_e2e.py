@@ -1,4 +1,4 @@
-"""The Spark timer engine end to end: a real `chronoq serve` with timer_engine=spark, the engine
+"""The Spark timer engine end to end: a real `chronoq serve` with timer_firer=spark, the engine
 reading its timer topic through the chronoq source and firing through FireTimers.
 
 Timer semantics as the embedded engine's tests state them: never early, a cancel wins, timers due
@@ -22,7 +22,7 @@ RESTART_MARGIN_MS = 20_000
 def spark_engine_server(tmp_path_factory):
     from chronoq.client.testing import ServerProcess
 
-    proc = ServerProcess(tmp_path_factory.mktemp("spark-engine") / "data", settings={"timer_engine": "spark"}).start()
+    proc = ServerProcess(tmp_path_factory.mktemp("spark-engine") / "data", settings={"timer_firer": "spark"}).start()
     try:
         yield proc.address
     finally:
@@ -98,7 +98,7 @@ def test_fire_chunks_shrink_to_a_brokers_smaller_batch_limit(tmp_path):
     from chronoq.model import TIMER_TOPIC
     from chronoq.spark.engine import fire_positions
 
-    server = ServerProcess(tmp_path / "data", settings={"timer_engine": "spark", "max_send_batch": 256}).start()
+    server = ServerProcess(tmp_path / "data", settings={"timer_firer": "spark", "max_send_batch": 256}).start()
     try:
         with Admin(server.address) as admin, Producer(server.address) as producer:
             admin.create_topic("small", queue_count=1)

@@ -482,6 +482,7 @@ def test_a_full_disk_while_a_damaged_timer_is_marked_does_not_stop_the_broker(tm
             await asyncio.sleep(0.05)  # the loop is in its wait now
             two = await broker.send(OutgoingMessage("t", b"2", message_id="two"))
             assert broker.fatal is None, broker.fatal
+            clock.advance(1_000)  # the loop's wait for a full disk is on the clock
             for _ in range(500):  # the loop's next try marks it (after its 1 s wait)
                 if broker.query("one", "t")[0].state is TimerState.DAMAGED:
                     break

@@ -49,6 +49,14 @@ def _config(data: Path, **overrides: object) -> Config:
     return Config(data_dir=data, **settings)  # type: ignore[arg-type]
 
 
+async def _ticks(clock: FakeClock, n: int, step_ms: int = 20) -> None:
+    """Move `clock` on `n` times by `step_ms`, giving the broker's background ticks (which sleep
+    on the clock: checkpoint, retention, a full disk's retry) real time to run after each."""
+    for _ in range(n):
+        clock.advance(step_ms)
+        await asyncio.sleep(0.02)
+
+
 def _tmp_files(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*.tmp"))
 
@@ -160,12 +168,13 @@ def test_no_space_left_refuses_sends_and_background_work_survives_and_close_comp
     data = disk.root / "data"
 
     async def body() -> None:
-        # The real background tasks, ticking fast: checkpoint and retention every 20 ms.
+        # The real background tasks, ticking fast: checkpoint and retention every 20 ms of the clock.
+        clock = FakeClock(1_000_000)
         broker = await Broker.open(_config(data, checkpoint_interval_ms=20, retention_check_interval_ms=20),
-                                   clock=FakeClock(1_000_000))
+                                   clock=clock)
         for i in range(10):
             await broker.send(OutgoingMessage("t", b"x" * 1000, message_id=f"m{i}"))
-        await asyncio.sleep(0.1)
+        await _ticks(clock, 5)
         checkpoint_before = read_checkpoint(data / files.CHECKPOINT)
         assert checkpoint_before == broker.store.dispatched_position
         disk.fill()
@@ -175,7 +184,7 @@ def test_no_space_left_refuses_sends_and_background_work_survives_and_close_comp
             with pytest.raises(DiskFull) as info:
                 await broker.send(OutgoingMessage("t", b"y" * 8000, message_id="refused"))
             _assert_disk_full(info.value)
-            await asyncio.sleep(0.3)  # the checkpoint loop finds no space about 15 times
+            await _ticks(clock, 15)  # the checkpoint loop finds no space about 15 times
             assert broker.fatal is None, f"a full disk killed the broker: {broker.fatal!r}"
             held = [r for r in caplog.records if "checkpoint held back by a full disk" in r.getMessage()]
             assert len(held) == 1, f"one warning per episode, got {len(held)}"
@@ -574,15 +583,16 @@ def test_retention_uses_the_reserve_and_waits_out_a_full_disk(disk: Disk, caplog
         clock.advance(60_000)
         return broker.store.log.start_position
 
+    clock = FakeClock(1_000_000)
+
     async def wait_for(predicate: object, timeout_s: float = 5) -> None:
         for _ in range(int(timeout_s / 0.02)):
             if predicate():  # type: ignore[operator]
                 return
-            await asyncio.sleep(0.02)
+            await _ticks(clock, 1)
         raise AssertionError("timed out")
 
     async def body() -> None:
-        clock = FakeClock(1_000_000)
         broker = await Broker.open(config, clock=clock)
         due = clock.now_ms() + 3_600_000
         await broker.send(OutgoingMessage("t", b"timer", message_id="timer", deliver_at_ms=due))
@@ -597,7 +607,7 @@ def test_retention_uses_the_reserve_and_waits_out_a_full_disk(disk: Disk, caplog
         caplog.clear()
         with caplog.at_level(logging.WARNING):
             disk.fill()
-            await asyncio.sleep(0.3)
+            await _ticks(clock, 15)
             assert broker.store.log.start_position == start, "deleted segments without a checkpoint"
             assert broker.fatal is None
             held = [r.getMessage() for r in caplog.records if "held back by a full disk" in r.getMessage()]

@@ -19,7 +19,7 @@ from chronoq.broker import Broker
 from chronoq.clock import FakeClock
 from chronoq.model import LINKS_TOPIC, SYS_TIMER_OUT_MS, TIMER_TOPIC, MessageType, OutgoingMessage, StoredMessage
 from chronoq.store.messagestore import PreparedMessage
-from chronoq.timer.service import TimerService
+from chronoq.timer.reads import FiredReads
 
 
 async def _send(broker: Broker, n: int) -> None:
@@ -66,7 +66,7 @@ def test_the_budget_evicts_oldest_first(run_broker: Callable[..., None]) -> None
 def test_cached_records_leave_the_collectors_view(run_broker: Callable[..., None]) -> None:
     async def body(broker: Broker, clock: FakeClock) -> None:
         await _send(broker, 300)
-        cached = list(broker.store._read_cache.values())
+        cached = list(broker.store.read_cache.records.values())
         assert len(cached) == 300
         for _ in range(3):  # in a full suite run one gc.collect() was seen to leave them for the next
             gc.collect()
@@ -82,7 +82,7 @@ def test_cached_records_leave_the_collectors_view(run_broker: Callable[..., None
 
 def _cached(broker: Broker, message_id: str) -> bool:
     store = broker.store
-    return any(c[0] == message_id for c in store._read_cache.values())
+    return any(c[0] == message_id for c in store.read_cache.records.values())
 
 
 def test_a_full_cache_leaves_out_what_it_would_evict_before_it_is_read(run_broker: Callable[..., None]) -> None:
@@ -99,7 +99,7 @@ def test_a_full_cache_leaves_out_what_it_would_evict_before_it_is_read(run_broke
                                      for i in range(20)])
             clock.advance(1000)
         store = broker.store
-        assert store._read_cache_bytes + 1000 > broker.config.read_cache_bytes, "the cache is full"
+        assert store.read_cache.held_bytes + 1000 > broker.config.read_cache_bytes, "the cache is full"
         now = clock.now_ms()
         await broker.send_batch([
             OutgoingMessage("orders", b"x", message_id="plain"),
@@ -110,7 +110,8 @@ def test_a_full_cache_leaves_out_what_it_would_evict_before_it_is_read(run_broke
         assert not _cached(broker, "far"), "a timer due an hour on would be evicted long before it fires"
         # A tombstone is never read by position: left out too.
         await broker.cancel(topic="orders", message_id="soon")
-        tombstones = [c for c in store._read_cache.values() if c[0] == "soon" and c[1] == TIMER_TOPIC and not c[9]]
+        tombstones = [c for c in store.read_cache.records.values()
+                      if c[0] == "soon" and c[1] == TIMER_TOPIC and not c[9]]
         assert not tombstones
         # Left out is only not cached: it fires and is read from the log as ever.
         clock.advance(3_600_000)
@@ -135,19 +136,23 @@ def test_the_cache_is_full_at_the_record_that_fills_it_and_links_never_count(run
     record, never cached, never makes a roomy cache count as full."""
     async def body(broker: Broker, clock: FakeClock) -> None:
         store, now = broker.store, clock.now_ms()
-        store.next_read_ms = lambda m: now + 10**9 if m.topic == "far" else None
+        cache = store.read_cache
+
+        def next_read_ms(m: StoredMessage) -> int | None:
+            return now + 10**9 if m.topic == "far" else None
+
         budget = broker.config.read_cache_bytes
         plain = [_record("orders", 10**12 + i * 10_000, 1_000, now) for i in range(budget // 1_400)]
-        store._cache_records(plain)
-        assert len(store._read_cache) == len(plain)
-        store._cache_records([_record("far", 2 * 10**12 + i * 10_000, 100, now) for i in range(20)])
-        assert all(m.position in store._read_cache for m in plain), "nothing read sooner was evicted"
-        store._read_cache.clear()
-        store._read_cache_bytes = 0
-        store._cache_records([_record("orders", 10**12, 100, now)])
+        cache.put(plain, next_read_ms)
+        assert len(cache.records) == len(plain)
+        cache.put([_record("far", 2 * 10**12 + i * 10_000, 100, now) for i in range(20)], next_read_ms)
+        assert all(m.position in cache.records for m in plain), "nothing read sooner was evicted"
+        cache.records.clear()
+        cache.held_bytes = 0
+        cache.put([_record("orders", 10**12, 100, now)], next_read_ms)
         timer = _record("far", 3 * 10**12, 100, now)
-        store._cache_records([timer, _record(LINKS_TOPIC, 3 * 10**12 + 10_000, 100_000, now)])
-        assert timer.position in store._read_cache, "a cache with room keeps everything"
+        cache.put([timer, _record(LINKS_TOPIC, 3 * 10**12 + 10_000, 100_000, now)], next_read_ms)
+        assert timer.position in cache.records, "a cache with room keeps everything"
 
     run_broker(body, read_cache_bytes=64 * 1024)
 
@@ -156,7 +161,7 @@ def test_next_read_ms_never_raises_on_an_odd_due_time() -> None:
     for due in ("9" * 5_000, "1_000", " 5", "٣", "-1", ""):
         rec = StoredMessage("m", TIMER_TOPIC, 0, 0, MessageType.DELAY, "", (), {}, {SYS_TIMER_OUT_MS: due}, b"x",
                             0, 0, 0, 100)
-        assert TimerService.next_read_ms(rec) is None
+        assert FiredReads.next_read_ms(rec) is None
 
 
 def test_append_returns_each_record_as_the_log_holds_it(run_broker: Callable[..., None]) -> None:

@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from timer_helpers import make_config
 
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
@@ -41,12 +42,14 @@ from chronoq.store import files
 from chronoq.store.check import check_data_dir, format_report
 from chronoq.store.consumequeue import LINKED
 
+pytestmark = pytest.mark.usefixtures("each_timer_engine")
+
 START_MS = 1_800_000_000_000
 TIMERS = 200
 
 
 def _config(data: Path, **overrides: int) -> Config:
-    return Config(data_dir=data, segment_size_bytes=64 * 1024, max_message_size_bytes=8192, default_queue_count=2,
+    return make_config(data, segment_size_bytes=64 * 1024, max_message_size_bytes=8192, default_queue_count=2,
                   **overrides)
 
 
@@ -95,6 +98,7 @@ async def _fired_then_pushed_out(data: Path, clock: FakeClock) -> tuple[list[int
     return links, ids
 
 
+@pytest.mark.rocksdb_index("`chronoq check` reads the link copies from the index on disk")
 def test_a_damaged_link_record_costs_no_message_its_links_are_read_from_the_index_copy(tmp_path: Path) -> None:
     """Before: the range was quarantined and a group received 0 of the 200 timers (`chronoq
     check` also said every queue held "entries past the last record")."""
@@ -127,6 +131,7 @@ def test_a_damaged_link_record_costs_no_message_its_links_are_read_from_the_inde
     asyncio.run(body())
 
 
+@pytest.mark.rocksdb_index("removes the index on disk with its link copies")
 def test_a_damaged_link_record_with_its_copy_lost_too_fires_its_timers_again(tmp_path: Path) -> None:
     """The second fault: the timer index rebuilt from a log whose link record is damaged has no
     copy of it. The timers that record fired are pending in the rebuilt index (their records
@@ -275,6 +280,7 @@ def test_a_fired_timers_dead_letter_is_a_whole_message_that_outlives_its_timer_a
     asyncio.run(body())
 
 
+@pytest.mark.rocksdb_index("removes the index on disk, or has `chronoq check` read it")
 @pytest.mark.parametrize("index_copy", ["kept", "lost too"])
 def test_a_timer_whose_link_record_is_damaged_still_reaches_the_dead_letter_queue_whole(
         tmp_path: Path, index_copy: str) -> None:

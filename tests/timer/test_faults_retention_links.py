@@ -41,6 +41,8 @@ from chronoq.model import SYS_TIMER_ROLLED_FROM, TIMER_TOPIC, OutgoingMessage, S
 from chronoq.store import files
 from chronoq.store.check import check_data_dir, format_report
 
+pytestmark = pytest.mark.usefixtures("each_timer_engine")
+
 START_MS = 1_700_000_000_000
 FAR_DUE_MS = START_MS + 30 * DAY_MS
 ROLL_BATCH = 8
@@ -118,21 +120,26 @@ def _roll_copies(b: Broker) -> Counter[str]:
 
 
 def _fill_at_roll_chunk(b: Broker, disk: Disk, chunk: int, leave_bytes: int) -> None:
-    """Add a dispatch listener (after the timer index's and the long polls') that fills the disk,
-    all but `leave_bytes`, when the `chunk`-th roll chunk is dispatched: its copies are durable
-    and indexed, and the next write the step makes meets a full disk."""
+    """Make the last step of dispatch (after the queues, the timer index and the trace: the long
+    polls') fill the disk, all but `leave_bytes`, when the `chunk`-th roll chunk is dispatched:
+    its copies are durable and indexed, and the next write the step makes meets a full disk."""
     seen = 0
+    wake_long_polls = b.dispatch.long_polls
 
-    def listener(batch: list[StoredMessage]) -> None:
-        nonlocal seen
-        if any(m.topic == TIMER_TOPIC and SYS_TIMER_ROLLED_FROM in m.system_properties for m in batch):
-            seen += 1
-            if seen == chunk:
-                disk.fill(leave_bytes)
+    class FillAfterLongPolls:
+        def arrived(self, batch: list[StoredMessage]) -> None:
+            nonlocal seen
+            if wake_long_polls is not None:
+                wake_long_polls.arrived(batch)
+            if any(m.topic == TIMER_TOPIC and SYS_TIMER_ROLLED_FROM in m.system_properties for m in batch):
+                seen += 1
+                if seen == chunk:
+                    disk.fill(leave_bytes)
 
-    b.store.listeners.append(listener)
+    b.dispatch.long_polls = FillAfterLongPolls()
 
 
+@pytest.mark.rocksdb_index("`chronoq check` reads the retention horizon from the index on disk")
 @pytest.mark.parametrize("meets", ["the roll's first append", "the roll's second append", "the checkpoint"])
 def test_a_retention_step_that_meets_a_full_disk_keeps_every_timer_and_goes_on_when_space_returns(
         mount: Callable[[Path, int], Disk], tmp_path: Path, meets: str) -> None:
@@ -223,6 +230,7 @@ async def _until(predicate: Callable[[], bool], timeout_s: float = 5) -> None:
     raise AssertionError("timed out")
 
 
+@pytest.mark.rocksdb_index("the RocksDB index's own writes meet the full disk")
 def test_a_timer_index_out_of_space_holds_the_roll_and_a_fire_racing_it_fires_once(
         mount: Callable[[Path, int], Disk], tmp_path: Path) -> None:
     """The fault: the timer index's own disk (a tmpfs on `DATA_DIR/timer`) is full when retention
@@ -368,6 +376,7 @@ async def _next_for(b: Broker, clock: FakeClock) -> tuple[list[str], list[tuple[
     return new, back, fresh
 
 
+@pytest.mark.rocksdb_index("`chronoq check` reads the retention horizon from the index on disk")
 @pytest.mark.parametrize("how", ["its directory removed", "a middle file removed", "an entry flipped",
                                  "every queue removed"])
 def test_a_consume_queue_damaged_after_retention_is_rebuilt_to_deliver_what_it_did(tmp_path: Path, how: str) -> None:
@@ -426,6 +435,7 @@ async def _retained_then_closed(data: Path, clock: FakeClock) -> None:
         await b.close()
 
 
+@pytest.mark.rocksdb_index("`chronoq check` reads the retention horizon from the index on disk")
 def test_a_queue_missing_the_file_at_its_start_is_a_problem_check_names_with_its_remedy(tmp_path: Path) -> None:
     """The fault: after hours of retention, the oldest file of a consume queue is removed while
     the log still holds records whose entries were in it. Retention removes a queue's files only

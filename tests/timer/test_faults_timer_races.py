@@ -35,6 +35,8 @@ from chronoq.store import files
 from chronoq.timer.engine import IndexBatch, TimerEntry
 from chronoq.timer.index import RocksTimerIndex
 
+pytestmark = pytest.mark.usefixtures("each_timer_engine")
+
 _config = make_config  # the shared set-up (tests/timer_helpers.py), under this module's old names
 _open = open_broker
 
@@ -53,6 +55,7 @@ def _copy(src: Path, dst: Path) -> None:
 # --- item 6: delay-level progress and the index, restored independently -----------------------
 
 
+@pytest.mark.rocksdb_index("rolls the index on disk back to an older copy")
 def test_a_delay_level_message_fires_once_whatever_store_a_power_loss_rolls_back(tmp_path: Path) -> None:
     """A power loss can lose the last writes of each RocksDB store (no fsync per write), each
     by a different amount. Put back a pre-fire copy of the consumer-group store, of the timer
@@ -114,6 +117,7 @@ async def _rebuild_index_and_fire(data: Path, clock: FakeClock) -> Broker:
     return broker
 
 
+@pytest.mark.rocksdb_index("removes the index on disk to rebuild it")
 def test_a_roll_racing_a_fire_then_an_index_rebuild_fires_each_timer_once(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
@@ -147,6 +151,7 @@ def test_a_roll_racing_a_fire_then_an_index_rebuild_fires_each_timer_once(tmp_pa
     run(body())
 
 
+@pytest.mark.rocksdb_index("removes the index on disk to rebuild it")
 def test_a_roll_racing_a_cancel_then_an_index_rebuild_does_not_bring_the_timer_back(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
@@ -329,6 +334,7 @@ def test_a_roll_is_neither_an_enqueue_lag_sample_nor_a_slot_release(tmp_path: Pa
     run(body())
 
 
+@pytest.mark.rocksdb_index("puts an older copy of the index on disk back")
 def test_an_index_older_than_the_retained_log_is_rebuilt_not_replayed(tmp_path: Path) -> None:
     """An index restored from a copy older than the retained log: the fired copies and
     tombstones that settled some of its timers are deleted, and a replay from the log's start

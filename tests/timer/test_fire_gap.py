@@ -11,30 +11,31 @@ together at its end, nothing fires early, and a gap of 0 gives every due time it
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from timer_helpers import START_MS, drain
+from timer_helpers import START_MS, drain, make_config
 
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
 from chronoq.config import Config, ConfigError
 from chronoq.model import OutgoingMessage
 
+pytestmark = pytest.mark.usefixtures("each_timer_engine")
+
 DUE_OFFSETS = {"a": 1000, "b": 1001, "c": 1002, "d": 1004, "e": 1030}
 
 
 async def until_loop_waits(broker: Broker, clock: FakeClock) -> None:
     """Wait (real time: fire steps fsync; a generous bound for a busy machine) until the timer
-    loop sleeps past the fake now. The loop is the only broker task that sleeps on the clock."""
+    loop sleeps again (the checkpoint and retention ticks sleep on the clock too: the loop says
+    itself)."""
     give_up = time.monotonic() + 30
     while time.monotonic() < give_up:
         await asyncio.sleep(0.001)
-        deadline = clock.next_sleeper_deadline_ms()
-        if broker.timer_loop._asleep_until_ms == math.inf or (deadline is not None and deadline > clock.now_ms()):
+        if broker.timer_loop.sleeping:
             return
     raise AssertionError("the timer loop did not go back to sleep within 30 s")
 
@@ -43,7 +44,7 @@ async def fire_times(tmp_path: Path, gap_ms: int) -> dict[str, int]:
     """Send the timers of DUE_OFFSETS, walk the clock a millisecond at a time past them, and
     return, per message, the offset from START_MS at which it fired (its fired copy's store time)."""
     clock = FakeClock(START_MS)
-    broker = await Broker.open(Config(data_dir=tmp_path / "data", timer_fire_gap_ms=gap_ms), clock=clock,
+    broker = await Broker.open(make_config(tmp_path / "data", timer_fire_gap_ms=gap_ms), clock=clock,
                                background=True)
     try:
         await broker.create_topic("orders", 2)

@@ -32,6 +32,8 @@ from chronoq.model import (
 from chronoq.store import files
 from chronoq.store.check import check_data_dir
 
+pytestmark = pytest.mark.usefixtures("each_timer_engine")
+
 
 def test_a_fired_timer_reads_as_its_fired_copy_did(tmp_path: Path) -> None:
     async def body() -> None:

@@ -1,4 +1,4 @@
-"""The firing policy: every `timer_engine` name has one, and it says who fires and when the loop steps in."""
+"""The firing policy: every `timer_firer` value has one, and it says who fires and when the loop steps in."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import pytest
 from chronoq.config import Config
 from chronoq.timer.firing import BROKER_FIRES, FiringPolicy, firing_policy
 
-ENGINE_NAMES = typing.get_args(typing.get_type_hints(Config)["timer_engine"])
+FIRERS = typing.get_args(typing.get_type_hints(Config)["timer_firer"])
 
 
-@pytest.mark.parametrize("name", ENGINE_NAMES)
-def test_every_engine_name_the_config_accepts_has_a_policy(name: str) -> None:
-    assert isinstance(firing_policy(Config(timer_engine=name)), FiringPolicy)
+@pytest.mark.parametrize("name", FIRERS)
+def test_every_firer_the_config_accepts_has_a_policy(name: str) -> None:
+    assert isinstance(firing_policy(Config(timer_firer=name)), FiringPolicy)
 
 
 def test_the_broker_fires_what_is_due_now() -> None:
@@ -25,7 +25,7 @@ def test_the_broker_fires_what_is_due_now() -> None:
 
 
 def test_with_a_job_firing_the_loop_is_only_its_backstop() -> None:
-    policy = firing_policy(Config(timer_engine="spark", timer_spark_backstop_ms=60_000))
+    policy = firing_policy(Config(timer_firer="spark", timer_spark_backstop_ms=60_000))
     assert policy.firer == "job"
     assert policy.loop_horizon_ms(100_000) == 40_000  # fires only what is overdue by the backstop
     assert policy.loop_deadline_ms(12_000) == 72_000

@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
 from timer_helpers import START_MS, drain, open_broker, run
 
 from chronoq.broker import Broker
@@ -24,6 +25,8 @@ from chronoq.config import HOUR_MS, MINUTE_MS, SECOND_MS
 from chronoq.model import OutgoingMessage
 from chronoq.store import files
 from chronoq.store.check import check_data_dir
+
+pytestmark = pytest.mark.usefixtures("each_timer_engine")
 
 STEP_MS = 10 * SECOND_MS
 SEGMENT_BYTES = 256 * 1024
@@ -78,6 +81,7 @@ async def _open(data: Path, clock: FakeClock, retention_ms: int) -> Broker:
     return b
 
 
+@pytest.mark.rocksdb_index("`chronoq check` reads the retention horizon from the index on disk")
 def test_a_steady_timer_load_keeps_the_disk_flat_under_retention(tmp_path: Path) -> None:
     """Six simulated hours, an hour's retention, timers due 1 to 50 minutes after they are sent,
     everything fired, received and acked: the log keeps what the last hour wrote plus the
@@ -140,6 +144,7 @@ def test_timers_due_after_the_retention_period_are_rolled_and_the_disk_stays_fla
     assert periods[-1] <= periods[4] + 1, periods
 
 
+@pytest.mark.rocksdb_index("`chronoq check` reads the retention horizon from the index on disk")
 def test_the_log_shrinks_to_one_segment_once_writes_stop_and_timers_have_fired(tmp_path: Path) -> None:
     """After the load stops, once every timer has fired and the retention period has passed, the
     log holds only the segment being written: its link records are past retention too, and keep

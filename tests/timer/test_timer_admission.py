@@ -31,7 +31,8 @@ from chronoq.errors import (
 )
 from chronoq.model import RESERVED_PROPERTIES, SYS_TIMER_OUT_MS, OutgoingMessage
 
-pytestmark = pytest.mark.timeout(120)  # a regression here once hung the broker: fail, do not wait
+# A regression here once hung the broker: fail, do not wait.
+pytestmark = [pytest.mark.usefixtures("each_timer_engine"), pytest.mark.timeout(120)]
 M = "adm"
 BAD: list[tuple[str, OutgoingMessage, type[ChronoqError]]] = [
     ("delay too far", OutgoingMessage(M, b"x", delay_ms=30 * DAY_MS + 1), DeliveryTimeTooFar),

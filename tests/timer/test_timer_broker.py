@@ -55,6 +55,8 @@ from chronoq.timer.index import FORMAT_VERSION, RocksTimerIndex
 from chronoq.timer.index_codec import CF_META, META_FORMAT_VERSION
 from chronoq.timer.recall import decode_recall_handle
 
+pytestmark = pytest.mark.usefixtures("each_timer_engine")
+
 # -- long delays -------------------------------------------------------------------------------
 
 
@@ -262,6 +264,7 @@ def test_cancel_unknown_changes_nothing_and_cancel_after_fire_is_an_error(tmp_pa
     run(body())
 
 
+@pytest.mark.rocksdb_index("puts an older copy of the index on disk back (a crash before its write)")
 def test_cancel_survives_restart(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
@@ -311,6 +314,7 @@ def _states(b) -> list[tuple[int, TimerState]]:  # type: ignore[no-untyped-def]
     return [(s.deliver_at_ms, s.state) for s in b.query("X")]
 
 
+@pytest.mark.rocksdb_index("puts an older copy of the index on disk back (a crash before its write)")
 @pytest.mark.parametrize("cancelled", ["first", "second"])
 def test_each_timer_of_a_reused_id_is_cancelled_by_its_own_handle_and_only_it(tmp_path: Path, cancelled: str) -> None:
     """The review's case. The index keyed cancels by (topic, id): the first timer's own handle was
@@ -391,6 +395,7 @@ def test_a_cancel_by_id_alone_of_several_pending_timers_is_refused_with_their_du
     run(body())
 
 
+@pytest.mark.rocksdb_index("writes an index of an older format on disk")
 def test_an_index_of_format_version_2_is_rebuilt_under_the_due_time_rule(tmp_path: Path) -> None:
     """Version 2 applied a tombstone to every timer of its (topic, id). An index of version 2 that
     applied so a tombstone written under the due-time rule (marked TIMER_DEL_AT_DUE: the second
@@ -428,6 +433,7 @@ def test_an_index_of_format_version_2_is_rebuilt_under_the_due_time_rule(tmp_pat
     run(body())
 
 
+@pytest.mark.rocksdb_index("replays into, or rebuilds, the index on disk")
 @pytest.mark.parametrize("after", ["live", "replay", "rebuild"])
 def test_a_tombstone_written_before_the_due_time_rule_keeps_cancelling_every_timer_of_its_id(
         tmp_path: Path, after: str) -> None:
@@ -477,6 +483,7 @@ def test_a_tombstone_written_before_the_due_time_rule_keeps_cancelling_every_tim
 # -- restarts and a lost index -----------------------------------------------------------------
 
 
+@pytest.mark.rocksdb_index("puts an older copy of the index on disk back (a crash before its write)")
 def test_restart_between_accept_and_index(tmp_path: Path) -> None:
     """Timers accepted into the log while the index (rolled back to a copy taken before) never
     heard of them: recovery replays them, nothing fires during recovery, all fire on time."""
@@ -512,6 +519,7 @@ def test_restart_between_accept_and_index(tmp_path: Path) -> None:
     run(body())
 
 
+@pytest.mark.rocksdb_index("puts an older copy of the index on disk back (a crash before its write)")
 def test_restart_during_a_firing_batch_does_not_fire_twice(tmp_path: Path) -> None:
     """The fired copies reached the log but the index was never told (crash after the append):
     replay sees the copies and marks those timers fired; the restart fires nothing again."""
@@ -563,6 +571,7 @@ def _corrupt_index(path: Path, how: str) -> None:
         raise AssertionError(how)
 
 
+@pytest.mark.rocksdb_index("deletes or damages the index on disk")
 @pytest.mark.parametrize("how", ["deleted", "garbage-current", "garbage-manifest", "stray-files"])
 def test_deleted_or_corrupt_index_is_rebuilt_from_the_log(tmp_path: Path, how: str) -> None:
     async def body() -> None:
@@ -684,6 +693,7 @@ def test_precision_coarsens_the_due_time_upwards_never_early(tmp_path: Path) -> 
     run(body())
 
 
+@pytest.mark.rocksdb_index("one case deletes the index on disk")
 @pytest.mark.parametrize("restart_midway", ["none", "clean", "index-lost"])
 def test_thirty_day_timer_outlives_72h_segments_by_rolling(tmp_path: Path, restart_midway: str) -> None:
     small = {"segment_size_bytes": 64 * 1024, "max_message_size_bytes": 32 * 1024}
@@ -922,6 +932,7 @@ def test_delayed_messages_of_a_message_group_fire_into_the_group_queue_in_order(
 
 
 
+@pytest.mark.rocksdb_index("puts a newer copy of the index on disk back")
 def test_index_ahead_of_the_log_is_rebuilt(tmp_path: Path) -> None:
     """Power loss can keep index writes the log lost: an index covering more than the log holds
     is not trusted, it is rebuilt from the log (no firing of records that are not there)."""
@@ -954,6 +965,7 @@ def test_index_ahead_of_the_log_is_rebuilt(tmp_path: Path) -> None:
     run(body())
 
 
+@pytest.mark.rocksdb_index("writes an index of another format on disk")
 def test_an_index_of_another_format_is_rebuilt_with_one_line_that_says_so(tmp_path: Path,
                                                                          caplog: pytest.LogCaptureFixture) -> None:
     """An upgrade's first start logged "... cannot be used: format version 2; this chronoq reads
@@ -980,19 +992,19 @@ def test_an_index_of_another_format_is_rebuilt_with_one_line_that_says_so(tmp_pa
                     "nothing acknowledged is lost)")
 
 
-@pytest.mark.parametrize("engine", ["rocksdb", "spark"])
-def test_concurrent_fires_do_not_deliver_a_timer_twice(tmp_path: Path, engine: str) -> None:
+@pytest.mark.parametrize("firer", ["broker", "spark"])
+def test_concurrent_fires_do_not_deliver_a_timer_twice(tmp_path: Path, firer: str) -> None:
     """Two fire calls overlapping in time (the timer loop and `run_due`, or a Spark `FireTimers`
     and its retry) must not both pick the timers whose fired copies are still being made durable."""
 
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock, timer_engine=engine)
+        b = await open_broker(tmp_path, clock, timer_firer=firer)
         try:
             timers = [await b.send(OutgoingMessage("orders", b"t", delay_ms=1000)) for _ in range(10)]
             levels = [await b.send(OutgoingMessage("orders", b"l", delay_level=1)) for _ in range(5)]
             clock.advance(1000)
-            if engine == "rocksdb":
+            if firer == "broker":
                 fired = await asyncio.gather(b.run_due(), b.run_due())
                 assert sum(fired) == 15
             else:
@@ -1004,6 +1016,40 @@ def test_concurrent_fires_do_not_deliver_a_timer_twice(tmp_path: Path, engine: s
             got = await drain(b, "orders")
             assert sorted(m.message_id for m in got) == sorted(r.message_id for r in timers + levels)
             assert sum(b.queue_offsets("orders", q)[1] for q in range(4)) == 15
+        finally:
+            await b.close()
+
+    run(body())
+
+
+def test_timer_engine_names_the_index_the_broker_runs_on(tmp_path: Path, each_timer_engine: str) -> None:
+    """`timer_engine` picks the index (`timer/engines.py`): RocksDB files in `data/timer`, or an
+    in-memory index that leaves nothing on disk and is rebuilt from the whole log at each start,
+    so timers pending, fired and cancelled before a restart are so after it."""
+
+    async def body() -> None:
+        clock = FakeClock(START_MS)
+        b = await open_broker(tmp_path, clock)
+        try:
+            assert type(b.timer.engine).__name__ == {"rocksdb": "RocksTimerIndex",
+                                                      "memory": "MemoryTimerEngine"}[each_timer_engine]
+            fired = await b.send(OutgoingMessage("orders", b"f", delay_ms=1000))
+            cancelled = await b.send(OutgoingMessage("orders", b"c", delay_ms=5000))
+            pending = await b.send(OutgoingMessage("orders", b"p", delay_ms=9000))
+            await b.cancel(topic="orders", message_id=cancelled.message_id)
+            clock.advance(1000)
+            assert await b.run_due() == 1
+        finally:
+            await b.close()
+        assert timer_dir(tmp_path).exists() == (each_timer_engine == "rocksdb")
+        b = await open_broker(tmp_path, clock)
+        try:
+            states = {r.message_id: b.query(r.message_id)[0].state for r in (fired, cancelled, pending)}
+            assert states == {fired.message_id: TimerState.DELIVERED, cancelled.message_id: TimerState.CANCELLED,
+                              pending.message_id: TimerState.PENDING}
+            clock.advance(8000)
+            assert await b.run_due() == 1
+            assert [m.body for m in await drain(b, "orders")] == [b"f", b"p"]
         finally:
             await b.close()
 

@@ -29,6 +29,8 @@ from chronoq.clock import FakeClock
 from chronoq.errors import TimerAlreadyFired, TimerNotFound
 from chronoq.model import OutgoingMessage, StoredMessage
 
+pytestmark = pytest.mark.usefixtures("each_timer_engine")
+
 TOPICS = ("pa", "pb")
 LEVELS_MS = (1000, 5000, 10_000)
 
@@ -124,7 +126,9 @@ class Runner:
     async def restart(self, how: str) -> None:
         assert self.b is not None
         await self.b.close()
-        if how == "lose-index":
+        # An index kept only in memory is lost at every restart: "lose-index" is what "clean"
+        # does to it, and there is no file to put an older copy of back.
+        if how == "lose-index" and timer_dir(self.data).exists():
             shutil.rmtree(timer_dir(self.data))
         elif how == "stale-index" and self.stale.exists():
             # As if the process died after appending records the index never heard of

@@ -21,6 +21,8 @@ from chronoq.config import DAY_MS
 from chronoq.errors import DeliveryTimeTooFar, TimerSlotCongested
 from chronoq.model import OutgoingMessage, TimerState
 
+pytestmark = pytest.mark.usefixtures("each_timer_engine")
+
 
 def test_put_to_ten_topics_relative_and_absolute_all_delivered_pending_back_to_zero(tmp_path: Path) -> None:
     async def body() -> None:
