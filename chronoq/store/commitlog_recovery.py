@@ -26,7 +26,8 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
 from chronoq.errors import CorruptRecord, LogDamaged
 from chronoq.store import files, fsync
@@ -37,10 +38,21 @@ from chronoq.store.commitlog_segment import (
     decode_segment_header,
     record_buffers,
 )
-from chronoq.store.damage import DAMAGED, Damage, classify
+from chronoq.store.damage import DAMAGED, Damage, DamageRegistry, classify
 
-if TYPE_CHECKING:
-    from chronoq.store.commitlog import CommitLog
+
+class RecoveringLog(Protocol):
+    """What recovery reads and changes of the log being opened. `CommitLog` is the one
+    implementation; naming it here would make the log and its recovery import each other."""
+
+    directory: Path
+    flush_mode: str
+    damage: DamageRegistry
+    _segments: list[Segment]
+
+    def _add_segment(self, seg: Segment) -> None: ...
+
+    def _new_segment(self, base: int) -> Segment: ...
 
 log = logging.getLogger("chronoq.store")
 
@@ -62,7 +74,7 @@ class RecoveryReport:
     """The checkpoint those bytes were lost below, when `lost_below_checkpoint` is set."""
 
 
-def recover(commit_log: CommitLog, scan_from: int, verify_below: bool) -> RecoveryReport:
+def recover(commit_log: RecoveringLog, scan_from: int, verify_below: bool) -> RecoveryReport:
     """Load the segments of `commit_log.directory` into the (new, empty) `commit_log` and recover
     its tail: `scan_from` and `verify_below` as `CommitLog.open` says."""
     report = RecoveryReport()
@@ -105,7 +117,7 @@ def recover(commit_log: CommitLog, scan_from: int, verify_below: bool) -> Recove
     return report
 
 
-def _recover_tail(commit_log: CommitLog, scan_from: int, report: RecoveryReport, *, verify_below: bool) -> None:
+def _recover_tail(commit_log: RecoveringLog, scan_from: int, report: RecoveryReport, *, verify_below: bool) -> None:
     """Walk the last segment from `scan_from` (the checkpoint): quarantine damage, truncate a
     torn tail. With `verify_below` (a version-1 checkpoint, which flush = "async" could write
     past the fsynced end) the walk starts at the segment's start, so a torn tail below the
@@ -144,7 +156,7 @@ def _first_bad(seg: Segment, start: int) -> tuple[int, str] | None:
     return None
 
 
-def _truncate_tail(commit_log: CommitLog, seg: Segment, at: int, reason: str, report: RecoveryReport) -> None:
+def _truncate_tail(commit_log: RecoveringLog, seg: Segment, at: int, reason: str, report: RecoveryReport) -> None:
     report.truncated_at = at
     report.reason = reason
     report.truncated_bytes = seg.end - at
@@ -161,7 +173,7 @@ def _truncate_tail(commit_log: CommitLog, seg: Segment, at: int, reason: str, re
     seg.data_size = at - seg.base
 
 
-def _lost_below_checkpoint(commit_log: CommitLog, seg: Segment, at: int, checkpoint: int, reason: str,
+def _lost_below_checkpoint(commit_log: RecoveringLog, seg: Segment, at: int, checkpoint: int, reason: str,
                            report: RecoveryReport, *, legacy: bool) -> None:
     """Say that the log's records end at `at`, below the checkpoint: `checkpoint - at` bytes
     of records that were dispatched, so visible and acknowledged in either flush mode, are

@@ -16,7 +16,7 @@ from __future__ import annotations
 from array import array
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from rocksdict import WriteBatch
 
@@ -61,8 +61,22 @@ from chronoq.timer.index_codec import (
     pos_done,
 )
 
-if TYPE_CHECKING:
-    from chronoq.timer.index import RocksTimerIndex
+
+class IndexState(Protocol):
+    """What one `apply` reads and updates of the index: its column families (through `IndexDb`)
+    and the in-memory mirrors it keeps beside them. `RocksTimerIndex` is the one implementation;
+    naming it here instead would make the index and its transaction import each other."""
+
+    _cf: dict[str, Any]
+    _handle: dict[str, Any]
+    _indexed_position: int
+    _handed: dict[int, tuple[bytes, bytes, str, int, int]]
+    _minute_slots: dict[int, array[int]]
+    _hour_counts: dict[int, int]
+    _topic_counts: dict[str, int]
+    _head: bytes | None
+
+    def _scan(self, cf: str, prefix: bytes) -> list[tuple[bytes, bytes]]: ...
 
 _MAX_ROLL_HOPS = 1024
 """A fired mark follows roll redirects at most this far (a chain longer than any real one)."""
@@ -73,7 +87,7 @@ class IndexTxn:
     """One `apply`: the WriteBatch being built plus an overlay of what it changed, so later
     records of the same batch see earlier ones (an add and its fired mark in one batch)."""
 
-    def __init__(self, index: RocksTimerIndex) -> None:
+    def __init__(self, index: IndexState) -> None:
         self.index = index
         self.h = index._handle
         self.wb = WriteBatch(raw_mode=True)
