@@ -1,4 +1,4 @@
-"""Issue 13, "the first hour": each rough edge a new user hit, as the real `chronoq` command in a
+"""The first hour with the `chronoq` command: what a new user meets, as the real command in a
 subprocess against a real `chronoq serve` started here.
 
 Every test runs `python -m chronoq ...` with a clean environment (no CHRONOQ_* of the caller) and
@@ -16,7 +16,6 @@ import pty
 import re
 import select
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 import pytest
 
 import chronoq
-from chronoq.client.testing import ServerProcess
+from chronoq.client.testing import ServerProcess, free_port
 
 ROOT = Path(chronoq.__file__).resolve().parent.parent
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -63,10 +62,6 @@ def _openssl_cert(directory: Path, san: str = "DNS:localhost,IP:127.0.0.1", name
     return cert, key
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +133,7 @@ def test_connection_mistakes_are_usage_errors_and_a_missing_server_is_named(tmp_
     assert proc.returncode == 2 and "$CHRONOQ_TLS must be" in _one_line_error(proc)
     proc = chronoq_cmd("topics", "list", "--ca-cert", str(tmp_path / "nosuch.pem"))
     assert proc.returncode == 2 and "cannot read the CA certificate" in _one_line_error(proc)
-    proc = chronoq_cmd("topics", "list", "--server", f"127.0.0.1:{_free_port()}")
+    proc = chronoq_cmd("topics", "list", "--server", f"127.0.0.1:{free_port()}")
     assert proc.returncode == 1 and "nothing listens there" in _one_line_error(proc)
 
 
@@ -161,7 +156,7 @@ def test_a_port_outside_1_to_65535_is_refused_not_wrapped_around(server: str) ->
 def test_serve_on_a_data_dir_that_is_a_file_says_so(tmp_path: Path) -> None:
     a_file = tmp_path / "data"
     a_file.write_text("not a directory")
-    proc = chronoq_cmd("serve", "--data-dir", str(a_file), "--port", str(_free_port()))
+    proc = chronoq_cmd("serve", "--data-dir", str(a_file), "--port", str(free_port()))
     assert proc.returncode == 2
     assert f"data directory {a_file} is a file, not a directory" in _one_line_error(proc)
 
@@ -186,7 +181,7 @@ def test_serve_on_a_busy_port_names_the_cause_without_grpc_log_lines(tmp_path: P
 def test_serve_with_cert_and_key_swapped_or_mismatched_says_which(tmp_path: Path) -> None:
     cert, key = _openssl_cert(tmp_path)
     _, other_key = _openssl_cert(tmp_path, name="other")
-    port = str(_free_port())
+    port = str(free_port())
     proc = chronoq_cmd("serve", "--data-dir", str(tmp_path / "d"), "--port", port, "--tls-cert", str(key),
                        "--tls-key", str(cert))
     assert proc.returncode == 2 and "the TLS files are swapped" in _one_line_error(proc)
@@ -229,7 +224,7 @@ def test_client_commands_talk_to_a_tls_server(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_tls_server_name_for_a_certificate_that_names_a_host(tmp_path: Path) -> None:
     cert, key = _openssl_cert(tmp_path, san="DNS:broker.chronoq.test")
-    port = _free_port()
+    port = free_port()
     serve = subprocess.Popen([sys.executable, "-m", "chronoq", "serve", "--data-dir", str(tmp_path / "data"),
                               "--port", str(port), "--tls-cert", str(cert), "--tls-key", str(key)],
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_env())
@@ -497,7 +492,7 @@ def test_a_negative_or_unit_less_duration_and_a_zero_count_are_refused_by_value(
 
 
 def test_serve_with_a_missing_config_file_names_it_without_errno(tmp_path: Path) -> None:
-    proc = chronoq_cmd("serve", "--data-dir", str(tmp_path / "d"), "--port", str(_free_port()),
+    proc = chronoq_cmd("serve", "--data-dir", str(tmp_path / "d"), "--port", str(free_port()),
                        "--config", str(tmp_path / "chronoq.toml"))
     assert proc.returncode == 2
     err = _one_line_error(proc)
@@ -563,7 +558,7 @@ def test_a_message_too_large_gives_sizes_a_person_reads(server: str, tmp_path: P
 @pytest.mark.slow
 def test_a_second_broker_on_the_same_data_dir_says_what_to_do(tmp_path: Path) -> None:
     with ServerProcess(tmp_path / "data"):
-        proc = chronoq_cmd("serve", "--data-dir", str(tmp_path / "data"), "--port", str(_free_port()))
+        proc = chronoq_cmd("serve", "--data-dir", str(tmp_path / "data"), "--port", str(free_port()))
     assert proc.returncode == 1
     err = _one_line_error(proc)
     assert f"data directory {tmp_path / 'data'} is in use by another broker: stop that broker first, or give this " \
@@ -613,7 +608,7 @@ def test_a_refusal_for_missing_or_wrong_keys_says_where_the_cli_takes_them(tmp_p
     config = tmp_path / "chronoq.toml"
     config.write_text('[auth]\nenabled = true\n\n[[auth.users]]\naccess_key = "ops"\nsecret_key = "s3cret"\n'
                       "admin = true\n")
-    port = _free_port()
+    port = free_port()
     serve = subprocess.Popen([sys.executable, "-m", "chronoq", "serve", "--data-dir", str(tmp_path / "data"),
                               "--port", str(port), "--config", str(config)], stdout=subprocess.PIPE,
                              stderr=subprocess.DEVNULL, text=True, env=_env())
@@ -716,7 +711,7 @@ def test_a_long_poll_ended_by_the_servers_shutdown_says_so(tmp_path: Path) -> No
     reach chronoq server at ...: Cancelling all calls'. The SDK now retries the receive (the
     shutdown's UNAVAILABLE is retriable), so with the server gone for good the error is the last
     attempt's: nothing listens there."""
-    port = _free_port()
+    port = free_port()
     serve = subprocess.Popen([sys.executable, "-m", "chronoq", "serve", "--data-dir", str(tmp_path / "data"),
                               "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                              env=_env())

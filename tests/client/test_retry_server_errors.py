@@ -42,6 +42,7 @@ from chronoq.server.admin_service import AdminService
 from chronoq.server.grpc_service import MessagingService
 from chronoq.server.serve import server_options
 from chronoq.store import files
+from tests.support.brokers import open_broker
 
 SEND_PATH = "/apache.rocketmq.v2.MessagingService/SendMessage"
 
@@ -108,7 +109,7 @@ class Served:
     async def restart(self) -> None:
         """Close the broker behind the port (if still open) and serve a new one on its data directory."""
         await self.brokers[-1].close()
-        broker = await Broker.open(self.config)
+        broker = await open_broker(self.config)
         self.brokers.append(broker)
         self.messaging.broker = self.admin.broker = broker
 
@@ -116,7 +117,7 @@ class Served:
 @asynccontextmanager
 async def serving(tmp_path: Path) -> AsyncIterator[Served]:
     config = Config(data_dir=tmp_path / "data", default_queue_count=1)
-    brokers = [await Broker.open(config)]
+    brokers = [await open_broker(config)]
     sends, calls = Sends(), Calls()
     server = grpc.aio.server(options=server_options(config), interceptors=[sends, calls])
     try:

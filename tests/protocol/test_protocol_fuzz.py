@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from protocol_strategies import message_strategy, request_strategy
 
 from chronoq.config import Config
 from chronoq.errors import ChronoqError, MessageTooLarge
@@ -18,6 +17,7 @@ from chronoq.protocol import responses as rs
 from chronoq.protocol.v2 import definition, service
 from chronoq.timer.levels import DelayLevels
 from chronoq.validate import check_message_id, prepare
+from tests.support.protocol_strategies import message_strategy, request_strategy
 
 CONFIG = Config(max_message_size_bytes=4096, max_send_batch=8)
 NOW_MS = 1_800_000_000_000

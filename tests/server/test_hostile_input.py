@@ -1,4 +1,4 @@
-"""Hostile input (issue 14, part 4): every decoder that takes outside bytes raises only its own error.
+"""Hostile input: every decoder that takes outside bytes raises only its own error.
 
 Already fuzzed elsewhere and not repeated here: the RocketMQ request decoders and raw protobuf
 bytes (test_protocol_fuzz.py), the gRPC server's unary and streaming RPCs and Telemetry
@@ -30,7 +30,6 @@ from typing import Any
 
 import grpc
 import pytest
-from auth_harness import running
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -44,6 +43,7 @@ from chronoq.server.auth import AuthConfig, Authenticator, User, load_auth, pars
 from chronoq.store import commitlog, consumequeue, groups, meta, record
 from chronoq.timer import index_codec
 from chronoq.timer.recall import decode_recall_handle, encode_recall_handle
+from tests.support.auth_server import running
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 AUTH = AuthConfig(enabled=True, users=(User("app", "secret", publish=("t*",)),))

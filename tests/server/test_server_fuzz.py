@@ -19,10 +19,10 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from protocol_strategies import message_strategy, request_strategy
-from server_harness import Harness, running
 
 from chronoq.protocol.v2 import Code, service
+from tests.support.grpc_server import Harness, running
+from tests.support.protocol_strategies import message_strategy, request_strategy
 
 FUZZ = settings(max_examples=250, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

@@ -30,8 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from disk_helpers import PAGE, Disk, MiB
-from timer_helpers import drain, open_broker, run_without_cycle_collector
 
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
@@ -40,6 +38,9 @@ from chronoq.errors import DiskFull
 from chronoq.model import SYS_TIMER_ROLLED_FROM, TIMER_TOPIC, OutgoingMessage, StoredMessage, TimerState
 from chronoq.store import files
 from chronoq.store.check import check_data_dir, format_report
+from tests.support.brokers import simulated_broker
+from tests.support.disks import PAGE, Disk, MiB
+from tests.support.timers import drain, run_without_cycle_collector
 
 START_MS = 1_700_000_000_000
 FAR_DUE_MS = START_MS + 30 * DAY_MS
@@ -152,7 +153,7 @@ def test_a_retention_step_that_meets_a_full_disk_keeps_every_timer_and_goes_on_w
 
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(data, clock, **SETTINGS)
+        b = await simulated_broker(data, clock, **SETTINGS)
         try:
             world = await _two_hours(b, clock)
             segments = [(s.base, s.end) for s in b.store.log.segments()]
@@ -204,7 +205,7 @@ def test_a_retention_step_that_meets_a_full_disk_keeps_every_timer_and_goes_on_w
                        for m in fired)
         finally:
             await b.close()
-        b = await open_broker(data, clock, **SETTINGS)
+        b = await simulated_broker(data, clock, **SETTINGS)
         try:
             assert await b.run_due() == 0 and await drain(b, "orders", "h") == []  # nothing fires twice
         finally:
@@ -245,7 +246,7 @@ def test_a_timer_index_out_of_space_holds_the_roll_and_a_fire_racing_it_fires_on
 
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(data, clock, **SETTINGS)
+        b = await simulated_broker(data, clock, **SETTINGS)
         try:
             world = await _two_hours(b, clock, edges)
             old = {e.message_id: b.query(e.message_id, "orders")[0].position for e in edges}
@@ -285,7 +286,7 @@ def test_a_timer_index_out_of_space_holds_the_roll_and_a_fire_racing_it_fires_on
             assert sorted(m.message_id for m in await drain(b, "orders", "h")) == sorted(world.far)
         finally:
             await b.close()
-        b = await open_broker(data, clock, **SETTINGS)
+        b = await simulated_broker(data, clock, **SETTINGS)
         try:
             assert await b.run_due() == 0 and await drain(b, "orders", "h") == []
         finally:
@@ -384,7 +385,7 @@ def test_a_consume_queue_damaged_after_retention_is_rebuilt_to_deliver_what_it_d
     clock = FakeClock(START_MS)
 
     async def body() -> None:
-        b = await open_broker(data, clock, **QUEUE_SETTINGS)
+        b = await simulated_broker(data, clock, **QUEUE_SETTINGS)
         try:
             await _retained_hours(b, clock)
             assert b.store.log.start_position > 0 and b.store.queue("orders", 0).min_offset > 0
@@ -400,7 +401,7 @@ def test_a_consume_queue_damaged_after_retention_is_rebuilt_to_deliver_what_it_d
         results = []
         for copy in (undamaged, data):
             same_time = FakeClock(clock.now_ms())
-            b = await open_broker(copy, same_time, **QUEUE_SETTINGS)
+            b = await simulated_broker(copy, same_time, **QUEUE_SETTINGS)
             try:
                 if copy == data:
                     assert "orders/0" in b.open_report.rebuilt_queues and not b.open_report.hole_entries
@@ -419,7 +420,7 @@ def test_a_consume_queue_damaged_after_retention_is_rebuilt_to_deliver_what_it_d
 
 
 async def _retained_then_closed(data: Path, clock: FakeClock) -> None:
-    b = await open_broker(data, clock, **QUEUE_SETTINGS)
+    b = await simulated_broker(data, clock, **QUEUE_SETTINGS)
     try:
         await _retained_hours(b, clock)
     finally:
@@ -454,7 +455,7 @@ def test_a_queue_missing_the_file_at_its_start_is_a_problem_check_names_with_its
         results = []
         for copy in (undamaged, data):
             same_time = FakeClock(clock.now_ms())
-            b = await open_broker(copy, same_time, **QUEUE_SETTINGS)
+            b = await simulated_broker(copy, same_time, **QUEUE_SETTINGS)
             try:
                 results.append((_readable(b), await _next_for(b, same_time)))
             finally:

@@ -16,14 +16,14 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from timer_helpers import START_MS, drain, open_broker, run
-
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
 from chronoq.config import HOUR_MS, MINUTE_MS, SECOND_MS
 from chronoq.model import OutgoingMessage
 from chronoq.store import files
 from chronoq.store.check import check_data_dir
+from tests.support.brokers import simulated_broker
+from tests.support.timers import START_MS, drain, run
 
 STEP_MS = 10 * SECOND_MS
 SEGMENT_BYTES = 256 * 1024
@@ -72,7 +72,7 @@ class Load:
 
 
 async def _open(data: Path, clock: FakeClock, retention_ms: int) -> Broker:
-    b = await open_broker(data, clock, retention_ms=retention_ms, segment_size_bytes=SEGMENT_BYTES,
+    b = await simulated_broker(data, clock, retention_ms=retention_ms, segment_size_bytes=SEGMENT_BYTES,
                           max_message_size_bytes=64 * 1024, retention_inflight_hold_ms=0)
     await b.create_topic("orders", 4)
     return b

@@ -6,17 +6,17 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from chronoq.broker import Broker
 from chronoq.clock import FakeClock
 from chronoq.config import Config
 from chronoq.model import OutgoingMessage, TimerState
+from tests.support.brokers import open_broker
 
 
 def test_the_broker_leaves_timers_to_the_job_then_backs_it_up(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock()
         config = Config(data_dir=tmp_path, timer_engine="spark", timer_spark_backstop_ms=60_000)
-        broker = await Broker.open(config, clock=clock, background=False)
+        broker = await open_broker(config, clock=clock, background=False)
         by_job = await broker.send(OutgoingMessage("t", b"fired by the job", delay_ms=1000))
         dropped = await broker.send(OutgoingMessage("t", b"dropped by the job", delay_ms=1000))
         clock.advance(1000)
