@@ -2,8 +2,9 @@
 subprocess against a real `chronoq serve` started here.
 
 Every test runs `python -m chronoq ...` with a clean environment (no CHRONOQ_* of the caller) and
-judges what a person sees: the exit status, stdout, stderr. The `chronoq check` tests need no
-server and run in the fast suite; the others start servers and are `slow`. This module imports
+judges what a person sees: the exit status, stdout, stderr. Tests that need no server and run
+one or two commands are in the fast suite; those that start servers, or run many commands (each
+a Python start-up of about a second), are `slow`. This module imports
 nothing newer than the command itself, so the same tests can be run against an older checkout
 (PYTHONPATH=that checkout) to see each one fail there.
 """
@@ -78,6 +79,7 @@ def fresh(prefix: str) -> str:
 # -- check: verdicts that mean what they say (no server) -------------------------------------------
 
 
+@pytest.mark.slow
 def test_check_calls_a_missing_path_missing_not_damaged(tmp_path: Path) -> None:
     proc = chronoq_cmd("check", str(tmp_path / "nosuch"))
     assert proc.returncode == 2
@@ -88,6 +90,7 @@ def test_check_calls_a_missing_path_missing_not_damaged(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "is a file, not a directory" in proc.stdout
 
 
+@pytest.mark.slow
 def test_check_does_not_call_a_foreign_directory_ok(tmp_path: Path) -> None:
     (tmp_path / "photos").mkdir()
     (tmp_path / "photos" / "cat.jpg").write_bytes(b"\xff\xd8")
@@ -118,6 +121,7 @@ CLIENT_COMMANDS = (["send", "t", "x"], ["consume", "t", "--group", "g"], ["show"
                    ["topics", "create", "t"], ["topics", "list"], ["topics", "describe", "t"], ["stats"])
 
 
+@pytest.mark.slow
 def test_every_client_command_takes_the_tls_flags() -> None:
     for argv in CLIENT_COMMANDS:
         proc = chronoq_cmd(*argv[:2 if argv[0] == "topics" else 1], "--help")
@@ -126,6 +130,7 @@ def test_every_client_command_takes_the_tls_flags() -> None:
             assert flag in proc.stdout, (argv, flag)
 
 
+@pytest.mark.slow
 def test_connection_mistakes_are_usage_errors_and_a_missing_server_is_named(tmp_path: Path) -> None:
     proc = chronoq_cmd("topics", "list", "--server", "localhost")
     assert proc.returncode == 2 and "must be HOST:PORT" in _one_line_error(proc)
@@ -161,6 +166,7 @@ def test_serve_on_a_data_dir_that_is_a_file_says_so(tmp_path: Path) -> None:
     assert f"data directory {a_file} is a file, not a directory" in _one_line_error(proc)
 
 
+@pytest.mark.slow
 def test_demo_under_a_misspelled_variable_prints_the_servers_line_not_a_traceback(tmp_path: Path) -> None:
     proc = chronoq_cmd("demo", "--data-dir", str(tmp_path / "data"), env={"CHRONOQ_TIMER_MAX_DELAY": "1000"})
     assert proc.returncode == 1
@@ -466,6 +472,7 @@ def test_connection_flags_may_come_before_the_command(server: str) -> None:
 # -- mistakes in the arguments: named, with what is allowed (no server needed) -------------------------
 
 
+@pytest.mark.slow
 def test_a_misspelled_flag_or_command_is_named_with_the_one_meant() -> None:
     proc = chronoq_cmd("send", "t", "x", "--levle", "3")
     assert proc.returncode == 2
@@ -478,6 +485,7 @@ def test_a_misspelled_flag_or_command_is_named_with_the_one_meant() -> None:
     assert proc.returncode == 2 and "invalid choice: 'sned'" in proc.stderr and "did you mean 'send'?" in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_negative_or_unit_less_duration_and_a_zero_count_are_refused_by_value() -> None:
     proc = chronoq_cmd("send", "t", "x", "--in", "-5s")  # argparse took '-5s' for an unknown flag
     assert proc.returncode == 2
@@ -565,6 +573,7 @@ def test_a_second_broker_on_the_same_data_dir_says_what_to_do(tmp_path: Path) ->
            "one another --data-dir" in err, err
 
 
+@pytest.mark.slow
 def test_an_unreadable_at_time_gets_an_example_that_is_not_in_the_past() -> None:
     """'09:00 tomorrow' is what a person types; the example in the refusal (and in --help) is
     09:00 tomorrow in ISO 8601, made now, not a fixed date that has since gone by."""
@@ -654,6 +663,7 @@ def test_a_consume_before_the_timer_is_due_says_why_nothing_came(server: str) ->
            "for it)" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_send_dash_on_a_terminal_says_it_reads_the_body_until_ctrl_d() -> None:
     """`chronoq send orders -` typed at a terminal waited for stdin without a word."""
     drawn = _pty_run([sys.executable, "-m", "chronoq", "send", "t", "-"], {"CHRONOQ_SERVER": "127.0.0.1:1"}, 3)
@@ -661,6 +671,7 @@ def test_send_dash_on_a_terminal_says_it_reads_the_body_until_ctrl_d() -> None:
     assert "Traceback" not in drawn, drawn  # Ctrl-C gives up quietly
 
 
+@pytest.mark.slow
 def test_a_missing_command_or_action_shows_the_list_to_choose_from() -> None:
     """`chronoq` alone said only 'the following arguments are required: COMMAND'."""
     proc = chronoq_cmd()

@@ -268,6 +268,7 @@ def test_a_receive_of_a_broker_that_stays_closed_is_tried_attempts_times(tmp_pat
     asyncio.run(body())
 
 
+@pytest.mark.slow
 def test_an_ack_during_a_restart_is_retried_and_the_message_is_not_redelivered(tmp_path: Path) -> None:
     async def body() -> None:
         async with serving(tmp_path) as served:
@@ -283,6 +284,7 @@ def test_an_ack_during_a_restart_is_retried_and_the_message_is_not_redelivered(t
     asyncio.run(body())
 
 
+@pytest.mark.slow
 def test_an_ack_whose_reply_was_lost_is_retried_and_its_invalid_handle_counts_as_acked(tmp_path: Path) -> None:
     async def body() -> None:
         async with serving(tmp_path) as served:

@@ -152,6 +152,7 @@ def test_rate_series_sums_producers_and_scales_a_short_last_window() -> None:
     assert _rate_series([[(0.02, 600)], [(0.04, 400)]]) == [(0.04, 25000.0)]
 
 
+@pytest.mark.slow
 def test_rate_series_never_divides_by_a_sliver_of_a_window() -> None:
     """Runs of every length: no window is narrower than a quarter step, so no rate can exceed
     all the messages over a quarter step (a float-summed loop once reported 4.5e15 msg/s)."""

@@ -73,6 +73,7 @@ def _last_queue_file(data: Path, topic: str, qid: int) -> Path:
     return sorted((data / files.QUEUES_DIR / topic / str(qid)).glob("*" + files.CQ_SUFFIX))[-1]
 
 
+@pytest.mark.slow
 def test_check_of_a_queue_of_a_million_entries_fits_in_32_mib(tmp_path: Path) -> None:
     data = tmp_path / "data"
     asyncio.run(_build(data))

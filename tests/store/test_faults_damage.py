@@ -101,6 +101,7 @@ def test_a_flipped_byte_in_the_last_segment_quarantines_one_record_and_keeps_the
     asyncio.run(body())
 
 
+@pytest.mark.slow
 def test_a_torn_tail_is_still_truncated_and_check_says_repairable(tmp_path: Path) -> None:
     async def body() -> None:
         live, data = tmp_path / "live", tmp_path / "data"

@@ -156,6 +156,7 @@ def test_below_the_send_reserve_sends_are_refused_and_reads_acks_and_timers_go_o
 # -- (b) no space left at all ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_no_space_left_refuses_sends_and_background_work_survives_and_close_completes(
         disk: Disk, caplog: pytest.LogCaptureFixture) -> None:
     data = disk.root / "data"
@@ -192,6 +193,7 @@ def test_no_space_left_refuses_sends_and_background_work_survives_and_close_comp
 # -- (c) restart with no space left -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_restart_with_no_space_left_opens_and_delivers_every_acknowledged_message(
         disk: Disk, caplog: pytest.LogCaptureFixture) -> None:
     data = disk.root / "data"
@@ -539,6 +541,7 @@ def test_a_dispatch_that_runs_out_of_space_holds_its_sender_until_it_is_done(dis
     asyncio.run(body())
 
 
+@pytest.mark.slow
 def test_a_record_whose_dispatch_was_held_back_at_close_is_delivered_after_a_restart(disk: Disk) -> None:
     """Closed while dispatch waits for space: the sender is told the broker closed (not
     acknowledged), but the record is durable in the log, so a restart, on the still full disk,

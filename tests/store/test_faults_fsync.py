@@ -292,6 +292,7 @@ FIRED = 200  # two link records: 128 and 72 links (`timer_links_per_record`)
 FIRE_MS = 1_700_000_001_000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", ["both link records kept", "the second cut short", "both zeroed"])
 def test_an_fsync_error_on_a_fire_steps_link_records_loses_no_timer_and_fires_none_twice(
         tmp_path: Path, eio, world: str) -> None:

@@ -59,6 +59,7 @@ print(json.dumps(tries))
 """
 
 
+@pytest.mark.slow
 def test_an_open_short_of_file_descriptors_fails_clearly_and_changes_nothing(brokers: SimulatedBrokers,
                                                                              tmp_path: Path) -> None:
     data = tmp_path / "data"

@@ -153,6 +153,7 @@ def test_truncate_last_segment_at_every_offset(template: tuple[Path, list], scra
     assert torn_seen == len(cuts) - (LAST_RECORDS + 1)  # the cut range holds 4 record boundaries
 
 
+@pytest.mark.slow
 def test_torn_tail_then_the_whole_broker_reopens(brokers: SimulatedBrokers, template: tuple[Path, list], tmp_path: Path,
                                                  assert_queues_match_log: Callable) -> None:
     """A few cuts through the full broker: timer index, groups and topics recover with the log."""

@@ -224,6 +224,7 @@ async def _until(predicate: Callable[[], bool], timeout_s: float = 5) -> None:
     raise AssertionError("timed out")
 
 
+@pytest.mark.slow
 def test_a_timer_index_out_of_space_holds_the_roll_and_a_fire_racing_it_fires_once(
         mount: Callable[[Path, int], Disk], tmp_path: Path) -> None:
     """The fault: the timer index's own disk (a tmpfs on `DATA_DIR/timer`) is full when retention
@@ -369,6 +370,7 @@ async def _next_for(b: Broker, clock: FakeClock) -> tuple[list[str], list[tuple[
     return new, back, fresh
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["its directory removed", "a middle file removed", "an entry flipped",
                                  "every queue removed"])
 def test_a_consume_queue_damaged_after_retention_is_rebuilt_to_deliver_what_it_did(tmp_path: Path, how: str) -> None:

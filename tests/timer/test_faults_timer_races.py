@@ -102,6 +102,7 @@ async def _rebuild_index_and_fire(data: Path, clock: FakeClock) -> Broker:
     return broker
 
 
+@pytest.mark.slow
 def test_a_roll_racing_a_fire_then_an_index_rebuild_fires_each_timer_once(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)

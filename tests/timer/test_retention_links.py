@@ -16,6 +16,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
+
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
 from chronoq.config import HOUR_MS, MINUTE_MS, SECOND_MS
@@ -78,6 +80,7 @@ async def _open(data: Path, clock: FakeClock, retention_ms: int) -> Broker:
     return b
 
 
+@pytest.mark.slow
 def test_a_steady_timer_load_keeps_the_disk_flat_under_retention(tmp_path: Path) -> None:
     """Six simulated hours, an hour's retention, timers due 1 to 50 minutes after they are sent,
     everything fired, received and acked: the log keeps what the last hour wrote plus the
@@ -113,6 +116,7 @@ def test_a_steady_timer_load_keeps_the_disk_flat_under_retention(tmp_path: Path)
     assert samples[6][0] <= samples[2][0] * 11 // 10, samples
 
 
+@pytest.mark.slow
 def test_timers_due_after_the_retention_period_are_rolled_and_the_disk_stays_flat(tmp_path: Path) -> None:
     """Ten minutes' retention, timers due 20 to 60 minutes out: each is rolled forward as its
     segment leaves the live ones, so it fires from a record at most one retention period (and a
@@ -140,6 +144,7 @@ def test_timers_due_after_the_retention_period_are_rolled_and_the_disk_stays_fla
     assert periods[-1] <= periods[4] + 1, periods
 
 
+@pytest.mark.slow
 def test_the_log_shrinks_to_one_segment_once_writes_stop_and_timers_have_fired(tmp_path: Path) -> None:
     """After the load stops, once every timer has fired and the retention period has passed, the
     log holds only the segment being written: its link records are past retention too, and keep

@@ -109,6 +109,7 @@ def test_absolute_deadline_two_days_out(tmp_path: Path) -> None:
     run(body())
 
 
+@pytest.mark.slow
 def test_ten_thousand_due_in_the_same_millisecond_fire_in_acceptance_order(tmp_path: Path) -> None:
     n = 10_000
 
