@@ -1,7 +1,7 @@
 """A wall clock that was ahead, then set right: timers wait for the wall clock, nothing else waits
 out the step for longer than `clock_max_backward_step_ms`, in one run or across a restart.
 
-A fault is tested by causing it, on a `Machine` (tests/clock_helpers.py) whose wall clock starts
+A fault is tested by causing it, on a `Machine` (tests/support/clocks.py) whose wall clock starts
 ahead, a day or 30 s, and is then set right (`step`), or on which the broker restarts with the
 wall clock right. What each test pins, and what it found before the fire horizon and the re-base:
 - a timer a client sends with an absolute due time 4 s ahead by its own (right) clock is not

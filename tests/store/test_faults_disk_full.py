@@ -2,7 +2,7 @@
 
 Every fault here is real: a tmpfs of a few MiB is mounted for the test and a "filler" file on it
 takes the free space away (`posix_fallocate`, then byte writes to the last page) and gives it
-back (`tests/disk_helpers.py`, the `mount` fixture). A second, smaller tmpfs mounted on
+back (`tests/support/disks.py`, the `mount` fixture). A second, smaller tmpfs mounted on
 `DATA_DIR/timer` or `DATA_DIR/groups` fills one RocksDB's disk while the commit log still has
 room, so a RocksDB write is what runs out of space. Mounting needs root; without it the tests
 skip. The one monkeypatched call is `os.fdatasync` in `test_an_fsync_enospc_is_still_fatal`, the

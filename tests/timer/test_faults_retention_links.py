@@ -7,7 +7,7 @@ meet any of those writes. Whatever it meets, the step must delete nothing it mus
 timer's record, a record a live link names, a message within retention), leave no half state a
 timer could be lost, fired twice or fired early by (a roll copy written without its deletion is
 fine: the next step finds nothing left to roll), and once space returns the next step must go on
-and free the disk. The disk is a real tmpfs (`tests/disk_helpers.py`), filled by a real filler
+and free the disk. The disk is a real tmpfs (`tests/support/disks.py`), filled by a real filler
 file: before the step (the roll's first append meets it), or from a dispatch listener at the
 moment a roll chunk is dispatched (the roll's next append, or the checkpoint after the roll,
 meets it); or the timer index's own tmpfs is full, so the roll's dispatch is held back.
