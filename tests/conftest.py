@@ -1,82 +1,26 @@
-"""Shared test helpers: a temp data directory, a small-limits config factory, `arun`, `run_broker`,
-and the per-test timeout of the slow tests.
+"""Fixtures shared by every layer's tests, and the per-test timeout of the long tests.
 
 Tests live by layer in subdirectories (store, timer, broker, protocol, server, client, spark,
-e2e, interop); helper modules shared across layers (`server_harness`, `auth_harness`,
-`timer_helpers`, `clock_helpers`, `disk_helpers`, `protocol_strategies`) stay here in `tests/`,
-which pytest puts on `sys.path` with this file.
-
-Kept small and general on purpose; add a helper here only when two test files need it.
-Helpers are fixtures (not imports) because `tests/` has several conftest modules and pytest
-imports each as `conftest`; a test module importing `conftest` could get the wrong one.
-
-Store invariants checked by `assert_queues_match_log` are computed here from the raw commit log
-and consume-queue readers, independently of `chronoq check`, so the two can disagree loudly.
-`mount` gives a test real small disks (tmpfs, `disk_helpers.py`) for the full-disk faults.
+e2e, interop); what several of them share is the `tests.support` package, imported by full name.
+The fixtures here wrap it for the common cases: a data directory in `tmp_path`, a small-limits
+config factory, the test's `FakeClock`, simulated brokers on both (`brokers`, `run_broker`), and
+real small disks (`mount`: tmpfs, `tests.support.disks`) for the full-disk faults.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
-import timer_helpers
-from disk_helpers import Disk, mount_tmpfs, unmount
 
-from chronoq.broker import Broker
 from chronoq.clock import FakeClock
 from chronoq.config import Config
-
-T = TypeVar("T")
-
-SMALL_LIMITS: dict[str, Any] = {
-    "segment_size_bytes": 4096,
-    "max_message_size_bytes": 2048,
-    "consume_queue_entries_per_file": 8,
-    "default_queue_count": 2,
-}
-"""Small enough that a handful of messages roll segments and consume-queue files."""
-
-
-def arun(coro: Coroutine[Any, Any, T]) -> T:
-    """Run one coroutine to completion on a fresh event loop (no pytest-asyncio)."""
-    return asyncio.run(coro)
-
-
-def small_config(data_dir: Path, **overrides: Any) -> Config:
-    return Config(data_dir=data_dir, **{**SMALL_LIMITS, **overrides})
-
-
-def assert_queues_match_log(store: Any) -> int:
-    """Every record of the retained log sits at its (topic, queue, offset) in a consume queue,
-    and every consume-queue entry from the log's start points at exactly that record.
-    `store` is an open `MessageStore`. Returns the number of records checked."""
-    by_queue: dict[tuple[str, int], dict[int, tuple[int, int]]] = {}
-    count = 0
-    for msg in store.log.scan(store.log.start_position):
-        slot = by_queue.setdefault((msg.topic, msg.queue_id), {})
-        assert msg.queue_offset not in slot, f"queue offset {msg.queue_offset} of {msg.topic}/{msg.queue_id} twice"
-        slot[msg.queue_offset] = (msg.position, msg.size)
-        count += 1
-    for key, records in by_queue.items():
-        cq = store.queue(*key)
-        first = min(records)
-        assert cq.next_offset == max(records) + 1, f"{key}: queue ends at {cq.next_offset}, log at {max(records) + 1}"
-        for offset in range(first, cq.next_offset):
-            entry = cq.get(offset)
-            assert entry is not None and entry[:2] == records.get(offset), f"{key} offset {offset}: {entry}"
-    for key in store.queue_keys():
-        cq = store.queue(*key)
-        for offset in range(cq.min_offset, cq.next_offset):
-            entry = cq.get(offset)
-            assert entry is not None, f"{key} offset {offset} missing"
-            if entry[0] >= store.log.start_position:
-                assert by_queue.get(key, {}).get(offset) == entry[:2], f"{key} offset {offset} -> {entry} not in log"
-    return count
-
+from tests.support import brokers as support_brokers
+from tests.support.brokers import SimulatedBrokers, arun, small_config
+from tests.support.disks import Disk, mount_tmpfs, unmount
+from tests.support.invariants import assert_queues_match_log
 
 LONG_TEST_TIMEOUT_S = 600
 """Slow, Spark and interop tests start processes, JVMs and Spark sessions (their fixtures' time
@@ -91,15 +35,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.timeout(LONG_TEST_TIMEOUT_S))
 
 
-@pytest.fixture(params=timer_helpers.TIMER_ENGINES)
+@pytest.fixture(params=support_brokers.TIMER_ENGINES)
 def each_timer_engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run the test once per timer index a broker runs on (`timer_engine`), given to every broker
-    the test opens through `timer_helpers.make_config`. A test marked `rocksdb_index` reads or
-    damages that index's files, and runs on it alone."""
+    the test opens through `tests.support.brokers.open_broker`. A test marked `rocksdb_index` reads
+    or damages that index's files, and runs on it alone."""
     marker = request.node.get_closest_marker("rocksdb_index")
     if marker is not None and request.param != "rocksdb":
         pytest.skip(f"reads or damages the RocksDB index's files ({marker.args[0]})")
-    monkeypatch.setattr(timer_helpers, "TIMER_ENGINE", request.param)
+    monkeypatch.setattr(support_brokers, "TIMER_ENGINE", request.param)
     return str(request.param)
 
 
@@ -129,18 +73,22 @@ def arun_fixture() -> Callable[[Coroutine[Any, Any, Any]], Any]:
 
 
 @pytest.fixture
-def run_broker(make_config: Callable[..., Config], clock: FakeClock) -> Callable[..., None]:
-    """`run_broker(body, **overrides)`: open a Broker on the test's data dir (`make_config(**overrides)`,
-    the test's `FakeClock`, no background tasks: the test drives time), run `await body(broker, clock)`
-    on a fresh event loop, and close the broker whatever happened."""
+def brokers(data_dir: Path, clock: FakeClock) -> SimulatedBrokers:
+    """Simulated brokers on the test's data dir and `clock` (Config's defaults): `async with
+    brokers(**settings) as broker:`, or `await brokers.open(...)` for one the test closes itself."""
+    return SimulatedBrokers(data_dir, clock)
+
+
+@pytest.fixture
+def run_broker(make_config: Callable[..., Config], brokers: SimulatedBrokers) -> Callable[..., None]:
+    """`run_broker(body, **overrides)`: open a simulated broker on the test's data dir with
+    `make_config(**overrides)` (small limits), run `await body(broker, clock)` on a fresh event
+    loop, and close the broker whatever happened."""
 
     def run(body: Callable[..., Coroutine[Any, Any, Any]], **overrides: Any) -> None:
         async def main() -> None:
-            broker = await Broker.open(make_config(**overrides), clock=clock, background=False)
-            try:
-                await body(broker, clock)
-            finally:
-                await broker.close()
+            async with brokers(make_config(**overrides)) as broker:
+                await body(broker, brokers.clock)
 
         arun(main())
 

@@ -28,6 +28,7 @@ from chronoq.model import (
 from chronoq.store.messagestore import MessageStore
 from chronoq.timer.levels import DelayLevels
 from chronoq.validate import prepare
+from tests.support.brokers import open_broker
 
 LIMITS = dict(max_message_size_bytes=2048, max_properties_size_bytes=512, max_property_count=4, max_keys_count=3,
               max_tag_length=16, max_message_id_length=40, max_topic_name_length=20, timer_max_delay_ms=DAY_MS)
@@ -110,8 +111,8 @@ def snapshot(broker: Broker) -> tuple:
     return store.log.end_position, dict(store.topics), queues
 
 
-async def open_broker(make_config: Callable[..., Config], **overrides: Any) -> Broker:
-    broker = await Broker.open(make_config(**{**LIMITS, **overrides}), clock=FakeClock(), background=False)
+async def limited_broker(make_config: Callable[..., Config], **overrides: Any) -> Broker:
+    broker = await open_broker(make_config(**{**LIMITS, **overrides}), clock=FakeClock(), background=False)
     await broker.create_topic("plain", 2, [MessageType.NORMAL])
     return broker
 
@@ -120,7 +121,7 @@ async def open_broker(make_config: Callable[..., Config], **overrides: Any) -> B
 def test_bad_message_is_refused_and_stores_nothing(case: str, bad: OutgoingMessage, error: type,
                                                    make_config: Callable[..., Config], arun: Callable) -> None:
     async def body() -> None:
-        broker = await open_broker(make_config)
+        broker = await limited_broker(make_config)
         try:
             before = snapshot(broker)
             with pytest.raises(error) as info:
@@ -146,7 +147,7 @@ def test_bad_message_is_refused_and_stores_nothing(case: str, bad: OutgoingMessa
 
 def test_unknown_topic_with_auto_create_off(make_config: Callable[..., Config], arun: Callable) -> None:
     async def body() -> None:
-        broker = await open_broker(make_config, auto_create_topics=False)
+        broker = await limited_broker(make_config, auto_create_topics=False)
         try:
             before = snapshot(broker)
             for call in (broker.send(msg(topic="nope")), broker.send(msg(topic="nope", queue_id=9)),
@@ -166,7 +167,7 @@ def test_unknown_topic_with_auto_create_off(make_config: Callable[..., Config], 
 
 def test_timer_disabled(make_config: Callable[..., Config], arun: Callable) -> None:
     async def body() -> None:
-        broker = await open_broker(make_config, timer_wheel_enable=False)
+        broker = await limited_broker(make_config, timer_wheel_enable=False)
         try:
             before = snapshot(broker)
             for bad in (msg(delay_ms=1000), msg(topic="fresh", delay_level=2), msg(deliver_at_ms=10**12),
@@ -183,7 +184,7 @@ def test_timer_disabled(make_config: Callable[..., Config], arun: Callable) -> N
 
 def test_batch_too_large(make_config: Callable[..., Config], arun: Callable) -> None:
     async def body() -> None:
-        broker = await open_broker(make_config, max_send_batch=3)
+        broker = await limited_broker(make_config, max_send_batch=3)
         try:
             before = snapshot(broker)
             with pytest.raises(errors.InvalidBatchSize):
@@ -200,7 +201,7 @@ def test_refused_batches_leave_queue_offsets_dense_across_restart(make_config: C
                                                                    arun: Callable,
                                                                    assert_queues_match_log: Callable) -> None:
     async def body() -> None:
-        broker = await open_broker(make_config)
+        broker = await limited_broker(make_config)
         for i, (_case, bad, _error) in enumerate(BAD):
             await broker.send_batch([msg(message_id=f"a{i}", queue_id=1), bad, msg(message_id=f"b{i}", queue_id=1)],
                                     partial=True)
@@ -249,7 +250,7 @@ def test_a_batch_that_fails_unexpectedly_gives_back_its_timer_slots(make_config:
     import chronoq.accept
 
     async def body() -> None:
-        broker = await open_broker(make_config, timer_congest_num_each_slot=1)
+        broker = await limited_broker(make_config, timer_congest_num_each_slot=1)
         try:
             due = broker.clock.now_ms() + 60_000
             real_prepare = chronoq.accept.prepare

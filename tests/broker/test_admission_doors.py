@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from server_harness import running
 
 from chronoq import errors
 from chronoq.clock import FakeClock
 from chronoq.config import DAY_MS
 from chronoq.model import SCHEDULE_TOPIC, SYS_REAL_TOPIC, TIMER_TOPIC, OutgoingMessage, TimerState
 from chronoq.protocol.v2 import definition, service
+from tests.support.grpc_server import running
 
 NOW_MS = 1_800_000_000_000
 LIMITS = dict(max_message_size_bytes=2048, max_properties_size_bytes=512, max_property_count=4, max_keys_count=3,

@@ -15,6 +15,7 @@ from chronoq.clock import FakeClock
 from chronoq.model import SCHEDULE_TOPIC, SYS_MESSAGE_GROUP, TIMER_TOPIC, MessageType, OutgoingMessage, StoredMessage
 from chronoq.store import files
 from chronoq.store.meta import read_checkpoint
+from tests.support.brokers import SimulatedBrokers, open_broker
 
 
 def test_send_then_read_returns_every_field(run_broker: Callable) -> None:
@@ -113,7 +114,7 @@ def test_topics(run_broker: Callable) -> None:
         with pytest.raises(errors.TopicNotFound):
             broker.get_topic("q0")
         await broker.close()
-        broker2 = await Broker.open(broker.config, clock=clock, background=False)
+        broker2 = await open_broker(broker.config, clock=clock, background=False)
         try:
             assert broker2.get_topic("plain") == t
             assert [x.name for x in broker2.list_topics()] == ["auto", "plain"]
@@ -128,11 +129,11 @@ def test_restart_keeps_messages_and_continues_offsets(make_config: Callable, aru
     async def main() -> None:
         config = make_config()
         clock = FakeClock()
-        broker = await Broker.open(config, clock=clock, background=False)
+        broker = await open_broker(config, clock=clock, background=False)
         sent = [await broker.send(OutgoingMessage("orders", f"{i}".encode() * 50, queue_id=0)) for i in range(30)]
         await broker.close()
         for round_no in range(3):
-            broker = await Broker.open(config, clock=clock, background=False)
+            broker = await open_broker(config, clock=clock, background=False)
             try:
                 assert broker.open_report.log.truncated_bytes == 0 and broker.open_report.rebuilt_queues == []
                 end_before = broker.store.log.end_position
@@ -148,25 +149,25 @@ def test_restart_keeps_messages_and_continues_offsets(make_config: Callable, aru
     arun(main())
 
 
-def test_one_broker_per_directory(make_config: Callable, arun: Callable) -> None:
+def test_one_broker_per_directory(brokers: SimulatedBrokers, make_config: Callable, arun: Callable) -> None:
     async def main() -> None:
         config = make_config()
-        broker = await Broker.open(config, clock=FakeClock(), background=False)
+        broker = await brokers.open(config)
         try:
             with pytest.raises(errors.DataDirLocked):
-                await Broker.open(config, clock=FakeClock(), background=False)
+                await brokers.open(config)
             await broker.send(OutgoingMessage("orders", b"still works"))
         finally:
             await broker.close()
-        again = await Broker.open(config, clock=FakeClock(), background=False)  # the lock went with it
+        again = await brokers.open(config)  # the lock went with it
         await again.close()
 
     arun(main())
 
 
-def test_closed_broker_refuses_calls(make_config: Callable, arun: Callable) -> None:
+def test_closed_broker_refuses_calls(brokers: SimulatedBrokers, make_config: Callable, arun: Callable) -> None:
     async def main() -> None:
-        broker = await Broker.open(make_config(), clock=FakeClock(), background=False)
+        broker = await brokers.open(make_config())
         await broker.close()
         await broker.close()  # idempotent
         for call in (broker.send(OutgoingMessage("orders", b"x")), broker.receive("g", "orders"),
@@ -197,7 +198,7 @@ def test_the_periodic_ticks_wait_on_the_injected_clock(make_config: Callable, ar
     async def main() -> None:
         clock = FakeClock()
         config = make_config(checkpoint_interval_ms=1_000, retention_check_interval_ms=3_600_000)
-        broker = await Broker.open(config, clock=clock)
+        broker = await open_broker(config, clock=clock)
         try:
             await broker.send(OutgoingMessage("t", b"x"))
             written = read_checkpoint(config.data_dir / files.CHECKPOINT)

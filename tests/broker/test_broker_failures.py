@@ -4,21 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import os
-from pathlib import Path
 
 import pytest
 
-from chronoq.broker import Broker
-from chronoq.clock import FakeClock
-from chronoq.config import Config
 from chronoq.errors import BrokerClosed, FlushFailed
 from chronoq.model import OutgoingMessage
 from chronoq.store import group_commit
+from tests.support.brokers import SimulatedBrokers
 
 
-def test_a_dying_flusher_fails_waiting_senders_instead_of_hanging(tmp_path: Path, monkeypatch) -> None:
+def test_a_dying_flusher_fails_waiting_senders_instead_of_hanging(brokers: SimulatedBrokers, monkeypatch) -> None:
     async def body() -> None:
-        broker = await Broker.open(Config(data_dir=tmp_path), clock=FakeClock(), background=False)
+        broker = await brokers.open()
         await broker.send(OutgoingMessage("t", b"before"))
 
         def explode(fds: list[int]) -> None:
@@ -36,9 +33,9 @@ def test_a_dying_flusher_fails_waiting_senders_instead_of_hanging(tmp_path: Path
     asyncio.run(body())
 
 
-def test_an_fsync_error_fails_the_senders_it_covered_and_later_writes(tmp_path: Path, monkeypatch) -> None:
+def test_an_fsync_error_fails_the_senders_it_covered_and_later_writes(brokers: SimulatedBrokers, monkeypatch) -> None:
     async def body() -> None:
-        broker = await Broker.open(Config(data_dir=tmp_path), clock=FakeClock(), background=False)
+        broker = await brokers.open()
 
         def eio(fd: int) -> None:
             raise OSError(5, "Input/output error")
@@ -54,13 +51,13 @@ def test_an_fsync_error_fails_the_senders_it_covered_and_later_writes(tmp_path: 
     asyncio.run(body())
 
 
-def test_a_send_whose_sender_went_away_after_the_write_is_answered_to_its_retry(tmp_path: Path) -> None:
+def test_a_send_whose_sender_went_away_after_the_write_is_answered_to_its_retry(brokers: SimulatedBrokers) -> None:
     """A client's deadline cancels the send's handler while it waits for durability, after its
     record was written. The record becomes durable all the same; the handler used to forget the
     id, so the client's retry stored the message a second time, and a retry already waiting was
     told the broker had closed."""
     async def body() -> None:
-        broker = await Broker.open(Config(data_dir=tmp_path), clock=FakeClock(), background=False)
+        broker = await brokers.open()
         try:
             msg = OutgoingMessage("t", b"x", message_id="ID-1")
             first = asyncio.ensure_future(broker.send(msg))

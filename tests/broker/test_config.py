@@ -207,6 +207,7 @@ def test_the_declared_defaults_are_valid() -> None:
     assert config_module.check_setting("port", 1) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("line", ['trace_enable = "false"', 'port = "18460"'])
 def test_chronoq_serve_exits_2_with_one_line_and_no_traceback(tmp_path: Path, line: str) -> None:
     path = tmp_path / "chronoq.toml"

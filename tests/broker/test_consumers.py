@@ -34,6 +34,7 @@ from chronoq.model import (
 from chronoq.store import files
 from chronoq.store.check import check_data_dir
 from chronoq.store.consumequeue import CQ_HEADER_SIZE, ENTRY_SIZE
+from tests.support.brokers import open_broker
 
 INVISIBLE_MS = 10_000
 
@@ -47,7 +48,7 @@ class Env:
         self.broker: Broker
 
     async def open(self) -> Broker:
-        self.broker = await Broker.open(self.config, clock=self.clock, background=False)
+        self.broker = await open_broker(self.config, clock=self.clock, background=False)
         return self.broker
 
     async def restart(self) -> Broker:

@@ -18,7 +18,7 @@ ahead, then set right, left broker time a day ahead, so a timer due by the clien
 fired at once, a 2 s delay was due the next day, and redeliveries and retention waited a day,
 across restarts too (in-flight times stored a day ahead).
 
-The last test is the other half of the review item: a cancel racing the fire of the same timer,
+The last test: a cancel racing the fire of the same timer,
 with the fired copy written but its fsync not yet done, must be refused, even when the cancel's
 "now" (a clock stepped back) says the timer is not due yet.
 """
@@ -35,14 +35,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import timer_helpers
-from clock_helpers import HOUR_MS, MINUTE_MS, MS, SECOND_MS, START_MS, Machine
 
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock, SystemClock
 from chronoq.config import Config, ConfigError
 from chronoq.errors import TimerAlreadyFired
 from chronoq.model import OutgoingMessage, StoredMessage, TimerState
+from tests.support.brokers import open_broker, simulated_broker
+from tests.support.clocks import HOUR_MS, MINUTE_MS, MS, SECOND_MS, START_MS, Machine
 
 GROUP = "g-clock"
 
@@ -158,10 +158,10 @@ def test_catch_up_closes_a_forward_step_at_the_configured_rate_then_follows() ->
 
 
 def test_a_wall_clock_that_gains_on_the_monotonic_clock_is_followed_with_the_default_catch_up() -> None:
-    """This project's VM: CLOCK_REALTIME gains 5 ms a second on CLOCK_MONOTONIC (measured
-    2026-11-24), with no step. Broker time that never outruns the monotonic clock fell behind by
-    0.5 % of its uptime, and every timer fired that much later by the wall clock (P50 127 ms in
-    a 40 s bench run). The default catch-up (2 %) follows such a clock; 0 does not."""
+    """A wall clock that gains 5 ms a second on CLOCK_MONOTONIC with no step (as virtual
+    machines' clocks do): broker time that never outruns the monotonic clock falls behind by 0.5 %
+    of its uptime, and every timer fires that much later by the wall clock. The default catch-up
+    (2 %) follows such a clock; 0 does not."""
     def run_an_hour(catchup_ppm: int) -> tuple[int, int]:
         m = Machine()
         clock = m.clock(catchup_ppm)
@@ -257,9 +257,9 @@ def test_a_sleeper_on_a_paused_clock_neither_wakes_early_nor_spins() -> None:
 # -- through a broker ---------------------------------------------------------------------------------
 
 
-async def open_broker(data_dir: Path, clock: Any, **overrides: Any) -> Broker:
-    """The shared set-up (tests/timer_helpers.py), with one queue per topic unless told otherwise."""
-    return await timer_helpers.open_broker(data_dir, clock, **{"default_queue_count": 1, **overrides})
+async def one_queue_broker(data_dir: Path, clock: Any, **overrides: Any) -> Broker:
+    """A simulated broker (tests.support.brokers) with one queue per topic unless told otherwise."""
+    return await simulated_broker(data_dir, clock, **{"default_queue_count": 1, **overrides})
 
 
 async def drain(broker: Broker, topic: str) -> list[StoredMessage]:
@@ -274,7 +274,7 @@ async def drain(broker: Broker, topic: str) -> list[StoredMessage]:
 def test_a_forward_step_fires_no_timer_early(tmp_path: Path) -> None:
     async def body() -> None:
         m = Machine()
-        b = await open_broker(tmp_path, m.clock())
+        b = await one_queue_broker(tmp_path, m.clock())
         try:
             r = await b.send(OutgoingMessage("orders", b"ten minutes", delay_ms=10 * MINUTE_MS))
             assert r.deliver_at_ms == START_MS + 10 * MINUTE_MS
@@ -298,7 +298,7 @@ def test_a_forward_step_fires_no_timer_early(tmp_path: Path) -> None:
 def test_a_forward_step_ends_no_invisible_duration_early(tmp_path: Path) -> None:
     async def body() -> None:
         m = Machine()
-        b = await open_broker(tmp_path, m.clock())
+        b = await one_queue_broker(tmp_path, m.clock())
         try:
             sent = await b.send(OutgoingMessage("orders", b"work"))
             [first] = await b.receive(GROUP, "orders", invisible_duration_ms=30 * SECOND_MS)
@@ -321,7 +321,7 @@ def test_after_a_step_back_nothing_fires_before_the_wall_clock_reaches_it_and_lo
     """A step back within the setting (an hour here; a minute by default) pauses broker time."""
     async def body() -> None:
         m = Machine()
-        b = await open_broker(tmp_path, m.clock(max_backward_step_ms=2 * HOUR_MS))
+        b = await one_queue_broker(tmp_path, m.clock(max_backward_step_ms=2 * HOUR_MS))
         loop = asyncio.get_running_loop()
         try:
             timer = await b.send(OutgoingMessage("orders", b"ten minutes", delay_ms=10 * MINUTE_MS))
@@ -367,7 +367,7 @@ def test_after_a_step_back_nothing_fires_before_the_wall_clock_reaches_it_and_lo
 def test_stats_report_how_far_broker_time_is_behind_the_wall_clock(tmp_path: Path) -> None:
     async def body() -> None:
         m = Machine()
-        b = await open_broker(tmp_path / "system", m.clock())
+        b = await one_queue_broker(tmp_path / "system", m.clock())
         in_step = {"behind_wall_ms": 0, "max_backward_step_ms": MINUTE_MS, "rebases": 0, "rebased_ms": 0,
                    "last_rebase_ms": None, "last_rebase_at_ms": None}
         try:
@@ -378,7 +378,7 @@ def test_stats_report_how_far_broker_time_is_behind_the_wall_clock(tmp_path: Pat
             assert b.stats()["clock"] == {**in_step, "behind_wall_ms": HOUR_MS}
         finally:
             await b.close()
-        fake = await open_broker(tmp_path / "fake", FakeClock(START_MS))
+        fake = await one_queue_broker(tmp_path / "fake", FakeClock(START_MS))
         try:
             # A fake clock has no wall clock apart from itself, and never re-bases.
             assert fake.stats()["clock"] == {**in_step, "max_backward_step_ms": None}
@@ -406,7 +406,7 @@ def test_a_cancel_is_refused_while_the_fired_copy_awaits_its_fsync(
 
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await Broker.open(make_config(), clock=clock, background=False)
+        b = await open_broker(make_config(), clock=clock, background=False)
         try:
             r = await b.send(OutgoingMessage("orders", b"fire me", delay_ms=MINUTE_MS))
             due = r.deliver_at_ms

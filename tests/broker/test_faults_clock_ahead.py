@@ -1,7 +1,7 @@
 """A wall clock that was ahead, then set right: timers wait for the wall clock, nothing else waits
 out the step for longer than `clock_max_backward_step_ms`, in one run or across a restart.
 
-A fault is tested by causing it, on a `Machine` (tests/clock_helpers.py) whose wall clock starts
+A fault is tested by causing it, on a `Machine` (tests/support/clocks.py) whose wall clock starts
 ahead, a day or 30 s, and is then set right (`step`), or on which the broker restarts with the
 wall clock right. What each test pins, and what it found before the fire horizon and the re-base:
 - a timer a client sends with an absolute due time 4 s ahead by its own (right) clock is not
@@ -32,8 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import timer_helpers
-from clock_helpers import DAY_MS, HOUR_MS, MINUTE_MS, SECOND_MS, START_MS, Machine
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -46,13 +44,15 @@ from chronoq.model import OutgoingMessage, StoredMessage, TimerState
 from chronoq.server.renewals import Renewals
 from chronoq.store import files
 from chronoq.store.groups import GroupStore
+from tests.support.brokers import open_broker, simulated_broker
+from tests.support.clocks import DAY_MS, HOUR_MS, MINUTE_MS, SECOND_MS, START_MS, Machine
 
 GROUP = "g-ahead"
 SMALL_SEGMENTS = {"segment_size_bytes": 4096, "max_message_size_bytes": 2048}
 
 
-async def open_broker(data_dir: Path, clock: Any, **overrides: Any) -> Broker:
-    return await timer_helpers.open_broker(data_dir, clock, **{"default_queue_count": 1, **overrides})
+async def one_queue_broker(data_dir: Path, clock: Any, **overrides: Any) -> Broker:
+    return await simulated_broker(data_dir, clock, **{"default_queue_count": 1, **overrides})
 
 
 async def drain(broker: Broker, topic: str) -> list[StoredMessage]:
@@ -169,7 +169,7 @@ def test_the_step_back_bound_is_a_named_limit(tmp_path: Path) -> None:
         SystemClock(max_backward_step_ms=0)
 
     async def body() -> None:
-        b = await Broker.open(Config(data_dir=tmp_path, clock_max_backward_step_ms=5000), background=False)
+        b = await open_broker(Config(data_dir=tmp_path, clock_max_backward_step_ms=5000), background=False)
         try:
             assert b.stats()["clock"]["max_backward_step_ms"] == 5000  # the broker's own clock gets it
         finally:
@@ -187,7 +187,7 @@ def test_a_timer_at_an_absolute_time_waits_for_the_wall_clock_after_a_clock_ahea
     """The official clients send every timer as an absolute due time from their own clock."""
     async def body() -> None:
         m = Machine(wall_ms=START_MS + ahead_ms)
-        b = await open_broker(tmp_path, m.clock())
+        b = await one_queue_broker(tmp_path, m.clock())
         try:
             m.run(SECOND_MS)
             m.step(-ahead_ms)  # set right
@@ -214,7 +214,7 @@ def test_after_a_rebase_a_delay_is_due_by_the_wall_clock_and_one_stamped_before_
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     async def body() -> None:
         m = Machine(wall_ms=START_MS + DAY_MS)
-        b = await open_broker(tmp_path, m.clock())
+        b = await one_queue_broker(tmp_path, m.clock())
         try:
             before = await b.send(OutgoingMessage("orders", b"ten minutes, a day ahead", delay_ms=10 * MINUTE_MS))
             assert before.deliver_at_ms == START_MS + DAY_MS + 10 * MINUTE_MS
@@ -249,7 +249,7 @@ def test_after_a_rebase_a_delay_is_due_by_the_wall_clock_and_one_stamped_before_
 def test_a_rebase_is_a_stats_line_and_metrics(tmp_path: Path) -> None:
     async def body() -> None:
         m = Machine(wall_ms=START_MS + DAY_MS)
-        b = await open_broker(tmp_path, m.clock())
+        b = await one_queue_broker(tmp_path, m.clock())
         try:
             metrics = _samples(b)
             assert (metrics["chronoq_clock_rebases_total"], metrics["chronoq_clock_last_rebase_ms"]) == (0, 0)
@@ -279,7 +279,7 @@ def _samples(b: Broker) -> dict[str, float]:
 def test_after_a_rebase_an_in_flight_message_keeps_the_real_time_it_had_left(tmp_path: Path) -> None:
     async def body() -> None:
         m = Machine(wall_ms=START_MS + DAY_MS)
-        b = await open_broker(tmp_path, m.clock())
+        b = await one_queue_broker(tmp_path, m.clock())
         try:
             sent = await b.send(OutgoingMessage("work", b"work"))
             [held] = await b.receive(GROUP, "work", invisible_duration_ms=30 * SECOND_MS)
@@ -311,7 +311,7 @@ def _stored_visible_ms(b: Broker, handle: str) -> int:
 def test_after_a_rebase_the_dedupe_window_lasts_its_real_length(tmp_path: Path) -> None:
     async def body() -> None:
         m = Machine(wall_ms=START_MS + DAY_MS)
-        b = await open_broker(tmp_path, m.clock())
+        b = await one_queue_broker(tmp_path, m.clock())
         try:
             first = await b.send(OutgoingMessage("orders", b"first", message_id="order-1"))
             m.run(SECOND_MS)
@@ -331,7 +331,7 @@ def test_after_a_rebase_the_dedupe_window_lasts_its_real_length(tmp_path: Path) 
 def test_retention_deletes_on_time_after_a_rebase(tmp_path: Path) -> None:
     async def body() -> None:
         m = Machine(wall_ms=START_MS + DAY_MS)
-        b = await open_broker(tmp_path, m.clock(), retention_ms=HOUR_MS, **SMALL_SEGMENTS)
+        b = await one_queue_broker(tmp_path, m.clock(), retention_ms=HOUR_MS, **SMALL_SEGMENTS)
         try:
             for i in range(40):
                 await b.send(OutgoingMessage("orders", b"x" * 200, message_id=f"m-{i:02d}"))
@@ -357,8 +357,7 @@ def test_a_step_back_does_not_hold_the_next_fire_for_the_fire_gap(tmp_path: Path
     at once: the gap's end lies 30 s of wall clock away and must not hold it."""
     async def body() -> None:
         m = Machine()
-        b = await Broker.open(timer_helpers.make_config(tmp_path, default_queue_count=1, timer_fire_gap_ms=1000),
-                              clock=m.clock(), background=True)
+        b = await open_broker(Config(data_dir=tmp_path, default_queue_count=1, timer_fire_gap_ms=1000), m.clock())
         try:
             first = await b.send(OutgoingMessage("orders", b"due now", deliver_at_ms=m.wall_ms))
             await _until_delivered(b, first.message_id)
@@ -421,7 +420,7 @@ def test_a_restart_with_the_clock_set_right_holds_in_flight_messages_no_longer_t
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     async def body() -> None:
         ahead = Machine(wall_ms=START_MS + DAY_MS)
-        b = await open_broker(tmp_path, ahead.clock())
+        b = await one_queue_broker(tmp_path, ahead.clock())
         try:
             plain = await b.send(OutgoingMessage("work", b"plain"))
             renewed = await b.send(OutgoingMessage("work", b"renewed"))
@@ -435,7 +434,7 @@ def test_a_restart_with_the_clock_set_right_holds_in_flight_messages_no_longer_t
         # Set right while the broker was down; 11 s of real time since the receive.
         m = Machine(wall_ms=START_MS + 11 * SECOND_MS)
         with caplog.at_level(logging.WARNING, logger="chronoq.store"):
-            b = await open_broker(tmp_path, m.clock())
+            b = await one_queue_broker(tmp_path, m.clock())
         try:
             [warning] = [r for r in caplog.records if "in-flight" in r.getMessage()]
             assert "2 in-flight messages" in warning.getMessage()
@@ -468,27 +467,27 @@ def test_a_restart_brings_in_flight_times_a_clock_ahead_stamped_to_within_the_lo
 
     async def body() -> None:
         m = Machine()
-        b = await open_broker(tmp_path, m.clock(), **settings)
+        b = await one_queue_broker(tmp_path, m.clock(), **settings)
         try:
             sent = await b.send(OutgoingMessage("work", b"work"))
             assert await redelivered(b, "work") == [(sent.message_id, 1)]
         finally:
             await b.close()
         ahead = Machine(wall_ms=START_MS + DAY_MS)
-        b = await open_broker(tmp_path, ahead.clock(), **settings)
+        b = await one_queue_broker(tmp_path, ahead.clock(), **settings)
         try:
             assert await b.receive(GROUP, "work", invisible_duration_ms=30 * SECOND_MS) != []
         finally:
             await b.close()
         m = Machine(wall_ms=START_MS + 2 * SECOND_MS)
-        await (await open_broker(tmp_path, m.clock(), **settings)).close()
+        await (await one_queue_broker(tmp_path, m.clock(), **settings)).close()
         # What the open moved is stored: another open finds nothing ahead.
         groups = GroupStore(tmp_path / files.GROUPS_DIR)
         try:
             assert groups.restamp_ahead(m.wall_ms, HOUR_MS) == (0, 0)
         finally:
             groups.close()
-        b = await open_broker(tmp_path, m.clock(), **settings)
+        b = await one_queue_broker(tmp_path, m.clock(), **settings)
         try:
             m.run(HOUR_MS - 1)
             assert await redelivered(b, "work") == []

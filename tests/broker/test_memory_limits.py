@@ -23,6 +23,7 @@ from chronoq.store.groups import GroupStore
 from chronoq.timer.index import RocksTimerIndex
 from chronoq.timer.index_codec import COLUMN_FAMILIES
 from chronoq.timer.recall import encode_recall_handle
+from tests.support.brokers import SimulatedBrokers, open_broker
 
 MiB = 1024 * 1024
 
@@ -109,12 +110,12 @@ def test_the_window_holds_any_queue_id_a_record_holds() -> None:
     assert window.get(("t", "a")) == SendResult("a", "t", 70_000, 7, 700, duplicate=True)
 
 
-def test_a_send_that_fails_after_it_is_durable_does_not_hang_later_sends_of_its_id(
+def test_a_send_that_fails_after_it_is_durable_does_not_hang_later_sends_of_its_id(brokers: SimulatedBrokers,
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Any failure between durability and the answer (remembering the result failed, here) used
     to leave the id marked in flight, so every later send of it waited forever."""
     async def body() -> None:
-        broker = await Broker.open(Config(data_dir=tmp_path / "data"), clock=FakeClock(), background=False)
+        broker = await brokers.open(Config(data_dir=tmp_path / "data"))
         try:
             real_add = broker.accept.recent.add
 
@@ -168,7 +169,7 @@ def test_the_group_store_opens_with_the_given_memory_sizes(tmp_path: Path) -> No
 def test_the_broker_passes_its_configured_memory_sizes_to_both_stores(tmp_path: Path) -> None:
     async def body() -> None:
         config = Config(data_dir=tmp_path, timer_index_write_buffer_bytes=9 * MiB, groups_write_buffer_bytes=10 * MiB)
-        broker = await Broker.open(config, background=False)
+        broker = await open_broker(config, background=False)
         await broker.close()
 
     asyncio.run(body())

@@ -1,15 +1,14 @@
-"""Redelivery timing: an explicit invisible duration is honoured exactly (issue 2); with none,
-the broker backs off along RocketMQ's delay levels, level 3 + attempt (issue 3); nack too."""
+"""Redelivery timing: an explicit invisible duration is honoured exactly; with none, the broker
+backs off along RocketMQ's delay levels, level 3 + attempt; nack too."""
 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
-from chronoq.config import Config
 from chronoq.model import OutgoingMessage
+from tests.support.brokers import SimulatedBrokers
 
 SECOND = 1000
 
@@ -21,10 +20,9 @@ async def _redelivered_after(broker: Broker, clock: FakeClock, wait_ms: int, **k
     return [m.delivery_attempt for m in await broker.receive("g", "t", **kw)]  # type: ignore[arg-type]
 
 
-def test_default_invisible_duration_grows_along_the_delay_levels(tmp_path: Path) -> None:
+def test_default_invisible_duration_grows_along_the_delay_levels(brokers: SimulatedBrokers) -> None:
     async def body() -> None:
-        clock = FakeClock()
-        broker = await Broker.open(Config(data_dir=tmp_path), clock=clock, background=False)
+        broker, clock = await brokers.open(), brokers.clock
         await broker.send(OutgoingMessage("t", b"never acked"))
         first = await broker.receive("g", "t")
         assert [m.delivery_attempt for m in first] == [1]
@@ -38,10 +36,9 @@ def test_default_invisible_duration_grows_along_the_delay_levels(tmp_path: Path)
     asyncio.run(body())
 
 
-def test_an_explicit_invisible_duration_is_honoured_exactly(tmp_path: Path) -> None:
+def test_an_explicit_invisible_duration_is_honoured_exactly(brokers: SimulatedBrokers) -> None:
     async def body() -> None:
-        clock = FakeClock()
-        broker = await Broker.open(Config(data_dir=tmp_path), clock=clock, background=False)
+        broker, clock = await brokers.open(), brokers.clock
         await broker.send(OutgoingMessage("t", b"never acked"))
         assert [m.delivery_attempt for m in await broker.receive("g", "t", invisible_duration_ms=5000)] == [1]
         for attempt in (2, 3, 4):
@@ -51,10 +48,9 @@ def test_an_explicit_invisible_duration_is_honoured_exactly(tmp_path: Path) -> N
     asyncio.run(body())
 
 
-def test_nack_backs_off_by_level_three_plus_attempts(tmp_path: Path) -> None:
+def test_nack_backs_off_by_level_three_plus_attempts(brokers: SimulatedBrokers) -> None:
     async def body() -> None:
-        clock = FakeClock()
-        broker = await Broker.open(Config(data_dir=tmp_path), clock=clock, background=False)
+        broker, clock = await brokers.open(), brokers.clock
         await broker.send(OutgoingMessage("t", b"fails"))
         got = await broker.receive("g", "t", invisible_duration_ms=5000)
         await broker.nack("g", "t", got[0].receipt_handle)  # attempt 1 failed: level 3 = 10 s

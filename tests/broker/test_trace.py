@@ -19,6 +19,7 @@ from chronoq.cli import main as cli_main
 from chronoq.clock import FakeClock
 from chronoq.model import OutgoingMessage
 from chronoq.store import files
+from tests.support.extras import need_module
 
 SEGMENT_BYTES = 4096
 RETENTION_BYTES = 4 * SEGMENT_BYTES
@@ -157,7 +158,7 @@ def test_a_segment_of_a_newer_version_is_refused_naming_file_and_versions(data_d
 
 def test_export_tells_no_events_from_events_rotated_away(data_dir: Path, tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("pyarrow")
+    need_module("pyarrow", "spark")
     from chronoq.spark.trace import read_trace_notes
 
     out = str(tmp_path / "t.parquet")
@@ -221,7 +222,7 @@ def test_a_cancel_is_journaled_once_durable_and_the_row_says_cancelled(run_broke
 
 def test_a_fired_timer_dead_lettered_is_journaled_fired_once(run_broker: Callable, data_dir: Path) -> None:
     """A dead letter copies the fired message's properties (TIMER_FIRED_FROM among them), and
-    its copy was journaled as a second fire, of the DLQ topic (found by a review)."""
+    its copy must not be journaled as a second fire, of the DLQ topic."""
     async def body(broker: Broker, clock: FakeClock) -> None:
         await broker.send(OutgoingMessage("tp", b"x", message_id="D", deliver_at_ms=clock.now_ms() + 1_000))
         clock.advance(1_000)

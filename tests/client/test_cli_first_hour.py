@@ -1,9 +1,10 @@
-"""Issue 13, "the first hour": each rough edge a new user hit, as the real `chronoq` command in a
+"""The first hour with the `chronoq` command: what a new user meets, as the real command in a
 subprocess against a real `chronoq serve` started here.
 
 Every test runs `python -m chronoq ...` with a clean environment (no CHRONOQ_* of the caller) and
-judges what a person sees: the exit status, stdout, stderr. The `chronoq check` tests need no
-server and run in the fast suite; the others start servers and are `slow`. This module imports
+judges what a person sees: the exit status, stdout, stderr. Tests that need no server and run
+one or two commands are in the fast suite; those that start servers, or run many commands (each
+a Python start-up of about a second), are `slow`. This module imports
 nothing newer than the command itself, so the same tests can be run against an older checkout
 (PYTHONPATH=that checkout) to see each one fail there.
 """
@@ -16,7 +17,6 @@ import pty
 import re
 import select
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 import chronoq
-from chronoq.client.testing import ServerProcess
+from chronoq.client.testing import ServerProcess, free_port
 
 ROOT = Path(chronoq.__file__).resolve().parent.parent
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -63,10 +63,6 @@ def _openssl_cert(directory: Path, san: str = "DNS:localhost,IP:127.0.0.1", name
     return cert, key
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +79,7 @@ def fresh(prefix: str) -> str:
 # -- check: verdicts that mean what they say (no server) -------------------------------------------
 
 
+@pytest.mark.slow
 def test_check_calls_a_missing_path_missing_not_damaged(tmp_path: Path) -> None:
     proc = chronoq_cmd("check", str(tmp_path / "nosuch"))
     assert proc.returncode == 2
@@ -93,6 +90,7 @@ def test_check_calls_a_missing_path_missing_not_damaged(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "is a file, not a directory" in proc.stdout
 
 
+@pytest.mark.slow
 def test_check_does_not_call_a_foreign_directory_ok(tmp_path: Path) -> None:
     (tmp_path / "photos").mkdir()
     (tmp_path / "photos" / "cat.jpg").write_bytes(b"\xff\xd8")
@@ -123,6 +121,7 @@ CLIENT_COMMANDS = (["send", "t", "x"], ["consume", "t", "--group", "g"], ["show"
                    ["topics", "create", "t"], ["topics", "list"], ["topics", "describe", "t"], ["stats"])
 
 
+@pytest.mark.slow
 def test_every_client_command_takes_the_tls_flags() -> None:
     for argv in CLIENT_COMMANDS:
         proc = chronoq_cmd(*argv[:2 if argv[0] == "topics" else 1], "--help")
@@ -131,6 +130,7 @@ def test_every_client_command_takes_the_tls_flags() -> None:
             assert flag in proc.stdout, (argv, flag)
 
 
+@pytest.mark.slow
 def test_connection_mistakes_are_usage_errors_and_a_missing_server_is_named(tmp_path: Path) -> None:
     proc = chronoq_cmd("topics", "list", "--server", "localhost")
     assert proc.returncode == 2 and "must be HOST:PORT" in _one_line_error(proc)
@@ -138,7 +138,7 @@ def test_connection_mistakes_are_usage_errors_and_a_missing_server_is_named(tmp_
     assert proc.returncode == 2 and "$CHRONOQ_TLS must be" in _one_line_error(proc)
     proc = chronoq_cmd("topics", "list", "--ca-cert", str(tmp_path / "nosuch.pem"))
     assert proc.returncode == 2 and "cannot read the CA certificate" in _one_line_error(proc)
-    proc = chronoq_cmd("topics", "list", "--server", f"127.0.0.1:{_free_port()}")
+    proc = chronoq_cmd("topics", "list", "--server", f"127.0.0.1:{free_port()}")
     assert proc.returncode == 1 and "nothing listens there" in _one_line_error(proc)
 
 
@@ -161,11 +161,12 @@ def test_a_port_outside_1_to_65535_is_refused_not_wrapped_around(server: str) ->
 def test_serve_on_a_data_dir_that_is_a_file_says_so(tmp_path: Path) -> None:
     a_file = tmp_path / "data"
     a_file.write_text("not a directory")
-    proc = chronoq_cmd("serve", "--data-dir", str(a_file), "--port", str(_free_port()))
+    proc = chronoq_cmd("serve", "--data-dir", str(a_file), "--port", str(free_port()))
     assert proc.returncode == 2
     assert f"data directory {a_file} is a file, not a directory" in _one_line_error(proc)
 
 
+@pytest.mark.slow
 def test_demo_under_a_misspelled_variable_prints_the_servers_line_not_a_traceback(tmp_path: Path) -> None:
     proc = chronoq_cmd("demo", "--data-dir", str(tmp_path / "data"), env={"CHRONOQ_TIMER_MAX_DELAY": "1000"})
     assert proc.returncode == 1
@@ -186,7 +187,7 @@ def test_serve_on_a_busy_port_names_the_cause_without_grpc_log_lines(tmp_path: P
 def test_serve_with_cert_and_key_swapped_or_mismatched_says_which(tmp_path: Path) -> None:
     cert, key = _openssl_cert(tmp_path)
     _, other_key = _openssl_cert(tmp_path, name="other")
-    port = str(_free_port())
+    port = str(free_port())
     proc = chronoq_cmd("serve", "--data-dir", str(tmp_path / "d"), "--port", port, "--tls-cert", str(key),
                        "--tls-key", str(cert))
     assert proc.returncode == 2 and "the TLS files are swapped" in _one_line_error(proc)
@@ -229,7 +230,7 @@ def test_client_commands_talk_to_a_tls_server(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_tls_server_name_for_a_certificate_that_names_a_host(tmp_path: Path) -> None:
     cert, key = _openssl_cert(tmp_path, san="DNS:broker.chronoq.test")
-    port = _free_port()
+    port = free_port()
     serve = subprocess.Popen([sys.executable, "-m", "chronoq", "serve", "--data-dir", str(tmp_path / "data"),
                               "--port", str(port), "--tls-cert", str(cert), "--tls-key", str(key)],
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_env())
@@ -471,6 +472,7 @@ def test_connection_flags_may_come_before_the_command(server: str) -> None:
 # -- mistakes in the arguments: named, with what is allowed (no server needed) -------------------------
 
 
+@pytest.mark.slow
 def test_a_misspelled_flag_or_command_is_named_with_the_one_meant() -> None:
     proc = chronoq_cmd("send", "t", "x", "--levle", "3")
     assert proc.returncode == 2
@@ -483,6 +485,7 @@ def test_a_misspelled_flag_or_command_is_named_with_the_one_meant() -> None:
     assert proc.returncode == 2 and "invalid choice: 'sned'" in proc.stderr and "did you mean 'send'?" in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_negative_or_unit_less_duration_and_a_zero_count_are_refused_by_value() -> None:
     proc = chronoq_cmd("send", "t", "x", "--in", "-5s")  # argparse took '-5s' for an unknown flag
     assert proc.returncode == 2
@@ -497,7 +500,7 @@ def test_a_negative_or_unit_less_duration_and_a_zero_count_are_refused_by_value(
 
 
 def test_serve_with_a_missing_config_file_names_it_without_errno(tmp_path: Path) -> None:
-    proc = chronoq_cmd("serve", "--data-dir", str(tmp_path / "d"), "--port", str(_free_port()),
+    proc = chronoq_cmd("serve", "--data-dir", str(tmp_path / "d"), "--port", str(free_port()),
                        "--config", str(tmp_path / "chronoq.toml"))
     assert proc.returncode == 2
     err = _one_line_error(proc)
@@ -563,13 +566,14 @@ def test_a_message_too_large_gives_sizes_a_person_reads(server: str, tmp_path: P
 @pytest.mark.slow
 def test_a_second_broker_on_the_same_data_dir_says_what_to_do(tmp_path: Path) -> None:
     with ServerProcess(tmp_path / "data"):
-        proc = chronoq_cmd("serve", "--data-dir", str(tmp_path / "data"), "--port", str(_free_port()))
+        proc = chronoq_cmd("serve", "--data-dir", str(tmp_path / "data"), "--port", str(free_port()))
     assert proc.returncode == 1
     err = _one_line_error(proc)
     assert f"data directory {tmp_path / 'data'} is in use by another broker: stop that broker first, or give this " \
            "one another --data-dir" in err, err
 
 
+@pytest.mark.slow
 def test_an_unreadable_at_time_gets_an_example_that_is_not_in_the_past() -> None:
     """'09:00 tomorrow' is what a person types; the example in the refusal (and in --help) is
     09:00 tomorrow in ISO 8601, made now, not a fixed date that has since gone by."""
@@ -613,7 +617,7 @@ def test_a_refusal_for_missing_or_wrong_keys_says_where_the_cli_takes_them(tmp_p
     config = tmp_path / "chronoq.toml"
     config.write_text('[auth]\nenabled = true\n\n[[auth.users]]\naccess_key = "ops"\nsecret_key = "s3cret"\n'
                       "admin = true\n")
-    port = _free_port()
+    port = free_port()
     serve = subprocess.Popen([sys.executable, "-m", "chronoq", "serve", "--data-dir", str(tmp_path / "data"),
                               "--port", str(port), "--config", str(config)], stdout=subprocess.PIPE,
                              stderr=subprocess.DEVNULL, text=True, env=_env())
@@ -659,6 +663,7 @@ def test_a_consume_before_the_timer_is_due_says_why_nothing_came(server: str) ->
            "for it)" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_send_dash_on_a_terminal_says_it_reads_the_body_until_ctrl_d() -> None:
     """`chronoq send orders -` typed at a terminal waited for stdin without a word."""
     drawn = _pty_run([sys.executable, "-m", "chronoq", "send", "t", "-"], {"CHRONOQ_SERVER": "127.0.0.1:1"}, 3)
@@ -666,6 +671,7 @@ def test_send_dash_on_a_terminal_says_it_reads_the_body_until_ctrl_d() -> None:
     assert "Traceback" not in drawn, drawn  # Ctrl-C gives up quietly
 
 
+@pytest.mark.slow
 def test_a_missing_command_or_action_shows_the_list_to_choose_from() -> None:
     """`chronoq` alone said only 'the following arguments are required: COMMAND'."""
     proc = chronoq_cmd()
@@ -716,7 +722,7 @@ def test_a_long_poll_ended_by_the_servers_shutdown_says_so(tmp_path: Path) -> No
     reach chronoq server at ...: Cancelling all calls'. The SDK now retries the receive (the
     shutdown's UNAVAILABLE is retriable), so with the server gone for good the error is the last
     attempt's: nothing listens there."""
-    port = _free_port()
+    port = free_port()
     serve = subprocess.Popen([sys.executable, "-m", "chronoq", "serve", "--data-dir", str(tmp_path / "data"),
                               "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                              env=_env())

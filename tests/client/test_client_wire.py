@@ -215,6 +215,7 @@ _reply_keys = st.sampled_from(["code", "message", "error", "retriable", "details
                                "statuses", "messages", "next_offset", "results", "message_id"])
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(_reply_keys, _json, max_size=6).map(lambda d: {**d, "code": 20000}) |
        st.dictionaries(_reply_keys, _json, max_size=6) | _json)
@@ -248,6 +249,7 @@ _entry_keys = st.sampled_from(["message_id", "topic", "state", "deliver_at_ms", 
 _entry = st.dictionaries(_entry_keys, _scalar | st.just("aGk="), max_size=10)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(st.lists(_entry, max_size=3), _scalar)
 def test_near_valid_replies_only_raise_chronoq_errors(entries: list, next_offset: object) -> None:

@@ -42,6 +42,7 @@ from chronoq.server.admin_service import AdminService
 from chronoq.server.grpc_service import MessagingService
 from chronoq.server.serve import server_options
 from chronoq.store import files
+from tests.support.brokers import open_broker
 
 SEND_PATH = "/apache.rocketmq.v2.MessagingService/SendMessage"
 
@@ -108,7 +109,7 @@ class Served:
     async def restart(self) -> None:
         """Close the broker behind the port (if still open) and serve a new one on its data directory."""
         await self.brokers[-1].close()
-        broker = await Broker.open(self.config)
+        broker = await open_broker(self.config)
         self.brokers.append(broker)
         self.messaging.broker = self.admin.broker = broker
 
@@ -116,7 +117,7 @@ class Served:
 @asynccontextmanager
 async def serving(tmp_path: Path) -> AsyncIterator[Served]:
     config = Config(data_dir=tmp_path / "data", default_queue_count=1)
-    brokers = [await Broker.open(config)]
+    brokers = [await open_broker(config)]
     sends, calls = Sends(), Calls()
     server = grpc.aio.server(options=server_options(config), interceptors=[sends, calls])
     try:
@@ -267,6 +268,7 @@ def test_a_receive_of_a_broker_that_stays_closed_is_tried_attempts_times(tmp_pat
     asyncio.run(body())
 
 
+@pytest.mark.slow
 def test_an_ack_during_a_restart_is_retried_and_the_message_is_not_redelivered(tmp_path: Path) -> None:
     async def body() -> None:
         async with serving(tmp_path) as served:
@@ -282,6 +284,7 @@ def test_an_ack_during_a_restart_is_retried_and_the_message_is_not_redelivered(t
     asyncio.run(body())
 
 
+@pytest.mark.slow
 def test_an_ack_whose_reply_was_lost_is_retried_and_its_invalid_handle_counts_as_acked(tmp_path: Path) -> None:
     async def body() -> None:
         async with serving(tmp_path) as served:

@@ -154,6 +154,7 @@ def test_a_blocking_client_dropped_without_close_ends_its_thread(spark_server: s
     assert _loop_threads() == before
 
 
+@pytest.mark.slow
 def test_close_from_another_thread_interrupts_a_long_poll_with_client_closed(spark_server: str) -> None:
     """It used to surface as a bare concurrent.futures.CancelledError (the async client's as an
     asyncio.CancelledError, though nobody had cancelled the caller's task)."""

@@ -1,4 +1,5 @@
-"""A broker under load, for test_crash.py to SIGKILL: `python crash_driver.py DATA_DIR JOURNAL MODE ROUND`.
+"""A broker under load, for test_crash.py to SIGKILL:
+`python -m tests.e2e.crash_driver DATA_DIR JOURNAL MODE ROUND`.
 
 Runs a real broker (SystemClock, sync flush, background tasks on, small segments so it rolls)
 with concurrent producers and, in `mixed` mode, concurrent simple consumers. It appends one line
@@ -27,6 +28,7 @@ from chronoq.clock import SystemClock
 from chronoq.config import Config
 from chronoq.errors import InvalidReceiptHandle
 from chronoq.model import OutgoingMessage
+from tests.support.brokers import open_broker
 
 TOPICS = ("t0", "t1")
 GROUP = "g"
@@ -95,7 +97,7 @@ async def consume(broker: Broker, journal: Journal, c: int) -> None:
 
 async def main(data_dir: str, journal_path: str, mode: str, round_no: int) -> None:
     journal = Journal(journal_path)
-    broker = await Broker.open(config_for(Path(data_dir)), clock=SystemClock(), background=True)
+    broker = await open_broker(config_for(Path(data_dir)), clock=SystemClock(), background=True)
     for topic in TOPICS:
         broker.topics.ensure(topic)  # consumers never create topics, and may start before the first send
     print("READY", flush=True)

@@ -1,4 +1,5 @@
-"""A broker with timers under load, for test_power_loss.py: `python powerloss_driver.py DATA_DIR JOURNAL SEED`.
+"""A broker with timers under load, for test_power_loss.py:
+`python -m tests.e2e.powerloss_driver DATA_DIR JOURNAL SEED`.
 
 Runs a real broker (SystemClock, sync flush, background tasks: the timer loop fires in real time,
 checkpoints every 40 ms) with producers sending normal messages, timers due 0.2-2 s ahead and
@@ -22,13 +23,13 @@ import random
 import sys
 from pathlib import Path
 
-from crash_driver import Journal
-
 from chronoq.broker import Broker
 from chronoq.clock import SystemClock
 from chronoq.config import Config
 from chronoq.errors import ChronoqError
 from chronoq.model import OutgoingMessage
+from tests.e2e.crash_driver import Journal
+from tests.support.brokers import open_broker
 
 TOPIC = "orders"
 TIMER_TOPIC = "later"
@@ -86,7 +87,7 @@ async def consume(broker: Broker, journal: Journal, topic: str) -> None:
 
 async def main(data_dir: str, journal_path: str, seed: int) -> None:
     journal = Journal(journal_path)
-    broker = await Broker.open(config_for(Path(data_dir)), clock=SystemClock(), background=True)
+    broker = await open_broker(config_for(Path(data_dir)), clock=SystemClock(), background=True)
     for topic in (TOPIC, TIMER_TOPIC):
         broker.topics.ensure(topic)  # consumers never create topics, and may start before the first send
     print("READY", flush=True)

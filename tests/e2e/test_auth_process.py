@@ -7,7 +7,6 @@ ready line and stderr.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import chronoq
+from chronoq.client.testing import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -22,10 +22,6 @@ ROOT = Path(chronoq.__file__).resolve().parent.parent
 WARNING = "auth is off and chronoq listens on"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 def _serve(tmp_path: Path, *args: str) -> tuple[str, str, int]:
@@ -34,7 +30,7 @@ def _serve(tmp_path: Path, *args: str) -> tuple[str, str, int]:
     err_path = tmp_path / "serve.err"
     with open(err_path, "wb") as err:
         proc = subprocess.Popen([sys.executable, "-m", "chronoq", "serve", "--data-dir", str(tmp_path / "data"),
-                                 "--port", str(_free_port()), *args], stdout=subprocess.PIPE, stderr=err, env=env)
+                                 "--port", str(free_port()), *args], stdout=subprocess.PIPE, stderr=err, env=env)
         assert proc.stdout is not None
         line = proc.stdout.readline().decode().strip()
         if proc.poll() is None:

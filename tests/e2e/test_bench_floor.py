@@ -10,22 +10,15 @@ receive after the due time, ack, change-invisible, and the pending count the har
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-import chronoq
-
-ROOT = Path(chronoq.__file__).resolve().parent.parent  # the repository, wherever this file sits
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # bench/ is a source-tree tool, not part of the installed package
-
-from bench.peers.base import load_peer  # noqa: E402
-from bench.peers.chronoq_peer import TOPIC  # noqa: E402
-from chronoq.client import AsyncAdmin, AsyncConsumer, AsyncProducer, outgoing  # noqa: E402
+from bench.peers.base import load_peer
+from bench.peers.chronoq_peer import TOPIC
+from chronoq.client import AsyncAdmin, AsyncConsumer, AsyncProducer, outgoing
 
 DUE_IN_MS = 800
 pytestmark = pytest.mark.slow

@@ -19,20 +19,17 @@ from typing import Any
 
 import pytest
 
-import chronoq
-
-ROOT = Path(chronoq.__file__).resolve().parent.parent  # the repository, wherever this file sits
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # bench/ is a source-tree tool, not part of the installed package
-
-from bench.harness import report  # noqa: E402
-from bench.harness.runner import _rate_series, sweep_verdict  # noqa: E402
-from bench.harness.workload import decode_body, delivery_figures, encode_body, percentile  # noqa: E402
+from bench.harness import report
+from bench.harness.runner import _rate_series, sweep_verdict
+from bench.harness.workload import decode_body, delivery_figures, encode_body, percentile
+from tests.support.children import ROOT
+from tests.support.extras import need_module
 
 PHASES = ("accept", "precision", "burst", "crash", "backlog")
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    need_module("matplotlib", "peers")  # the harness draws its chart
     out = tmp_path_factory.mktemp("bench-smoke")
     proc = subprocess.run([sys.executable, "-m", "bench", "--smoke", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
@@ -155,6 +152,7 @@ def test_rate_series_sums_producers_and_scales_a_short_last_window() -> None:
     assert _rate_series([[(0.02, 600)], [(0.04, 400)]]) == [(0.04, 25000.0)]
 
 
+@pytest.mark.slow
 def test_rate_series_never_divides_by_a_sliver_of_a_window() -> None:
     """Runs of every length: no window is narrower than a quarter step, so no rate can exceed
     all the messages over a quarter step (a float-summed loop once reported 4.5e15 msg/s)."""
@@ -179,6 +177,7 @@ def test_report_names_the_uninstallable_and_gives_ratios(tmp_path: Path) -> None
             "nats": {"installable": False, "reason": "not installable: nats-server 2.9.10 is too old"},
         },
     }
+    need_module("matplotlib", "peers")  # the report draws its chart
     paths = report.write(results, tmp_path)
     md = paths["markdown"].read_text()
     assert "not installable: nats-server 2.9.10 is too old" in md

@@ -1,4 +1,4 @@
-"""The web console in a real headless browser (issue 15).
+"""The web console in a real headless browser.
 
 Real parts only: `chronoq serve --http-port` in its own process, timers sent with the SDK, and
 Debian's chromium driven by selenium through Debian's matching chromium-driver (installed by
@@ -28,6 +28,7 @@ import pytest
 from chronoq import envvars
 from chronoq.client import Consumer, Producer
 from chronoq.client.testing import ServerProcess, free_port
+from tests.support.extras import need_command, need_module
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
@@ -38,20 +39,13 @@ WAIT_S = 30.0
 
 
 def _browser_paths() -> tuple[str, str]:
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver = shutil.which("chromedriver")
-    if not chromium or not driver:
-        message = "needs Debian's chromium and chromium-driver: scripts/setup.sh --browser"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
-    return chromium, driver
+    return need_command("chromium", "chromium-browser", extra="browser"), need_command("chromedriver", extra="browser")
 
 
 @pytest.fixture
 def browser(tmp_path: Path) -> Iterator[Any]:
     chromium, driver_path = _browser_paths()
-    webdriver = pytest.importorskip("selenium.webdriver")
+    webdriver = need_module("selenium.webdriver", "test")
     from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()

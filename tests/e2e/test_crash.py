@@ -20,21 +20,21 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from chronoq.broker import Broker
 from chronoq.clock import FakeClock
 from chronoq.store.check import check_data_dir
 from chronoq.store.messagestore import MessageStore
+from tests.e2e import crash_driver
+from tests.support.brokers import open_broker
+from tests.support.children import child_env, module_argv
 
-DRIVER = Path(__file__).with_name("crash_driver.py")
-sys.path.insert(0, str(DRIVER.parent))
-import crash_driver  # noqa: E402  (the driver's config and names, shared with the child)
+DRIVER = "tests.e2e.crash_driver"
+"""The child's module; its config and names are shared with this test."""
 
 PRODUCE_ROUNDS = 12
 MIXED_ROUNDS = 12
@@ -71,8 +71,8 @@ def _journal(path: Path) -> tuple[dict[str, tuple[str, int, int]], set[str], set
 def _run_round(data: Path, journal: Path, mode: str, round_no: int, rng: random.Random, log: Path) -> str:
     """Start the driver, kill it with SIGKILL at a random moment; return what it had reached."""
     with open(log, "ab") as err:
-        child = subprocess.Popen([sys.executable, str(DRIVER), str(data), str(journal), mode, str(round_no)],
-                                 stdout=subprocess.PIPE, stderr=err)
+        child = subprocess.Popen(module_argv(DRIVER, data, journal, mode, round_no), stdout=subprocess.PIPE,
+                                 stderr=err, env=child_env())
     try:
         # One kill in five lands during start-up/recovery, the rest under load.
         if rng.random() < 0.2:
@@ -162,7 +162,7 @@ async def _drain(data: Path) -> set[str]:
     """Every message group `g` can still receive, once every invisible duration has passed."""
     clock = FakeClock(start_ms=int(time.time() * 1000) + 2 * crash_driver.INVISIBLE_MS)
     drained: set[str] = set()
-    async with await Broker.open(crash_driver.config_for(data), clock=clock, background=False) as broker:
+    async with await open_broker(crash_driver.config_for(data), clock=clock, background=False) as broker:
         for topic in crash_driver.TOPICS:
             while got := await broker.receive(crash_driver.GROUP, topic, batch_size=64,
                                               invisible_duration_ms=crash_driver.INVISIBLE_MS):

@@ -29,24 +29,23 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from chronoq.broker import Broker
 from chronoq.clock import FakeClock
 from chronoq.config import DAY_MS
 from chronoq.model import SYS_TIMER_OUT_MS, OutgoingMessage, TimerState
 from chronoq.store import files
 from chronoq.store.check import check_data_dir
+from tests.e2e import powerloss_driver as driver
+from tests.support.brokers import open_broker
+from tests.support.children import child_env, module_argv
+from tests.support.timers import fired_messages
 
-DRIVER = Path(__file__).with_name("powerloss_driver.py")
-sys.path.insert(0, str(DRIVER.parent))
-import powerloss_driver as driver  # noqa: E402
-from timer_helpers import fired_messages  # noqa: E402
+DRIVER = "tests.e2e.powerloss_driver"
 
 SNAPSHOTS = 6
 LOG_SIDE = (files.COMMITLOG_DIR, files.QUEUES_DIR, files.CHECKPOINT, files.TOPICS)
@@ -114,7 +113,7 @@ async def _verify(world: Path, acked: dict[str, dict], label: str) -> None:
     report = check_data_dir(world)
     assert not report.problems, f"{label}: damage: {report.problems}"
     clock = FakeClock(int(time.time() * 1000) + DAY_MS)  # past every due time
-    broker = await Broker.open(driver.config_for(world), clock=clock, background=False)
+    broker = await open_broker(driver.config_for(world), clock=clock, background=False)
     try:
         for mid, (topic, qid, offset) in acked["S"].items():
             entry = broker.store.queue(topic, qid).get(offset)
@@ -156,8 +155,8 @@ def test_worlds_assembled_from_snapshots_lose_nothing_and_fire_nothing_twice(tmp
     snaps: list[Path] = []
     marks: list[int] = []
     with open(tmp_path / "driver.log", "wb") as log:
-        child = subprocess.Popen([sys.executable, str(DRIVER), str(data), str(journal), str(seed)],
-                                 stdout=subprocess.PIPE, stderr=log)
+        child = subprocess.Popen(module_argv(DRIVER, data, journal, seed), stdout=subprocess.PIPE, stderr=log,
+                                 env=child_env())
         try:
             assert child.stdout is not None and child.stdout.readline() == b"READY\n", "driver did not start"
             for n in range(SNAPSHOTS):

@@ -12,10 +12,8 @@ delay asked for. Bounds on lateness are generous (the restart itself makes some 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter, defaultdict
@@ -24,10 +22,9 @@ from typing import Any
 
 import pytest
 
-import chronoq
+from tests.support.children import ROOT, child_env, module_argv
 
-DRIVER = Path(__file__).with_name("timer_driver.py")
-ROOT = Path(chronoq.__file__).resolve().parents[1]  # the repository, wherever this file sits
+DRIVER = "tests.e2e.timer_driver"
 COUNT = 2000
 MAX_LATE_MS = 15_000
 """Generous: a timer due while the broker was down fires after the restart."""
@@ -35,9 +32,8 @@ MAX_LATE_MS = 15_000
 
 class Child:
     def __init__(self, args: list[str]) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, str(DRIVER), *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        self.proc = subprocess.Popen(module_argv(DRIVER, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=child_env(PYTHONUNBUFFERED="1"), cwd=ROOT)
         self.events: list[dict[str, Any]] = []
         self.lock = threading.Lock()
         self.reader = threading.Thread(target=self._read, daemon=True)

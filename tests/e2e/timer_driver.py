@@ -28,6 +28,7 @@ from chronoq.broker import Broker
 from chronoq.clock import SystemClock
 from chronoq.config import Config
 from chronoq.model import SYS_TIMER_OUT_MS, OutgoingMessage
+from tests.support.brokers import open_broker
 
 TOPIC = "realtime"
 GROUP = "rt-consumer"
@@ -78,7 +79,7 @@ async def consume(broker: Broker, clock: SystemClock, idle: asyncio.Event) -> No
 
 async def main(args: argparse.Namespace) -> None:
     clock = SystemClock()
-    broker = await Broker.open(Config(data_dir=Path(args.data)), clock=clock, background=True)
+    broker = await open_broker(Config(data_dir=Path(args.data)), clock=clock, background=True)
     broker.topics.ensure(TOPIC)  # consumers never create topics, and may start before the first send
     emit({"ev": "open", "now_ms": clock.now_ms(), "pending": broker.stats()["timer"]["pending_total"],
           "replayed": broker.open_report.replayed_records})

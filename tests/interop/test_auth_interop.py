@@ -1,4 +1,4 @@
-"""Auth with the official RocketMQ clients, unmodified, each in its own process (issue 14, 1-3).
+"""Auth with the official RocketMQ clients, unmodified, each in its own process.
 
 One `chronoq serve --config auth.toml` (auth on, three users) serves the module, plus one with TLS
 for the TLS-and-auth case. The probe flows (`python_auth_flow.py`, `node/auth_flow.js`) try a
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -25,6 +24,8 @@ from pathlib import Path
 import pytest
 
 import chronoq
+from chronoq.client.testing import free_port
+from tests.support.extras import missing, need_command
 
 pytestmark = [pytest.mark.interop, pytest.mark.slow]
 
@@ -52,12 +53,6 @@ admin = true
 """
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _env() -> dict[str, str]:
@@ -73,7 +68,7 @@ def _openssl_cert(directory: Path) -> tuple[Path, Path]:
 
 
 def _start(base: Path, extra: list[str]) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
+    port = free_port()
     config = base / "auth.toml"
     config.write_text(AUTH_TOML)
     log = open(base / "server.log", "wb")  # noqa: SIM115 (closed when the process ends)
@@ -124,11 +119,9 @@ def _python_flow(address: str, ak: str, sk: str, topic: str, group: str, home: P
 
 
 def _node_flow(address: str, ak: str, sk: str, topic: str, group: str) -> dict:
-    node = shutil.which("node")
-    if node is None:
-        pytest.fail("node is not installed; the Node.js interop test needs Node >= 18")
+    node = need_command("node", extra="node")
     if not (NODE_DIR / "node_modules" / "rocketmq-client-nodejs" / "package.json").exists():
-        pytest.fail("npm rocketmq-client-nodejs is not installed: run scripts/install-node-client.sh")
+        missing("node", "npm rocketmq-client-nodejs is not installed in tests/interop/node")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run([node, str(NODE_DIR / "auth_flow.js"), address, ak, sk, topic, group], cwd=NODE_DIR,
                           capture_output=True, timeout=FLOW_TIMEOUT_S, env=env, check=False)

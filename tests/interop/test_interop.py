@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,7 +20,8 @@ import grpc
 import pytest
 
 import chronoq
-from chronoq.cli import COMMAND_MODULES
+from chronoq.client.testing import ServerProcess
+from tests.support.extras import missing, need_command
 
 pytestmark = [pytest.mark.interop, pytest.mark.slow]
 
@@ -34,44 +34,14 @@ ON_TIME_SLACK_MS = 1000
 """A timer message must arrive no earlier than its time and at most this much later."""
 
 
-def _serve_command(data_dir: Path, port: int) -> list[str]:
-    module = ["chronoq", "serve"] if "chronoq.cli.serve" in COMMAND_MODULES else ["chronoq.cli.serve", "serve"]
-    return [sys.executable, "-m", *module, "--data-dir", str(data_dir), "--port", str(port)]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    base = tmp_path_factory.mktemp("interop")
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    log_path = base / "server.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(_serve_command(base / "data", port), stdout=subprocess.PIPE, stderr=log, env=env)
+    proc = ServerProcess(tmp_path_factory.mktemp("interop") / "data").start()
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline().decode().strip()  # the ready line, printed once the port is bound
-        if line != f"chronoq serving on 127.0.0.1:{port}":
-            proc.kill()
-            pytest.fail(f"chronoq serve did not come up: {line!r}\n{log_path.read_text()[-3000:]}")
-        yield f"127.0.0.1:{port}"
+        yield proc.address
     finally:
-        if proc.poll() is None:
-            proc.terminate()  # SIGTERM: the clean shutdown path
-            try:
-                code = proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                pytest.fail("chronoq serve did not exit within 20 s of SIGTERM")
-            assert code == 0, f"chronoq serve exited {code} after SIGTERM\n{log_path.read_text()[-3000:]}"
+        code = proc.stop()  # SIGTERM: the clean shutdown path
+        assert code == 0, f"chronoq serve exited {code} after SIGTERM\n{proc.log()}"
 
 
 def _run_flow(cmd: list[str], cwd: Path | None = None) -> dict:
@@ -147,11 +117,9 @@ def test_python_push_consumer(server: str) -> None:
 
 
 def test_node_producer_and_simple_consumer(server: str) -> None:
-    node = shutil.which("node")
-    if node is None:
-        pytest.fail("node is not installed; the Node.js interop test needs Node >= 18")
+    node = need_command("node", extra="node")
     if not (NODE_DIR / "node_modules" / "rocketmq-client-nodejs" / "package.json").exists():
-        pytest.fail("npm rocketmq-client-nodejs is not installed: run scripts/install-node-client.sh")
+        missing("node", "npm rocketmq-client-nodejs is not installed in tests/interop/node")
     topic = "node_simple"
     report = _run_flow([node, str(NODE_DIR / "flow.js"), server, topic, "node_simple_group"], cwd=NODE_DIR)
     # The client computes deliveryTimestamp = now + delay inside send(); bound it by the times

@@ -7,6 +7,7 @@ field for field, presence included, for any message a broker can deliver.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rocketmq.grpc_protocol import definition_pb2 as definition
@@ -70,6 +71,7 @@ send_results = st.lists(st.builds(
     recall_handle=st.none() | names, duplicate=st.booleans()), max_size=20)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(results=send_results)
 def test_the_send_response_bytes_mean_what_the_protobuf_api_builds(results: list[SendResult]) -> None:
@@ -92,6 +94,7 @@ def test_the_ack_response_bytes_mean_what_the_protobuf_api_builds(entries: list[
 # -- the batched receive: the stream's bytes regrouped ---------------------------------------------
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(msgs=st.lists(received(), max_size=12), invisible_ms=st.integers(0, 43_200_000),
        now=ms, limit=st.integers(1, 4000))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from protocol_strategies import message_strategy, request_strategy
 
 from chronoq.config import Config
 from chronoq.errors import ChronoqError, MessageTooLarge
@@ -18,6 +17,7 @@ from chronoq.protocol import responses as rs
 from chronoq.protocol.v2 import definition, service
 from chronoq.timer.levels import DelayLevels
 from chronoq.validate import check_message_id, prepare
+from tests.support.protocol_strategies import message_strategy, request_strategy
 
 CONFIG = Config(max_message_size_bytes=4096, max_send_batch=8)
 NOW_MS = 1_800_000_000_000
@@ -54,6 +54,7 @@ def test_every_decoder_returns_a_command_or_a_chronoq_error(data):
         _decode_or_error(decoder, data.draw(request_strategy(request_type), label=request_type.__name__))
 
 
+@pytest.mark.slow
 @FUZZ
 @given(message_strategy(definition.Message))
 def test_accepted_messages_respect_the_limits(message):
@@ -84,6 +85,7 @@ def test_arbitrary_bytes_either_parse_or_raise_decode_error_only(data):
         _decode_or_error(decoder, request)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(message_strategy(definition.Settings))
 def test_settings_reply_is_always_a_valid_ok_command(settings_msg):
@@ -99,6 +101,7 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size
                     max_leaves=10)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.one_of(JSON, st.fixed_dictionaries({"topic": st.sampled_from(["orders", "bad name", ""]),
                                               "body_b64": st.sampled_from(["", "aGk=", "!"])},
@@ -227,6 +230,7 @@ def test_usual_messages_decode_as_the_general_path_does(message, checked):
     _assert_both_paths_agree(message, checked)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(message_strategy(definition.Message))
 def test_arbitrary_messages_decode_alike_with_their_topic_checked(message):

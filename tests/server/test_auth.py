@@ -1,4 +1,4 @@
-"""Authentication, authorization and recall ownership (issue 14, parts 1-3), in process.
+"""Authentication, authorization and recall ownership, in process.
 
 The wire rule (`chronoq.protocol.signature`) is tested on the headers each official client
 writes; the policy (`chronoq.server.auth`) on its own; then a real gRPC server over a real
@@ -18,7 +18,6 @@ from typing import Any
 
 import grpc
 import pytest
-from auth_harness import AUTH, SECRET, USERS, running
 from rocketmq.grpc_protocol import service_pb2_grpc as service_grpc
 
 from chronoq import errors as core
@@ -29,6 +28,7 @@ from chronoq.protocol import batch_receive, signature
 from chronoq.protocol.v2 import definition, service
 from chronoq.server.auth import ANONYMOUS, AuthConfig, Authenticator, User, load_auth, parse_auth
 from chronoq.server.grpc_service import wall_ms
+from tests.support.auth_server import AUTH, SECRET, USERS, running
 
 DATE = "20261123T093000Z"
 DATE_MS = int(datetime(2026, 11, 23, 9, 30, tzinfo=UTC).timestamp() * 1000)

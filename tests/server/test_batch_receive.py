@@ -15,9 +15,7 @@ from typing import Any
 
 import grpc
 import pytest
-from server_harness import receive_request, running
 
-from chronoq.broker import Broker
 from chronoq.client import AsyncConsumer, InvalidArgument, connection
 from chronoq.config import Config
 from chronoq.model import OutgoingMessage
@@ -26,6 +24,8 @@ from chronoq.protocol.requests import Endpoint
 from chronoq.protocol.v2 import service
 from chronoq.server.grpc_service import MessagingService
 from chronoq.server.serve import server_options
+from tests.support.brokers import open_broker
+from tests.support.grpc_server import receive_request, running
 
 BATCH = f"/{batch_receive.SERVICE_NAME}/{batch_receive.METHOD}"
 STANDARD = "/apache.rocketmq.v2.MessagingService/ReceiveMessage"
@@ -199,7 +199,7 @@ def test_only_unimplemented_switches_the_consumer_to_the_standard_call(tmp_path:
     server has no batched receive"."""
     async def body() -> None:
         config = Config(data_dir=tmp_path / "data")
-        broker = await Broker.open(config)
+        broker = await open_broker(config)
         recorder = _FailFirstBatch()
         server = grpc.aio.server(options=server_options(config), interceptors=[recorder])
         try:

@@ -9,14 +9,12 @@ the page showed '1234567 timers pending' and 'p99 86400000 ms'. Needs Node.js (`
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
-
 import chronoq
 from chronoq import timefmt
+from tests.support.extras import need_command
 
 CONSOLE_JS = Path(chronoq.__file__).parent / "http" / "static" / "console.js"
 DAY_MS = 86_400_000
@@ -25,9 +23,7 @@ VALUES_MS = [0, 12, 999, 1000, 1250, 59_999, 60_000, 243_000, 3_600_000, 11_520_
 
 
 def test_console_counts_and_durations_read_as_the_clis() -> None:
-    node = shutil.which("node") or shutil.which("nodejs")
-    if node is None:
-        pytest.skip("needs Node.js: scripts/setup.sh --node")
+    node = need_command("node", "nodejs", extra="node")
     script = (
         "const vm = require('vm');"
         "const ctx = {document: {addEventListener() {}}};"

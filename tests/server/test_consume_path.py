@@ -1,4 +1,4 @@
-"""The consume path's batching and wake-ups (issue 6: delivery error as a consumer sees it).
+"""The consume path's batching and wake-ups: the delivery error as a consumer sees it.
 
 An AckMessage request is settled in one store commit, entry by entry judged alone (repeated,
 stale and foreign handles refused, the rest acked); a long poll is woken by the dispatch of a
@@ -12,15 +12,14 @@ import asyncio
 import time
 from pathlib import Path
 
-from server_harness import resource, running
-
 from chronoq import errors
-from chronoq.broker import Broker
 from chronoq.client import AsyncConsumer
 from chronoq.clock import FakeClock
 from chronoq.config import Config
 from chronoq.model import OutgoingMessage
 from chronoq.protocol.v2 import Code, service
+from tests.support.brokers import open_broker
+from tests.support.grpc_server import resource, running
 
 INVISIBLE_MS = 30_000
 
@@ -28,7 +27,7 @@ INVISIBLE_MS = 30_000
 def test_ack_many_is_one_commit_and_judges_each_handle(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock()
-        async with await Broker.open(Config(data_dir=tmp_path / "d"), clock=clock, background=False) as b:
+        async with await open_broker(Config(data_dir=tmp_path / "d"), clock=clock, background=False) as b:
             for i in range(4):
                 await b.send(OutgoingMessage("orders", f"m{i}".encode()))
             got = await b.receive("g", "orders", batch_size=4, invisible_duration_ms=INVISIBLE_MS)
@@ -83,7 +82,7 @@ def test_ack_message_with_repeated_and_bad_entries_acks_the_good_ones(tmp_path: 
 
 def test_a_long_poll_wakes_on_dispatch_and_timed_out_polls_do_not_pile_up(tmp_path: Path) -> None:
     async def body() -> None:
-        async with await Broker.open(Config(data_dir=tmp_path / "d", default_queue_count=1)) as b:
+        async with await open_broker(Config(data_dir=tmp_path / "d", default_queue_count=1)) as b:
             await b.create_topic("orders")
             for _ in range(200):  # quiet topic: each poll times out (wait 1 ms)
                 assert await b.receive("g", "orders", wait_ms=1) == []

@@ -1,4 +1,4 @@
-"""Hostile input (issue 14, part 4): every decoder that takes outside bytes raises only its own error.
+"""Hostile input: every decoder that takes outside bytes raises only its own error.
 
 Already fuzzed elsewhere and not repeated here: the RocketMQ request decoders and raw protobuf
 bytes (test_protocol_fuzz.py), the gRPC server's unary and streaming RPCs and Telemetry
@@ -30,7 +30,6 @@ from typing import Any
 
 import grpc
 import pytest
-from auth_harness import running
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -44,6 +43,7 @@ from chronoq.server.auth import AuthConfig, Authenticator, User, load_auth, pars
 from chronoq.store import commitlog, consumequeue, groups, meta, record
 from chronoq.timer import index_codec
 from chronoq.timer.recall import decode_recall_handle, encode_recall_handle
+from tests.support.auth_server import running
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 AUTH = AuthConfig(enabled=True, users=(User("app", "secret", publish=("t*",)),))
@@ -64,6 +64,7 @@ def _only(allowed: tuple[type[BaseException], ...], fn: Callable[[], Any]) -> No
         pass
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.lists(st.tuples(st.sampled_from(["authorization", "x-mq-date-time", "x-mq-session-token", "other"]),
                           st.one_of(header_text, date_text, st.binary(max_size=20))), max_size=4))
@@ -89,6 +90,7 @@ def test_near_valid_recall_handles_raise_only_their_error(data: st.DataObject) -
     _only((core.InvalidRecallHandle,), lambda: decode_recall_handle(mutated))
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.sampled_from(["CreateTopic", "SendBatch", "CancelMessage", "QueryMessage"]),
        st.one_of(st.binary(max_size=200), st.text(max_size=200).map(str.encode),
@@ -120,6 +122,7 @@ toml_value = st.recursive(toml_scalar, lambda c: st.lists(c, max_size=3) | st.di
     st.text(min_size=1, max_size=8), c, max_size=3), max_leaves=12)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.one_of(toml_value, st.fixed_dictionaries({
     "enabled": toml_value, "users": st.lists(st.dictionaries(
@@ -137,6 +140,7 @@ def test_auth_file_raises_only_config_error(tmp_path_factory: pytest.TempPathFac
     _only((ConfigError,), lambda: load_auth(path))
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.dictionaries(st.sampled_from(["port", "flush", "max_send_batch", "timer_congest_num_each_slot",
                                         "delay_levels", "host", "auto_create_topics", "clock_catchup_ppm",

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from auth_harness import AUTH, SECRET
 
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
@@ -24,6 +23,8 @@ from chronoq.http.server import HttpServer
 from chronoq.model import OutgoingMessage, TimerState
 from chronoq.server.admin_service import AdminService
 from chronoq.server.auth import Authenticator
+from tests.support.auth_server import AUTH, SECRET
+from tests.support.brokers import open_broker
 
 T0 = 1_800_000_000_000
 
@@ -39,7 +40,7 @@ APP = basic("orders-app", SECRET)
 @contextlib.asynccontextmanager
 async def console(tmp_path: Path) -> AsyncIterator[tuple[Broker, str]]:
     config = Config(data_dir=tmp_path / "data")
-    broker = await Broker.open(config, clock=FakeClock(T0), background=False)
+    broker = await open_broker(config, clock=FakeClock(T0), background=False)
     server = HttpServer(broker, config, AdminService(broker, config, Authenticator(AUTH)))
     try:
         base = f"http://127.0.0.1:{await server.start()}"

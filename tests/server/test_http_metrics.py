@@ -1,4 +1,4 @@
-"""The HTTP side (issue 15): /metrics, /healthz and the console's JSON endpoints.
+"""The HTTP side: /metrics, /healthz and the console's JSON endpoints.
 
 Real parts: a RocksDB-backed broker on a FakeClock (so due times and lateness are exact), the
 aiohttp server of `chronoq/http/server.py` on a free loopback port, and an HTTP client; the
@@ -35,6 +35,7 @@ from chronoq.model import OutgoingMessage
 from chronoq.server.admin_service import AdminService
 from chronoq.server.auth import ANONYMOUS, Principal
 from chronoq.timer.metrics import LatencyHistogram
+from tests.support.brokers import open_broker
 
 arun = asyncio.run
 T0 = 1_800_000_000_000
@@ -46,7 +47,7 @@ async def http_broker(tmp_path: Path, access: Access | None = None,
                       **settings: Any) -> AsyncIterator[tuple[Broker, FakeClock, str]]:
     clock = FakeClock(T0)
     config = Config(data_dir=tmp_path / "data", http_port=0, **settings)
-    broker = await Broker.open(config, clock=clock, background=False)
+    broker = await open_broker(config, clock=clock, background=False)
     server = HttpServer(broker, config, AdminService(broker, config), access)
     try:
         # http_port=0 in the config means "off" for serve; here the site binds port 0 (any free one).
@@ -395,7 +396,7 @@ def test_healthz_says_starting_until_the_grpc_port_serves(tmp_path: Path) -> Non
     in between must not hear "ready"."""
     async def main() -> None:
         config = Config(data_dir=tmp_path / "data")
-        broker = await Broker.open(config, clock=FakeClock(T0), background=False)
+        broker = await open_broker(config, clock=FakeClock(T0), background=False)
         server = HttpServer(broker, config, AdminService(broker, config))
         try:
             base = f"http://127.0.0.1:{await server.start()}"
@@ -415,7 +416,7 @@ def test_healthz_while_shutting_down(tmp_path: Path) -> None:
     async def main() -> None:
         clock = FakeClock(T0)
         config = Config(data_dir=tmp_path / "data")
-        broker = await Broker.open(config, clock=clock, background=False)
+        broker = await open_broker(config, clock=clock, background=False)
         server = HttpServer(broker, config, AdminService(broker, config))
         try:
             base = f"http://127.0.0.1:{await server.start()}"
@@ -452,7 +453,7 @@ def test_http_port_in_use_is_one_clear_line(tmp_path: Path) -> None:
             taken.listen()
             port = taken.getsockname()[1]
             config = Config(data_dir=tmp_path / "data", http_port=port)
-            broker = await Broker.open(config, clock=FakeClock(T0), background=False)
+            broker = await open_broker(config, clock=FakeClock(T0), background=False)
             try:
                 with pytest.raises(ConfigError, match=f"cannot bind the HTTP port {port}: port {port} is in use"):
                     await HttpServer(broker, config, AdminService(broker, config)).start()
@@ -463,7 +464,7 @@ def test_http_port_in_use_is_one_clear_line(tmp_path: Path) -> None:
 
 def test_admin_search_and_chart_over_grpc(tmp_path: Path) -> None:
     """SearchTimers and PendingByDue are admin methods: the console's data, for programs too."""
-    from server_harness import running
+    from tests.support.grpc_server import running
 
     async def main() -> None:
         clock = FakeClock(T0)
@@ -494,7 +495,7 @@ def test_timer_enqueue_lag_counts_timer_records_written_but_not_yet_indexed(tmp_
 
     async def main() -> None:
         clock = FakeClock(T0)
-        broker = await Broker.open(Config(data_dir=tmp_path / "data"), clock=clock, background=False)
+        broker = await open_broker(Config(data_dir=tmp_path / "data"), clock=clock, background=False)
         try:
             await broker.create_topic(TOPIC)
             timers = [broker.timer.route(PreparedMessage(TOPIC, f"id{i}", MessageType.DELAY, b"x", T0), T0 + 60_000,

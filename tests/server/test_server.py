@@ -9,10 +9,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from server_harness import message, messages_of, receive_request, resource, running, status_of
 
 from chronoq.clock import FakeClock
 from chronoq.protocol.v2 import Code, definition, service
+from tests.support.grpc_server import message, messages_of, receive_request, resource, running, status_of
 
 START_MS = 1_800_000_000_000
 

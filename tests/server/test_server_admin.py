@@ -8,9 +8,8 @@ import json
 import time
 from pathlib import Path
 
-from server_harness import running
-
 from chronoq.server.auth import ANONYMOUS
+from tests.support.grpc_server import running
 
 
 def run(coro) -> None:

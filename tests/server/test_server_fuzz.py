@@ -19,10 +19,10 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from protocol_strategies import message_strategy, request_strategy
-from server_harness import Harness, running
 
 from chronoq.protocol.v2 import Code, service
+from tests.support.grpc_server import Harness, running
+from tests.support.protocol_strategies import message_strategy, request_strategy
 
 FUZZ = settings(max_examples=250, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -67,6 +67,7 @@ def _check(responses: list[Any], before: int, h: Harness, what: str) -> None:
         assert _log_end(h) == before, f"{what}: refused ({codes}) but the commit log grew"
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.data())
 def test_unary_rpcs_answer_hostile_requests_with_a_status_and_store_nothing_on_error(live, data) -> None:
@@ -109,6 +110,7 @@ def test_streaming_rpcs_answer_hostile_requests_with_a_status(live, data) -> Non
     loop.run_until_complete(call())
 
 
+@pytest.mark.slow
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.one_of(st.binary(max_size=100).map(lambda b: ("raw", b)),
                           message_strategy(service.TelemetryCommand).map(lambda m: ("msg", m.SerializeToString()))),

@@ -21,13 +21,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import chronoq
-from chronoq.broker import Broker
 from chronoq.cli import COMMAND_MODULES
 from chronoq.cli import serve as serve_cli
 from chronoq.client.testing import free_port
 from chronoq.config import Config, ConfigError
 from chronoq.protocol.v2 import SERVICE_NAME
 from chronoq.server.serve import GC_OLDER_THRESHOLDS, serve, settle_heap
+from tests.support.brokers import open_broker
 
 ROOT = Path(chronoq.__file__).resolve().parent.parent
 
@@ -64,7 +64,7 @@ def test_serve_reports_ready_is_healthy_and_stops_cleanly(tmp_path: Path) -> Non
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await health_status(channel)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-        broker = await Broker.open(config)  # the data directory's lock was released
+        broker = await open_broker(config)  # the data directory's lock was released
         await broker.close()
     asyncio.run(body())
 
@@ -262,7 +262,7 @@ def test_an_http_port_in_use_stops_the_start_before_the_grpc_port_is_bound(
         assert str(refused.value) == (f"cannot bind the HTTP port {http_port}: port {http_port} is in use (another "
                                       "chronoq serve, or another program); choose another --http-port")
         assert bound == []
-        broker = await Broker.open(config)  # the data directory's lock was released
+        broker = await open_broker(config)  # the data directory's lock was released
         await broker.close()
     asyncio.run(body())
 

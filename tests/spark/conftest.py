@@ -14,15 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.extras import need_module
+
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-if str(ROOT) not in sys.path:  # chronoq may not be pip-installed in the venv; the workers get it via PYTHONPATH
-    sys.path.insert(0, str(ROOT))
 
 
 @pytest.fixture(scope="session")
 def spark():
-    pytest.importorskip("pyspark")
+    need_module("pyspark", "spark")
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
     warnings.filterwarnings("ignore", category=FutureWarning)

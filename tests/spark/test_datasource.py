@@ -11,7 +11,11 @@ import datetime as dt
 
 import pytest
 
-from chronoq.spark.datasource import (
+from tests.support.extras import need_module
+
+need_module("pyspark", "spark")  # every test here runs on Spark; the imports below need it too
+
+from chronoq.spark.datasource import (  # noqa: E402
     ChronoqSourceError,
     QueueRange,
     derived_message_id,

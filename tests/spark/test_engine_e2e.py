@@ -11,7 +11,11 @@ from __future__ import annotations
 import time
 
 import pytest
-from engine_waits import WAIT_S, wait_ingested
+
+from tests.spark.engine_waits import WAIT_S, wait_ingested
+from tests.support.extras import need_module
+
+need_module("pyspark", "spark")  # every test here runs on Spark
 
 pytestmark = pytest.mark.spark
 

@@ -13,9 +13,12 @@ import json
 import time
 
 import pytest
-from engine_waits import WAIT_S, wait_ingested
 
 from chronoq.model import SYS_REAL_TOPIC, SYS_TIMER_DEL_UNIQKEY, SYS_TIMER_OUT_MS
+from tests.spark.engine_waits import WAIT_S, wait_ingested
+from tests.support.extras import need_module
+
+need_module("pyspark", "spark")  # every test here runs on Spark
 
 pytestmark = pytest.mark.spark
 

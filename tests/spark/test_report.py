@@ -5,11 +5,16 @@ from __future__ import annotations
 import json
 import random
 
-import numpy as np
 import pytest
 
-from chronoq.spark.trace import TraceRowInvalid, trace_schema, write_trace
-from chronoq.timefmt import duration
+from tests.support.extras import need_module
+
+need_module("pyspark", "spark")  # every test here runs on Spark; the imports below need it too
+
+import numpy as np  # noqa: E402
+
+from chronoq.spark.trace import TraceRowInvalid, trace_schema, write_trace  # noqa: E402
+from chronoq.timefmt import duration  # noqa: E402
 
 pytestmark = pytest.mark.spark
 

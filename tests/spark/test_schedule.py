@@ -6,9 +6,14 @@ import argparse
 import datetime as dt
 import time
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
+
+from tests.support.extras import need_module
+
+need_module("pyspark", "spark")  # every test here runs on Spark; the imports below need it too
+
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
 
 pytestmark = pytest.mark.spark
 

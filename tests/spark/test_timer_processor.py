@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import random
 
-import pandas as pd
 import pytest
 
-pytest.importorskip("pyspark")
-from pyspark.sql.streaming.tws_tester import TwsTester
+from tests.support.extras import need_module
 
-from chronoq.spark.timer_processor import BucketTimerProcessor, split_due
+need_module("pyspark", "spark")  # every test here runs on Spark; the imports below need it too
+
+import pandas as pd  # noqa: E402
+from pyspark.sql.streaming.tws_tester import TwsTester  # noqa: E402
+
+from chronoq.spark.timer_processor import BucketTimerProcessor, split_due  # noqa: E402
 
 pytestmark = pytest.mark.spark
 

@@ -1,12 +1,12 @@
 """`chronoq check`'s memory does not grow with the store, and what it finds does not depend on how
 it reads.
 
-Check used to hold every consume-queue entry as a tuple (about 160 bytes each: 1.5 GB for a store
-of 10 M messages) and each commit-log segment whole. Now it reads both in bounded pieces
-(`CHUNK_ENTRIES`, `MAX_HELD_CHUNKS`, `SEGMENT_WINDOW_BYTES`). The bound is shown for real: a
+Holding every consume-queue entry as a tuple would take about 160 bytes each (1.5 GB for a store
+of 10 M messages), and each commit-log segment whole as much again; check reads both in bounded
+pieces (`CHUNK_ENTRIES`, `MAX_HELD_CHUNKS`, `SEGMENT_WINDOW_BYTES`). The bound is shown for real: a
 child process whose data segment (RLIMIT_DATA) may grow only `HEADROOM` (32 MiB) past what it
-used after checking a small store checks a queue of 1 M entries. The old code died of a
-MemoryError there (it needed between 128 and 160 MiB); the new one fits in 8 MiB. The child's
+used after checking a small store checks a queue of 1 M entries. Holding the entries whole
+would need between 128 and 160 MiB there, a MemoryError; the bounded reads fit in 8 MiB. The child's
 threads get 1 MiB stacks (`ulimit -s`): RocksDB starts threads at each open, and their default
 8 MiB stacks count against the limit, whatever check holds.
 The findings are shown not to depend on the pieces: damaged stores checked with the sizes shrunk
@@ -28,13 +28,13 @@ from pathlib import Path
 import pytest
 
 import chronoq
-from chronoq.broker import Broker
 from chronoq.clock import FakeClock
 from chronoq.config import Config
 from chronoq.model import OutgoingMessage
 from chronoq.store import check, check_log, check_queues, files
 from chronoq.store.consumequeue import CQ_HEADER_SIZE, ENTRY_SIZE, encode_entry
 from chronoq.store.record import HEADER_SIZE
+from tests.support.brokers import open_broker
 
 START_MS = 1_800_000_000_000
 HEADROOM = 32 << 20
@@ -55,7 +55,7 @@ async def _build(data: Path, *, segment_size_bytes: int = 1 << 20, orders: int =
     config = Config(data_dir=data, segment_size_bytes=segment_size_bytes, max_message_size_bytes=2048,
                     default_queue_count=2, consume_queue_entries_per_file=16)
     clock = FakeClock(START_MS)
-    broker = await Broker.open(config, clock=clock, background=False)
+    broker = await open_broker(config, clock=clock, background=False)
     try:
         for first in range(0, orders, 50):
             await broker.send_batch([OutgoingMessage("orders", f"order-{i}".encode() * 8, message_id=f"o{i}")
@@ -73,6 +73,7 @@ def _last_queue_file(data: Path, topic: str, qid: int) -> Path:
     return sorted((data / files.QUEUES_DIR / topic / str(qid)).glob("*" + files.CQ_SUFFIX))[-1]
 
 
+@pytest.mark.slow
 def test_check_of_a_queue_of_a_million_entries_fits_in_32_mib(tmp_path: Path) -> None:
     data = tmp_path / "data"
     asyncio.run(_build(data))

@@ -22,13 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from chronoq.broker import Broker
-from chronoq.clock import FakeClock
 from chronoq.config import Config
 from chronoq.errors import BrokerClosed, FlushFailed
 from chronoq.model import OutgoingMessage
 from chronoq.store import files
 from chronoq.store.meta import read_checkpoint
+from tests.support.brokers import SimulatedBrokers
 
 
 def _config(tmp_path: Path) -> Config:
@@ -78,9 +77,10 @@ def _run(body: Callable[[], object]) -> None:
     asyncio.run(body())  # type: ignore[arg-type]
 
 
-def test_the_loop_serves_while_a_checkpoint_fsyncs(tmp_path: Path, queue_syncs: QueueSyncs) -> None:
+def test_the_loop_serves_while_a_checkpoint_fsyncs(brokers: SimulatedBrokers, tmp_path: Path,
+                                                   queue_syncs: QueueSyncs) -> None:
     async def body() -> None:
-        broker = await Broker.open(_config(tmp_path), clock=FakeClock(), background=False)
+        broker = await brokers.open(_config(tmp_path))
         try:
             await broker.create_topic("t", 2)
             for i in range(4):
@@ -108,9 +108,10 @@ def test_the_loop_serves_while_a_checkpoint_fsyncs(tmp_path: Path, queue_syncs: 
     _run(body)
 
 
-def test_an_fsync_error_on_the_thread_fails_the_store_for_good(tmp_path: Path, queue_syncs: QueueSyncs) -> None:
+def test_an_fsync_error_on_the_thread_fails_the_store_for_good(brokers: SimulatedBrokers, tmp_path: Path,
+                                                               queue_syncs: QueueSyncs) -> None:
     async def body() -> None:
-        broker = await Broker.open(_config(tmp_path), clock=FakeClock(), background=False)
+        broker = await brokers.open(_config(tmp_path))
         await broker.create_topic("t", 2)
         await broker.send(OutgoingMessage("t", b"one", message_id="one"))
         before = broker.store.checkpoint()
@@ -126,7 +127,7 @@ def test_an_fsync_error_on_the_thread_fails_the_store_for_good(tmp_path: Path, q
             await asyncio.wait_for(broker.send(OutgoingMessage("t", b"three")), 5)
         await broker.close()
         assert read_checkpoint(tmp_path / "data" / files.CHECKPOINT) == before
-        broker = await Broker.open(_config(tmp_path), clock=FakeClock(), background=False)
+        broker = await brokers.open(_config(tmp_path))
         try:
             got = {m.message.message_id for m in await broker.receive("g", "t", batch_size=8)}
             got |= {m.message.message_id for m in await broker.receive("g", "t", batch_size=8)}
@@ -137,9 +138,10 @@ def test_an_fsync_error_on_the_thread_fails_the_store_for_good(tmp_path: Path, q
     _run(body)
 
 
-def test_a_close_waits_for_a_stuck_background_checkpoint(tmp_path: Path, queue_syncs: QueueSyncs) -> None:
+def test_a_close_waits_for_a_stuck_background_checkpoint(brokers: SimulatedBrokers, tmp_path: Path,
+                                                         queue_syncs: QueueSyncs) -> None:
     async def body() -> None:
-        broker = await Broker.open(_config(tmp_path), clock=FakeClock(), background=False)
+        broker = await brokers.open(_config(tmp_path))
         await broker.create_topic("t", 2)
         await broker.send(OutgoingMessage("t", b"one", message_id="one"))
         queue_syncs.hold.set()

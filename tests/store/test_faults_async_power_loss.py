@@ -40,6 +40,7 @@ from chronoq.store import files
 from chronoq.store.check import check_data_dir
 from chronoq.store.commitlog import SEGMENT_HEADER_SIZE
 from chronoq.store.meta import CHECKPOINT_MAGIC, read_checkpoint
+from tests.support.brokers import open_broker
 
 START_MS = 1_800_000_000_000
 
@@ -51,7 +52,7 @@ def _config(data: Path, flush: str) -> Config:
 
 
 async def _open(data: Path, flush: str, clock: FakeClock) -> Broker:
-    return await Broker.open(_config(data, flush), clock=clock, background=False)
+    return await open_broker(_config(data, flush), clock=clock, background=False)
 
 
 async def _drain(broker: Broker, topic: str) -> list[str]:

@@ -16,14 +16,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from timer_helpers import run_without_cycle_collector
 
 from chronoq.broker import Broker
+from chronoq.client.testing import free_port
 from chronoq.clock import FakeClock
 from chronoq.config import DAY_MS, Config
 from chronoq.model import SYS_TIMER_OUT_MS, OutgoingMessage, StoredMessage, TimerState
 from chronoq.store import files
 from chronoq.store.check import check_data_dir
+from tests.support.brokers import open_broker
+from tests.support.timers import run_without_cycle_collector
 
 START_MS = 1_800_000_000_000
 
@@ -35,7 +37,7 @@ def _config(data: Path, **overrides: object) -> Config:
 
 
 async def _open(data: Path, clock: FakeClock | None = None, **overrides: object) -> Broker:
-    return await Broker.open(_config(data, **overrides), clock=clock or FakeClock(START_MS), background=False)
+    return await open_broker(_config(data, **overrides), clock=clock or FakeClock(START_MS), background=False)
 
 
 async def _drain(broker: Broker, topic: str, group: str = "g") -> list[StoredMessage]:
@@ -99,6 +101,7 @@ def test_a_flipped_byte_in_the_last_segment_quarantines_one_record_and_keeps_the
     asyncio.run(body())
 
 
+@pytest.mark.slow
 def test_a_torn_tail_is_still_truncated_and_check_says_repairable(tmp_path: Path) -> None:
     async def body() -> None:
         live, data = tmp_path / "live", tmp_path / "data"
@@ -361,7 +364,7 @@ def test_a_timer_index_that_fails_while_running_is_rebuilt_and_nothing_fires_twi
     async def body() -> None:
         clock = FakeClock(START_MS)
         data = tmp_path / "data"
-        broker = await Broker.open(_config(data), clock=clock, background=True)
+        broker = await open_broker(_config(data), clock=clock, background=True)
         try:
             first = await broker.send(OutgoingMessage("t", b"1", message_id="one", delay_ms=1_000))
             clock.advance(1_000)
@@ -426,7 +429,7 @@ def test_a_timer_index_damaged_inside_a_dispatch_write_is_rebuilt(tmp_path: Path
 
     async def body() -> None:
         clock = FakeClock(START_MS)
-        broker = await Broker.open(_config(tmp_path / "data"), clock=clock, background=True)
+        broker = await open_broker(_config(tmp_path / "data"), clock=clock, background=True)
         try:
             monkeypatch.setattr(index_txn.IndexTxn, "finish", finish)
             await broker.send(OutgoingMessage("t", b"1", message_id="one", delay_ms=1_000))
@@ -466,7 +469,7 @@ def test_a_full_disk_while_a_damaged_timer_is_marked_does_not_stop_the_broker(tm
     async def body() -> None:
         clock = FakeClock(START_MS)
         data = tmp_path / "data"
-        broker = await Broker.open(_config(data, read_cache_bytes=0, disk_full_retry_ms=1_000), clock=clock,
+        broker = await open_broker(_config(data, read_cache_bytes=0, disk_full_retry_ms=1_000), clock=clock,
                                    background=True)
         try:
             one = await broker.send(OutgoingMessage("t", b"x" * 100, message_id="one", delay_ms=1_000))
@@ -517,7 +520,7 @@ def test_a_timer_index_found_damaged_during_the_fire_gap_is_rebuilt_before_the_n
 
     async def body() -> None:
         clock = FakeClock(START_MS)
-        broker = await Broker.open(_config(tmp_path / "data", timer_fire_gap_ms=5), clock=clock, background=True)
+        broker = await open_broker(_config(tmp_path / "data", timer_fire_gap_ms=5), clock=clock, background=True)
         try:
             monkeypatch.setattr(index_txn.IndexTxn, "finish", finish)
             await broker.send(OutgoingMessage("t", b"a", message_id="a", delay_ms=1_000))
@@ -561,7 +564,6 @@ def test_chronoq_serve_on_a_damaged_copy_stays_up_and_serves(tmp_path: Path) -> 
     """As a new user would: copy a data directory, flip bytes in a pending timer's record and in
     an older segment, start `chronoq serve` on the copy. It used to exit within a second of every
     start (the timer task died on the damaged timer). It must stay up and serve."""
-    import socket
     import time
 
     from chronoq.client import Consumer, Producer
@@ -583,9 +585,7 @@ def test_chronoq_serve_on_a_damaged_copy_stays_up_and_serves(tmp_path: Path) -> 
     for position in victims:
         segment, offset = _segment_offset(data, position)
         _flip(segment, offset + 120)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env_config = tmp_path / "chronoq.toml"
     env_config.write_text('segment_size_bytes = 8192\ndefault_queue_count = 1\nmax_message_size_bytes = 2048\n')
     proc = subprocess.Popen([str(Path(sys.executable).with_name("chronoq")), "serve", "--data-dir", str(data),

@@ -2,7 +2,7 @@
 
 Every fault here is real: a tmpfs of a few MiB is mounted for the test and a "filler" file on it
 takes the free space away (`posix_fallocate`, then byte writes to the last page) and gives it
-back (`tests/disk_helpers.py`, the `mount` fixture). A second, smaller tmpfs mounted on
+back (`tests/support/disks.py`, the `mount` fixture). A second, smaller tmpfs mounted on
 `DATA_DIR/timer` or `DATA_DIR/groups` fills one RocksDB's disk while the commit log still has
 room, so a RocksDB write is what runs out of space. Mounting needs root; without it the tests
 skip. The one monkeypatched call is `os.fdatasync` in `test_an_fsync_enospc_is_still_fatal`, the
@@ -21,8 +21,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from disk_helpers import PAGE, Disk, MiB
-from timer_helpers import run_without_cycle_collector
 
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
@@ -34,6 +32,9 @@ from chronoq.store.commitlog import SEGMENT_HEADER_SIZE
 from chronoq.store.diskspace import is_disk_full
 from chronoq.store.messagestore import MessageStore, PreparedMessage
 from chronoq.store.meta import read_checkpoint
+from tests.support.brokers import open_broker
+from tests.support.disks import PAGE, Disk, MiB
+from tests.support.timers import run_without_cycle_collector
 
 
 @pytest.fixture
@@ -104,7 +105,7 @@ def test_an_fsync_enospc_is_still_fatal(tmp_path: Path, monkeypatch: pytest.Monk
     assert is_disk_full(Exception("IO error: No space left on device: While appending to file: x/000004.log"))
 
     async def body() -> None:
-        broker = await Broker.open(_config(tmp_path / "data", disk_min_free_bytes=0), clock=FakeClock(),
+        broker = await open_broker(_config(tmp_path / "data", disk_min_free_bytes=0), clock=FakeClock(),
                                    background=False)
         await broker.send(OutgoingMessage("t", b"before"))
 
@@ -130,7 +131,7 @@ def test_below_the_send_reserve_sends_are_refused_and_reads_acks_and_timers_go_o
 
     async def body() -> None:
         clock = FakeClock(1_000_000)
-        broker = await Broker.open(_config(data), clock=clock, background=False)
+        broker = await open_broker(_config(data), clock=clock, background=False)
         acked = [(await broker.send(OutgoingMessage("t", b"x" * 100, message_id=f"m{i}"))).message_id
                  for i in range(5)]
         due = clock.now_ms() + 1000
@@ -163,6 +164,7 @@ def test_below_the_send_reserve_sends_are_refused_and_reads_acks_and_timers_go_o
 # -- (b) no space left at all ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_no_space_left_refuses_sends_and_background_work_survives_and_close_completes(
         disk: Disk, caplog: pytest.LogCaptureFixture) -> None:
     data = disk.root / "data"
@@ -170,7 +172,7 @@ def test_no_space_left_refuses_sends_and_background_work_survives_and_close_comp
     async def body() -> None:
         # The real background tasks, ticking fast: checkpoint and retention every 20 ms of the clock.
         clock = FakeClock(1_000_000)
-        broker = await Broker.open(_config(data, checkpoint_interval_ms=20, retention_check_interval_ms=20),
+        broker = await open_broker(_config(data, checkpoint_interval_ms=20, retention_check_interval_ms=20),
                                    clock=clock)
         for i in range(10):
             await broker.send(OutgoingMessage("t", b"x" * 1000, message_id=f"m{i}"))
@@ -200,12 +202,13 @@ def test_no_space_left_refuses_sends_and_background_work_survives_and_close_comp
 # -- (c) restart with no space left -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_restart_with_no_space_left_opens_and_delivers_every_acknowledged_message(
         disk: Disk, caplog: pytest.LogCaptureFixture) -> None:
     data = disk.root / "data"
 
     async def body() -> None:
-        broker = await Broker.open(_config(data), clock=FakeClock(1_000_000), background=False)
+        broker = await open_broker(_config(data), clock=FakeClock(1_000_000), background=False)
         acked = [(await broker.send(OutgoingMessage("t", b"x" * 500, message_id=f"m{i}"))).message_id
                  for i in range(20)]
         first = await broker.receive("g", "t", batch_size=5)
@@ -218,7 +221,7 @@ def test_a_restart_with_no_space_left_opens_and_delivers_every_acknowledged_mess
         disk.fill()  # whatever the close freed, taken too: 0 bytes free at the restart
         assert disk.free() == 0
         with caplog.at_level(logging.WARNING):
-            broker = await Broker.open(_config(data), clock=FakeClock(1_000_000), background=False)
+            broker = await open_broker(_config(data), clock=FakeClock(1_000_000), background=False)
         assert any("released the 1048576-byte reserve file" in r.getMessage() for r in caplog.records)
         assert not (data / files.RESERVE).exists()
         assert not list(data.parent.glob("data/*.damaged-*")), "a full disk was taken for damage"
@@ -240,7 +243,7 @@ def test_a_restart_without_room_for_rocksdb_is_disk_full_and_damages_nothing(dis
     config = _config(data, disk_reserve_file_bytes=0)
 
     async def body() -> None:
-        broker = await Broker.open(config, clock=FakeClock(1_000_000), background=False)
+        broker = await open_broker(config, clock=FakeClock(1_000_000), background=False)
         acked = [(await broker.send(OutgoingMessage("t", b"x" * 500, message_id=f"m{i}"))).message_id
                  for i in range(10)]
         for rm in await broker.receive("g", "t", batch_size=4):
@@ -248,12 +251,12 @@ def test_a_restart_without_room_for_rocksdb_is_disk_full_and_damages_nothing(dis
         await broker.close()
         disk.fill()
         with pytest.raises(DiskFull) as info:
-            await Broker.open(config, clock=FakeClock(1_000_000), background=False)
+            await open_broker(config, clock=FakeClock(1_000_000), background=False)
         assert "RocksDB" in str(info.value)
         assert (data / files.GROUPS_DIR / "CURRENT").exists() and (data / files.TIMER_DIR / "CURRENT").exists()
         assert not list(data.glob("*.damaged-*"))
         disk.unfill()
-        broker = await Broker.open(config, clock=FakeClock(1_000_000), background=False)
+        broker = await open_broker(config, clock=FakeClock(1_000_000), background=False)
         assert broker.open_report.groups_reset is None
         assert await _receive_all(broker, "t") == acked[4:], "the group's acks were lost"
         await broker.close()
@@ -268,7 +271,7 @@ def test_sends_resume_without_a_restart_when_space_returns(disk: Disk) -> None:
     data = disk.root / "data"
 
     async def body() -> None:
-        broker = await Broker.open(_config(data), clock=FakeClock(1_000_000), background=False)
+        broker = await open_broker(_config(data), clock=FakeClock(1_000_000), background=False)
         await broker.send(OutgoingMessage("t", b"before", message_id="before"))
         disk.fill()
         with pytest.raises(DiskFull):
@@ -295,10 +298,10 @@ def test_the_reserve_file_is_made_again_when_space_returns(disk: Disk) -> None:
     data = disk.root / "data"
 
     async def body() -> None:
-        broker = await Broker.open(_config(data), clock=FakeClock(1_000_000), background=False)
+        broker = await open_broker(_config(data), clock=FakeClock(1_000_000), background=False)
         await broker.close()
         disk.fill()
-        broker = await Broker.open(_config(data), clock=FakeClock(1_000_000), background=False)
+        broker = await open_broker(_config(data), clock=FakeClock(1_000_000), background=False)
         assert not (data / files.RESERVE).exists()
         await broker._checkpoint(0)  # a tick with no room: nothing made
         assert not (data / files.RESERVE).exists()
@@ -320,7 +323,7 @@ def test_a_commit_log_write_or_roll_that_runs_out_of_space_is_undone(disk: Disk)
     config = _config(data, disk_min_free_bytes=0, segment_size_bytes=128 * 1024, max_message_size_bytes=64 * 1024)
 
     async def body() -> None:
-        broker = await Broker.open(config, clock=FakeClock(1_000_000), background=False)
+        broker = await open_broker(config, clock=FakeClock(1_000_000), background=False)
         for i in range(3):
             await broker.send(OutgoingMessage("t", b"a" * 30_000, message_id=f"a{i}"))
         log = broker.store.log
@@ -355,7 +358,7 @@ def test_a_batch_whose_roll_runs_out_of_space_after_its_first_records_leaves_not
     config = _config(data, disk_min_free_bytes=0, segment_size_bytes=128 * 1024, max_message_size_bytes=64 * 1024)
 
     async def body() -> None:
-        broker = await Broker.open(config, clock=FakeClock(1_000_000), background=False)
+        broker = await open_broker(config, clock=FakeClock(1_000_000), background=False)
         sent = [await broker.send(OutgoingMessage("t", b"a" * 10_000, message_id=f"a{i}")) for i in range(10)]
         record = sent[1].position - sent[0].position
         log = broker.store.log
@@ -407,7 +410,7 @@ def test_a_batch_whose_write_into_a_new_segment_runs_out_of_space_removes_it_dur
         real_ftruncate(fd, length)
 
     async def body() -> None:
-        broker = await Broker.open(config, clock=FakeClock(1_000_000), background=False)
+        broker = await open_broker(config, clock=FakeClock(1_000_000), background=False)
         sent = [await broker.send(OutgoingMessage("t", b"a" * 10_000, message_id=f"a{i}")) for i in range(10)]
         record = sent[1].position - sent[0].position
         log = broker.store.log
@@ -453,7 +456,7 @@ def test_a_fire_step_whose_roll_runs_out_of_space_fires_once_when_space_returns(
 
     async def body() -> None:
         clock = FakeClock(1_000_000)
-        broker = await Broker.open(config, clock=clock, background=False)
+        broker = await open_broker(config, clock=clock, background=False)
         ids = [f"m{i:02d}" for i in range(12)]
         for mid in ids:
             await broker.send(OutgoingMessage("t", b"x" * 600, message_id=mid, delay_ms=1_000))
@@ -487,7 +490,7 @@ def test_a_timer_refused_because_its_topic_could_not_be_made_frees_its_slot(disk
 
     async def body() -> None:
         clock = FakeClock(1_000_000)
-        broker = await Broker.open(config, clock=clock, background=False)
+        broker = await open_broker(config, clock=clock, background=False)
         due = clock.now_ms() + 60_000
         disk.fill()
         with pytest.raises(DiskFull):
@@ -527,7 +530,7 @@ def test_a_dispatch_that_runs_out_of_space_holds_its_sender_until_it_is_done(dis
     config = _config(data, disk_min_free_bytes=0, consume_queue_entries_per_file=2)
 
     async def body() -> None:
-        broker = await Broker.open(config, clock=FakeClock(1_000_000), background=False)
+        broker = await open_broker(config, clock=FakeClock(1_000_000), background=False)
         sender = await _block_dispatch(broker, disk)
         assert broker.fatal is None
         with pytest.raises(DiskFull) as info:
@@ -547,6 +550,7 @@ def test_a_dispatch_that_runs_out_of_space_holds_its_sender_until_it_is_done(dis
     asyncio.run(body())
 
 
+@pytest.mark.slow
 def test_a_record_whose_dispatch_was_held_back_at_close_is_delivered_after_a_restart(disk: Disk) -> None:
     """Closed while dispatch waits for space: the sender is told the broker closed (not
     acknowledged), but the record is durable in the log, so a restart, on the still full disk,
@@ -556,13 +560,13 @@ def test_a_record_whose_dispatch_was_held_back_at_close_is_delivered_after_a_res
     config = _config(data, disk_min_free_bytes=0, consume_queue_entries_per_file=2)
 
     async def body() -> None:
-        broker = await Broker.open(config, clock=FakeClock(1_000_000), background=False)
+        broker = await open_broker(config, clock=FakeClock(1_000_000), background=False)
         sender = await _block_dispatch(broker, disk)
         await broker.close()
         with pytest.raises(ChronoqError):
             await sender
         disk.fill()
-        broker = await Broker.open(config, clock=FakeClock(1_000_000), background=False)
+        broker = await open_broker(config, clock=FakeClock(1_000_000), background=False)
         assert await _receive_all(broker, "t") == ["one", "two", "three"]
         await broker.close()
 
@@ -593,7 +597,7 @@ def test_retention_uses_the_reserve_and_waits_out_a_full_disk(disk: Disk, caplog
         raise AssertionError("timed out")
 
     async def body() -> None:
-        broker = await Broker.open(config, clock=clock)
+        broker = await open_broker(config, clock=clock)
         due = clock.now_ms() + 3_600_000
         await broker.send(OutgoingMessage("t", b"timer", message_id="timer", deliver_at_ms=due))
         start = await expire_segments(broker, clock, "a")
@@ -634,7 +638,7 @@ def test_a_timer_index_out_of_space_holds_timer_senders_and_is_reopened(mount, t
 
     async def body() -> None:
         clock = FakeClock(1_000_000)
-        broker = await Broker.open(_config(data), clock=clock, background=False)
+        broker = await open_broker(_config(data), clock=clock, background=False)
         await broker.send(OutgoingMessage("t", b"plain", message_id="plain"))
         due = clock.now_ms() + 60_000
         index_disk.fill()
@@ -666,8 +670,8 @@ def test_a_timer_index_out_of_space_holds_timer_senders_and_is_reopened(mount, t
         await broker.close()
 
     # The cyclic collector off: the reopen must not wait for it. A reference cycle that kept the
-    # failed RocksDB handle (and its lock) alive once passed in the full suite, where a collection
-    # happened to run first, and failed only when this test ran alone.
+    # failed RocksDB handle (and its lock) alive would pass whenever a collection happened to run
+    # first, and fail only when it did not.
     run_without_cycle_collector(body())
 
 
@@ -679,7 +683,7 @@ def test_a_consumer_group_store_out_of_space_refuses_acks_then_is_reopened(mount
 
     async def body() -> None:
         clock = FakeClock(1_000_000)
-        broker = await Broker.open(config, clock=clock, background=False)
+        broker = await open_broker(config, clock=clock, background=False)
         await broker.send_batch([OutgoingMessage("t", b"m", message_id=f"m{i:03d}") for i in range(256)])
         held = []
         for _ in range(4):
@@ -703,7 +707,7 @@ def test_a_consumer_group_store_out_of_space_refuses_acks_then_is_reopened(mount
         for rm in held[len(acked):]:
             await broker.ack("g", "t", rm.receipt_handle)
         await broker.close()
-        broker = await Broker.open(config, clock=clock, background=False)
+        broker = await open_broker(config, clock=clock, background=False)
         clock.advance(2 * 3_600_000)
         assert await broker.receive("g", "t") == [], "acknowledged messages came back"
         await broker.close()
@@ -756,7 +760,7 @@ def test_a_full_trace_disk_stops_the_trace_never_a_send(mount, tmp_path: Path) -
 
     async def body() -> None:
         clock = FakeClock(1_000_000)
-        broker = await Broker.open(config, clock=clock, background=False)
+        broker = await open_broker(config, clock=clock, background=False)
         assert broker.trace is not None and broker.trace.stopped is None
         trace_disk.fill()
         for n in range(10):  # ~3 x 36 bytes per timer: past the 4 KiB buffer-free space at once
@@ -774,7 +778,7 @@ def test_a_full_trace_disk_stops_the_trace_never_a_send(mount, tmp_path: Path) -
         trace_disk.unfill()
         from chronoq.trace import read_trace
         assert read_trace(data).rows is not None  # readable, whatever it kept
-        broker = await Broker.open(config, clock=clock, background=False)
+        broker = await open_broker(config, clock=clock, background=False)
         assert broker.trace is not None and broker.trace.stopped is None
         await broker.send(OutgoingMessage("t", b"x", message_id="again", deliver_at_ms=clock.now_ms() + 1000))
         await broker.close()
@@ -808,7 +812,7 @@ def test_a_stopped_trace_is_shown_in_stats_and_on_metrics_not_only_logged(mount,
 
     async def body() -> None:
         clock = FakeClock(1_000_000)
-        broker = await Broker.open(config, clock=clock, background=False)
+        broker = await open_broker(config, clock=clock, background=False)
         server = HttpServer(broker, config, AdminService(broker, config))
         try:
             base = f"http://127.0.0.1:{await server.start()}"

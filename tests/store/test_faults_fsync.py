@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from chronoq.broker import Broker
+from chronoq.client.testing import free_port
 from chronoq.clock import FakeClock
 from chronoq.config import Config
 from chronoq.errors import BrokerClosed, ChronoqError, FlushFailed
@@ -34,6 +35,7 @@ from chronoq.store import files
 from chronoq.store.check import check_data_dir, format_report
 from chronoq.store.links import decode_links
 from chronoq.store.meta import read_checkpoint
+from tests.support.brokers import SimulatedBrokers, open_broker
 
 
 @pytest.fixture
@@ -78,9 +80,9 @@ async def _refused(broker: Broker, body: bytes) -> ChronoqError:
     return info.value
 
 
-def test_an_fsync_error_at_segment_roll_fails_the_log_for_good(tmp_path: Path, eio) -> None:
+def test_an_fsync_error_at_segment_roll_fails_the_log_for_good(brokers: SimulatedBrokers, tmp_path: Path, eio) -> None:
     async def body() -> None:
-        broker = await Broker.open(_config(tmp_path), clock=FakeClock(), background=False)
+        broker = await brokers.open(_config(tmp_path))
         acked = []
         # Group commits fdatasync the active segment; a roll fsyncs the full one before the next is
         # made. If the roll stopped using fsync, `failed` stays empty and the test says so.
@@ -96,7 +98,7 @@ def test_an_fsync_error_at_segment_roll_fails_the_log_for_good(tmp_path: Path, e
         await _refused(broker, b"after the error")
         await broker.close()
         # What was acknowledged before the error is all there after a restart.
-        broker = await Broker.open(_config(tmp_path), clock=FakeClock(), background=False)
+        broker = await brokers.open(_config(tmp_path))
         got = [m.message.message_id for m in await broker.receive("g", "t", batch_size=64)]
         got += [m.message.message_id for m in await broker.receive("g", "t", batch_size=64)]
         assert set(acked) <= set(got)
@@ -105,10 +107,10 @@ def test_an_fsync_error_at_segment_roll_fails_the_log_for_good(tmp_path: Path, e
     asyncio.run(body())
 
 
-def test_after_a_failed_group_commit_nothing_is_checkpointed_past_it(tmp_path: Path, eio) -> None:
+def test_after_a_failed_group_commit_nothing_is_checkpointed_past_it(brokers: SimulatedBrokers, tmp_path: Path,
+                                                                     eio) -> None:
     async def body() -> None:
-        broker = await Broker.open(_config(tmp_path, segment_size_bytes=1 << 20), clock=FakeClock(),
-                                   background=False)
+        broker = await brokers.open(_config(tmp_path, segment_size_bytes=1 << 20))
         first = await broker.send(OutgoingMessage("t", b"durable"))
         durable_end = broker.store.log.flushed_position
         broker.store.checkpoint()
@@ -128,7 +130,7 @@ def test_after_a_failed_group_commit_nothing_is_checkpointed_past_it(tmp_path: P
     asyncio.run(body())
 
 
-def test_a_group_commit_fsync_that_fails_while_the_broker_closes_is_not_lost(
+def test_a_group_commit_fsync_that_fails_while_the_broker_closes_is_not_lost(brokers: SimulatedBrokers,
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The group commit's fdatasync is still running when `close` cancels the flusher, and then
     fails (EIO). Its outcome used to be dropped with the cancelled flusher: close's own flush
@@ -153,7 +155,7 @@ def test_a_group_commit_fsync_that_fails_while_the_broker_closes_is_not_lost(
     monkeypatch.setattr(os, "fdatasync", fdatasync)
 
     async def body() -> None:
-        broker = await Broker.open(_config(tmp_path), clock=FakeClock(), background=False)
+        broker = await brokers.open(_config(tmp_path))
         await broker.send(OutgoingMessage("t", b"first"))
         broker.store.checkpoint()
         durable = broker.store.log.flushed_position
@@ -187,7 +189,7 @@ os._exit(0)  # a crash before the group commit: written to the page cache, never
 """
 
 
-def test_records_a_crash_left_unsynced_are_made_durable_before_recovery_delivers_them(
+def test_records_a_crash_left_unsynced_are_made_durable_before_recovery_delivers_them(brokers: SimulatedBrokers,
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A crashed run's last records may be in the page cache only (their senders were never
     acknowledged). Recovery dispatches them, so consumers can see them: the segment must be
@@ -207,7 +209,7 @@ def test_records_a_crash_left_unsynced_are_made_durable_before_recovery_delivers
     monkeypatch.setattr(os, "fdatasync", spy(real_fdatasync))
 
     async def body() -> None:
-        broker = await Broker.open(Config(data_dir=data, default_queue_count=1), clock=FakeClock(), background=False)
+        broker = await brokers.open(Config(data_dir=data, default_queue_count=1))
         try:
             assert [p for p in synced if p.endswith(files.SEGMENT_SUFFIX)], "recovered without an fsync"
             got = await broker.receive("g", "t", batch_size=8)
@@ -218,18 +220,19 @@ def test_records_a_crash_left_unsynced_are_made_durable_before_recovery_delivers
     asyncio.run(body())
 
 
-def test_an_fsync_error_at_open_refuses_to_open_and_releases_the_directory(tmp_path: Path, eio) -> None:
+def test_an_fsync_error_at_open_refuses_to_open_and_releases_the_directory(brokers: SimulatedBrokers, tmp_path: Path,
+                                                                           eio) -> None:
     async def body() -> None:
-        broker = await Broker.open(_config(tmp_path), clock=FakeClock(), background=False)
+        broker = await brokers.open(_config(tmp_path))
         await broker.send(OutgoingMessage("t", b"kept", message_id="kept"))
         await broker.close()
         broken = [True]
         failed = eio(lambda path: broken[0] and path.endswith(files.SEGMENT_SUFFIX))
         with pytest.raises(FlushFailed):
-            await Broker.open(_config(tmp_path), clock=FakeClock(), background=False)
+            await brokers.open(_config(tmp_path))
         assert failed
         broken[0] = False  # the disk is well again: the directory was released, so it opens
-        broker = await Broker.open(_config(tmp_path), clock=FakeClock(), background=False)
+        broker = await brokers.open(_config(tmp_path))
         got = await broker.receive("g", "t", batch_size=8)
         assert [m.message.message_id for m in got] == ["kept"]
         await broker.close()
@@ -237,10 +240,10 @@ def test_an_fsync_error_at_open_refuses_to_open_and_releases_the_directory(tmp_p
     asyncio.run(body())
 
 
-def test_a_consume_queue_fsync_error_stops_checkpoints_and_sends(tmp_path: Path, eio) -> None:
+def test_a_consume_queue_fsync_error_stops_checkpoints_and_sends(brokers: SimulatedBrokers, tmp_path: Path,
+                                                                 eio) -> None:
     async def body() -> None:
-        broker = await Broker.open(_config(tmp_path, segment_size_bytes=1 << 20), clock=FakeClock(),
-                                   background=False)
+        broker = await brokers.open(_config(tmp_path, segment_size_bytes=1 << 20))
         await broker.send(OutgoingMessage("t", b"one"))
         broker.store.checkpoint()
         before = read_checkpoint(tmp_path / "data" / files.CHECKPOINT)
@@ -255,7 +258,7 @@ def test_a_consume_queue_fsync_error_stops_checkpoints_and_sends(tmp_path: Path,
         await _refused(broker, b"three")
         await broker.close()
         assert read_checkpoint(tmp_path / "data" / files.CHECKPOINT) == before
-        broker = await Broker.open(_config(tmp_path), clock=FakeClock(), background=False)
+        broker = await brokers.open(_config(tmp_path))
         got = [m.message.body for m in await broker.receive("g", "t", batch_size=8)]
         assert got == [b"one", b"two"]
         await broker.close()
@@ -263,9 +266,9 @@ def test_a_consume_queue_fsync_error_stops_checkpoints_and_sends(tmp_path: Path,
     asyncio.run(body())
 
 
-def test_a_failed_directory_fsync_at_roll_fails_the_log(tmp_path: Path, eio) -> None:
+def test_a_failed_directory_fsync_at_roll_fails_the_log(brokers: SimulatedBrokers, tmp_path: Path, eio) -> None:
     async def body() -> None:
-        broker = await Broker.open(_config(tmp_path), clock=FakeClock(), background=False)
+        broker = await brokers.open(_config(tmp_path))
         log_dir = str(tmp_path / "data" / files.COMMITLOG_DIR)
         failed = eio(lambda p: p == log_dir)
         for i in range(100):
@@ -289,6 +292,7 @@ FIRED = 200  # two link records: 128 and 72 links (`timer_links_per_record`)
 FIRE_MS = 1_700_000_001_000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", ["both link records kept", "the second cut short", "both zeroed"])
 def test_an_fsync_error_on_a_fire_steps_link_records_loses_no_timer_and_fires_none_twice(
         tmp_path: Path, eio, world: str) -> None:
@@ -309,7 +313,7 @@ def test_an_fsync_error_on_a_fire_steps_link_records_loses_no_timer_and_fires_no
 
     async def body() -> None:
         clock = FakeClock(FIRE_MS - 1_000)
-        broker = await Broker.open(config, clock=clock, background=False)
+        broker = await open_broker(config, clock=clock, background=False)
         ids = [f"t{i:03d}" for i in range(FIRED)]
         await broker.send_batch([OutgoingMessage("orders", b"timer", message_id=m, deliver_at_ms=due_ms) for m in ids])
         await broker.send(OutgoingMessage("orders", b"later", message_id="later", deliver_at_ms=FIRE_MS + 60_000))
@@ -346,7 +350,7 @@ def test_an_fsync_error_on_a_fire_steps_link_records_loses_no_timer_and_fires_no
         kept = {timer_at[p] for r in survived for p in decode_links(r.body).positions}  # fired as the log says
 
         clock.set(FIRE_MS + 500)  # the restart's fire step is told apart by its store time
-        broker = await Broker.open(config, clock=clock, background=False)
+        broker = await open_broker(config, clock=clock, background=False)
         try:
             assert await broker.run_due() == FIRED - len(kept)
             assert await broker.run_due() == 0
@@ -361,7 +365,7 @@ def test_an_fsync_error_on_a_fire_steps_link_records_loses_no_timer_and_fires_no
             assert [s.state for s in broker.query("later", "orders")] == [TimerState.PENDING]
         finally:
             await broker.close()
-        broker = await Broker.open(config, clock=clock, background=False)
+        broker = await open_broker(config, clock=clock, background=False)
         try:
             assert await broker.run_due() == 0 and await broker.receive("g", "orders", batch_size=8) == []
         finally:
@@ -397,12 +401,6 @@ def _wait_ready(proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
     raise AssertionError("server did not become ready")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.slow
@@ -415,7 +413,7 @@ def test_real_eio_under_strace(tmp_path: Path) -> None:
     from chronoq.client import Producer
 
     data = tmp_path / "data"
-    port = _free_port()
+    port = free_port()
     # -P: only the first segment's fdatasyncs count (the group commits of the first sends).
     proc = _serve(data, port, strace_inject="inject=fdatasync:error=EIO:when=20",
                   strace_path=data / files.COMMITLOG_DIR / files.segment_name(0))
@@ -442,7 +440,7 @@ def test_real_eio_under_strace(tmp_path: Path) -> None:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
     assert acked, "nothing was acknowledged before the fault"
-    port = _free_port()
+    port = free_port()
     proc = _serve(data, port)
     try:
         _wait_ready(proc)

@@ -95,6 +95,7 @@ CHILD = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_thousands_of_queues_work_under_an_open_file_limit_of_1024(scratch: Path) -> None:
     """3,000 queues (topics of `max_queue_count` queues, its most) under `ulimit -n` 1024 with the
     default `max_open_queue_files` (256): create, a send to every queue with checkpoints among

@@ -24,10 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from chronoq.broker import Broker
-from chronoq.clock import FakeClock
 from chronoq.config import Config
 from chronoq.model import OutgoingMessage
+from tests.support.brokers import SimulatedBrokers
 
 _CHILD = """
 import asyncio, json, os, resource, sys
@@ -60,11 +59,13 @@ print(json.dumps(tries))
 """
 
 
-def test_an_open_short_of_file_descriptors_fails_clearly_and_changes_nothing(tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_an_open_short_of_file_descriptors_fails_clearly_and_changes_nothing(brokers: SimulatedBrokers,
+                                                                             tmp_path: Path) -> None:
     data = tmp_path / "data"
 
     async def setup() -> None:
-        broker = await Broker.open(Config(data_dir=data), clock=FakeClock(), background=False)
+        broker = await brokers.open(Config(data_dir=data))
         for i in range(5):
             await broker.send(OutgoingMessage("t", b"x", message_id=f"m{i}"))
         got = await broker.receive("g", "t", batch_size=2)
@@ -86,7 +87,7 @@ def test_an_open_short_of_file_descriptors_fails_clearly_and_changes_nothing(tmp
             f"limit +{extra}: {outcome}"
 
     async def reopen() -> None:
-        broker = await Broker.open(Config(data_dir=data), clock=FakeClock(), background=False)
+        broker = await brokers.open(Config(data_dir=data))
         try:
             assert not broker.open_report.groups_reset
             got = await broker.receive("g", "t", batch_size=16)

@@ -29,6 +29,7 @@ from chronoq.model import OutgoingMessage, SendResult
 from chronoq.store import files
 from chronoq.store.commitlog import SEGMENT_HEADER_SIZE
 from chronoq.store.record import STORE_MS, STORE_MS_OFFSET
+from tests.support.brokers import open_broker
 
 START_MS = 1_700_000_000_000
 MINUTE_MS = 60_000
@@ -80,14 +81,14 @@ def test_a_restored_directory_with_year_old_mtimes_loses_nothing_at_the_first_ti
         make_config: Callable[..., Config]) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await Broker.open(make_config(), clock=clock, background=False)
+        b = await open_broker(make_config(), clock=clock, background=False)
         sent = {r.message_id for r in await send(b, 60, "m")}
         await b.close()
         assert len(segment_files(make_config().data_dir)) >= 4
         assert set_mtimes(make_config().data_dir, START_MS - 365 * DAY_MS) > 0
 
         clock.advance(HOUR_MS)  # restored and started an hour after the last send
-        b = await Broker.open(make_config(), clock=clock, background=False)
+        b = await open_broker(make_config(), clock=clock, background=False)
         try:
             before = [(s.base, s.end) for s in b.store.log.segments()]
             await b.enforce_retention()
@@ -110,17 +111,17 @@ def test_segments_expired_by_store_time_are_deleted_though_their_files_look_new(
         make_config: Callable[..., Config]) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await Broker.open(make_config(), clock=clock, background=False)
+        b = await open_broker(make_config(), clock=clock, background=False)
         old = await send(b, 30, "old")
         await b.close()
         clock.set(START_MS + 2 * DAY_MS)
-        b = await Broker.open(make_config(), clock=clock, background=False)
+        b = await open_broker(make_config(), clock=clock, background=False)
         new = await send(b, 30, "new")  # the first may join the last segment of the first run
         await b.close()
         clock.set(START_MS + 3 * DAY_MS + HOUR_MS)
         set_mtimes(make_config().data_dir, clock.now_ms())  # copied without their times
 
-        b = await Broker.open(make_config(), clock=clock, background=False)
+        b = await open_broker(make_config(), clock=clock, background=False)
         try:
             start = b.store.log.start_position
             keep_from = segment_base_of(b, new[0].position)  # the first segment holding a 2-day-old record
@@ -139,14 +140,14 @@ def test_future_store_times_count_from_the_open_and_do_not_block_later_segments(
         make_config: Callable[..., Config]) -> None:
     async def body() -> None:
         ahead_ms = START_MS + 10 * DAY_MS
-        b = await Broker.open(make_config(), clock=FakeClock(ahead_ms), background=False)
+        b = await open_broker(make_config(), clock=FakeClock(ahead_ms), background=False)
         future = await send(b, 30, "future")  # stored while the clock was ten days ahead
         await b.close()
         # The files' times agree with their store times, as the same wrong clock wrote both.
         set_mtimes(make_config().data_dir, ahead_ms)
 
         clock = FakeClock(START_MS)  # the clock set right; the broker opens at START_MS
-        b = await Broker.open(make_config(), clock=clock, background=False)
+        b = await open_broker(make_config(), clock=clock, background=False)
         try:
             start = b.store.log.start_position
             clock.set(START_MS + DAY_MS)
@@ -182,7 +183,7 @@ def test_damaged_records_are_stepped_over_and_their_store_times_not_trusted(
     after it: a walk that stopped at the damage would call B old and delete the young record."""
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await Broker.open(make_config(), clock=clock, background=False)
+        b = await open_broker(make_config(), clock=clock, background=False)
         sent = await send(b, 50, "m", every_ms=MINUTE_MS, clock=clock)  # one a minute
         records = [(m.position, m.size, m.store_ms) for m in b.store.log.scan(b.store.log.start_position)]
         seg_a, seg_b = b.store.log.segments()[:2]
@@ -201,7 +202,7 @@ def test_damaged_records_are_stepped_over_and_their_store_times_not_trusted(
 
         # Reopened when B's youngest record is exactly retention_ms old: B is kept, A is not.
         clock.set(b_last[2] + RETENTION_MS)
-        b = await Broker.open(make_config(), clock=clock, background=False)
+        b = await open_broker(make_config(), clock=clock, background=False)
         try:
             assert await b.store.expired_before(clock.now_ms()) == seg_b.base
             assert {d.start for d in b.store.log.damage.ranges()} == {a_last[0], b_middle[0]}
@@ -224,7 +225,7 @@ def test_a_retention_step_while_the_timer_index_waits_to_be_rebuilt_deletes_noth
     which timers are pending there is unknown, and go on once the index is back."""
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await Broker.open(make_config(), clock=clock, background=False)
+        b = await open_broker(make_config(), clock=clock, background=False)
         try:
             timer = await b.send(OutgoingMessage("orders", BODY, message_id="later", delay_ms=30 * DAY_MS))
             sent = await send(b, 60, "m")
@@ -253,7 +254,7 @@ def test_a_receive_while_retention_rolls_timers_keeps_what_it_put_in_flight(
     them: the unacked messages never came back."""
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await Broker.open(make_config(), clock=clock, background=False)
+        b = await open_broker(make_config(), clock=clock, background=False)
         try:
             await b.send(OutgoingMessage("orders", BODY, message_id="far", delay_ms=20 * DAY_MS))
             sent = await send(b, 40, "m")
@@ -282,7 +283,7 @@ def test_a_group_that_went_away_holds_segments_for_the_in_flight_hold_only(
     async def body() -> None:
         clock = FakeClock(START_MS)
         config = make_config(retention_inflight_hold_ms=DAY_MS)
-        b = await Broker.open(config, clock=clock, background=False)
+        b = await open_broker(config, clock=clock, background=False)
         try:
             sent = await send(b, 40, "m")
             (held,) = await b.receive("gone", "orders", batch_size=1, invisible_duration_ms=10_000)
@@ -312,7 +313,7 @@ def test_check_on_a_running_broker_whose_retention_removes_a_file_meanwhile(
     from chronoq.store import check
 
     async def build() -> None:
-        b = await Broker.open(make_config(), clock=FakeClock(START_MS), background=False)
+        b = await open_broker(make_config(), clock=FakeClock(START_MS), background=False)
         await send(b, 60, "m")
         await b.close()
 

@@ -195,6 +195,7 @@ def test_round_trip_property(fields: dict, trailer: bytes) -> None:
     assert_matches(msg, fields, len(blob))
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(records, st.data())
 def test_any_single_byte_corruption_is_detected(fields: dict, data: st.DataObject) -> None:

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from chronoq.broker import Broker
 from chronoq.clock import FakeClock
 from chronoq.config import Config
 from chronoq.model import MessageType, OutgoingMessage, StoredMessage
@@ -28,6 +27,7 @@ from chronoq.store.check import check_data_dir
 from chronoq.store.commitlog import SEGMENT_HEADER_SIZE
 from chronoq.store.messagestore import MessageStore, PreparedMessage
 from chronoq.store.meta import read_checkpoint
+from tests.support.brokers import SimulatedBrokers, open_broker
 
 LAST_RECORDS = 3
 
@@ -36,7 +36,7 @@ async def _fill(config: Config, crash_copy_to: Path | None) -> list[StoredMessag
     """Send ~2.5 segments of messages over two topics. With `crash_copy_to`, checkpoint in the
     middle of the last segment, send a few more, and copy the directory while the broker still
     runs (the state a SIGKILL leaves), then close."""
-    broker = await Broker.open(config, clock=FakeClock(), background=False)
+    broker = await open_broker(config, clock=FakeClock(), background=False)
     try:
         for i in range(30):
             await broker.send(OutgoingMessage("orders" if i % 3 else "audit", f"body-{i:03d}".encode() * 3,
@@ -153,7 +153,8 @@ def test_truncate_last_segment_at_every_offset(template: tuple[Path, list], scra
     assert torn_seen == len(cuts) - (LAST_RECORDS + 1)  # the cut range holds 4 record boundaries
 
 
-def test_torn_tail_then_the_whole_broker_reopens(template: tuple[Path, list], tmp_path: Path,
+@pytest.mark.slow
+def test_torn_tail_then_the_whole_broker_reopens(brokers: SimulatedBrokers, template: tuple[Path, list], tmp_path: Path,
                                                  assert_queues_match_log: Callable) -> None:
     """A few cuts through the full broker: timer index, groups and topics recover with the log."""
     source, records = template
@@ -170,7 +171,7 @@ def test_torn_tail_then_the_whole_broker_reopens(template: tuple[Path, list], tm
         async def body(data: Path = data, kept: list[StoredMessage] = kept) -> None:
             config = Config(data_dir=data, segment_size_bytes=2048, max_message_size_bytes=1024,
                             default_queue_count=2)
-            async with await Broker.open(config, clock=FakeClock(), background=False) as broker:
+            async with await brokers.open(config) as broker:
                 assert broker.open_report.log.truncated_bytes > 0
                 await broker.send(OutgoingMessage("orders", b"new", message_id="new"))
                 seen = []

@@ -19,7 +19,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-from timer_helpers import make_config
 
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
@@ -41,6 +40,7 @@ from chronoq.model import (
 from chronoq.store import files
 from chronoq.store.check import check_data_dir, format_report
 from chronoq.store.consumequeue import LINKED
+from tests.support.brokers import open_broker
 
 pytestmark = pytest.mark.usefixtures("each_timer_engine")
 
@@ -49,12 +49,12 @@ TIMERS = 200
 
 
 def _config(data: Path, **overrides: int) -> Config:
-    return make_config(data, segment_size_bytes=64 * 1024, max_message_size_bytes=8192, default_queue_count=2,
+    return Config(data_dir=data, segment_size_bytes=64 * 1024, max_message_size_bytes=8192, default_queue_count=2,
                   **overrides)
 
 
 async def _open(data: Path, clock: FakeClock) -> Broker:
-    return await Broker.open(_config(data), clock=clock, background=False)
+    return await open_broker(_config(data), clock=clock, background=False)
 
 
 async def _drain(broker: Broker, topic: str, group: str) -> list[StoredMessage]:
@@ -223,7 +223,7 @@ def test_a_fired_timers_dead_letter_is_a_whole_message_that_outlives_its_timer_a
     settings = {"max_delivery_attempts": ATTEMPTS, "retention_ms": HOUR_MS, "retention_inflight_hold_ms": 0}
 
     async def body() -> None:
-        b = await Broker.open(_config(data, **settings), clock=clock, background=False)
+        b = await open_broker(_config(data, **settings), clock=clock, background=False)
         timer_queue = timer_offset = -1
         try:
             await b.create_topic("orders", 2)
@@ -261,7 +261,7 @@ def test_a_fired_timers_dead_letter_is_a_whole_message_that_outlives_its_timer_a
         finally:
             await b.close()
 
-        b = await Broker.open(_config(data, **settings), clock=clock, background=False)
+        b = await open_broker(_config(data, **settings), clock=clock, background=False)
         try:
             assert {m: _as_dead(r) for m, r in _dead_letters(b).items()} == {m: _as_dead(r) for m, r in dead.items()}
             clock.set(START_MS + 2 * HOUR_MS)
@@ -300,7 +300,7 @@ def test_a_timer_whose_link_record_is_damaged_still_reaches_the_dead_letter_queu
     ids = {f"order-{i}" for i in range(10)}
 
     async def body() -> None:
-        b = await Broker.open(_config(data, **settings), clock=clock, background=False)
+        b = await open_broker(_config(data, **settings), clock=clock, background=False)
         try:
             await b.create_topic("orders", 2)
             await b.send_batch([OutgoingMessage("orders", f"pay {m}".encode(), message_id=m, delay_ms=1_000)
@@ -318,7 +318,7 @@ def test_a_timer_whose_link_record_is_damaged_still_reaches_the_dead_letter_queu
         if index_copy == "lost too":
             shutil.rmtree(data / files.TIMER_DIR)
 
-        b = await Broker.open(_config(data, **settings), clock=clock, background=False)
+        b = await open_broker(_config(data, **settings), clock=clock, background=False)
         try:
             if index_copy == "kept":
                 assert await b.receive("g", "orders", batch_size=64) == []  # exhausted: dead-lettered
@@ -339,7 +339,7 @@ def test_a_timer_whose_link_record_is_damaged_still_reaches_the_dead_letter_queu
                         int(r.system_properties[SYS_DLQ_ORIGIN_OFFSET])) == ("orders", *seen[m])
         finally:
             await b.close()
-        b = await Broker.open(_config(data, **settings), clock=clock, background=False)
+        b = await open_broker(_config(data, **settings), clock=clock, background=False)
         try:
             assert {m: r.body for m, r in _dead_letters(b).items()} == {m: r.body for m, r in dead.items()}
             clock.advance(10 * INVISIBLE_MS)

@@ -7,7 +7,7 @@ meet any of those writes. Whatever it meets, the step must delete nothing it mus
 timer's record, a record a live link names, a message within retention), leave no half state a
 timer could be lost, fired twice or fired early by (a roll copy written without its deletion is
 fine: the next step finds nothing left to roll), and once space returns the next step must go on
-and free the disk. The disk is a real tmpfs (`tests/disk_helpers.py`), filled by a real filler
+and free the disk. The disk is a real tmpfs (`tests/support/disks.py`), filled by a real filler
 file: before the step (the roll's first append meets it), or from a dispatch listener at the
 moment a roll chunk is dispatched (the roll's next append, or the checkpoint after the roll,
 meets it); or the timer index's own tmpfs is full, so the roll's dispatch is held back.
@@ -30,8 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from disk_helpers import PAGE, Disk, MiB
-from timer_helpers import drain, open_broker, run_without_cycle_collector
 
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
@@ -40,6 +38,9 @@ from chronoq.errors import DiskFull
 from chronoq.model import SYS_TIMER_ROLLED_FROM, TIMER_TOPIC, OutgoingMessage, StoredMessage, TimerState
 from chronoq.store import files
 from chronoq.store.check import check_data_dir, format_report
+from tests.support.brokers import simulated_broker
+from tests.support.disks import PAGE, Disk, MiB
+from tests.support.timers import drain, run_without_cycle_collector
 
 pytestmark = pytest.mark.usefixtures("each_timer_engine")
 
@@ -159,7 +160,7 @@ def test_a_retention_step_that_meets_a_full_disk_keeps_every_timer_and_goes_on_w
 
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(data, clock, **SETTINGS)
+        b = await simulated_broker(data, clock, **SETTINGS)
         try:
             world = await _two_hours(b, clock)
             segments = [(s.base, s.end) for s in b.store.log.segments()]
@@ -211,7 +212,7 @@ def test_a_retention_step_that_meets_a_full_disk_keeps_every_timer_and_goes_on_w
                        for m in fired)
         finally:
             await b.close()
-        b = await open_broker(data, clock, **SETTINGS)
+        b = await simulated_broker(data, clock, **SETTINGS)
         try:
             assert await b.run_due() == 0 and await drain(b, "orders", "h") == []  # nothing fires twice
         finally:
@@ -231,6 +232,7 @@ async def _until(predicate: Callable[[], bool], timeout_s: float = 5) -> None:
 
 
 @pytest.mark.rocksdb_index("the RocksDB index's own writes meet the full disk")
+@pytest.mark.slow
 def test_a_timer_index_out_of_space_holds_the_roll_and_a_fire_racing_it_fires_once(
         mount: Callable[[Path, int], Disk], tmp_path: Path) -> None:
     """The fault: the timer index's own disk (a tmpfs on `DATA_DIR/timer`) is full when retention
@@ -253,7 +255,7 @@ def test_a_timer_index_out_of_space_holds_the_roll_and_a_fire_racing_it_fires_on
 
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(data, clock, **SETTINGS)
+        b = await simulated_broker(data, clock, **SETTINGS)
         try:
             world = await _two_hours(b, clock, edges)
             old = {e.message_id: b.query(e.message_id, "orders")[0].position for e in edges}
@@ -293,7 +295,7 @@ def test_a_timer_index_out_of_space_holds_the_roll_and_a_fire_racing_it_fires_on
             assert sorted(m.message_id for m in await drain(b, "orders", "h")) == sorted(world.far)
         finally:
             await b.close()
-        b = await open_broker(data, clock, **SETTINGS)
+        b = await simulated_broker(data, clock, **SETTINGS)
         try:
             assert await b.run_due() == 0 and await drain(b, "orders", "h") == []
         finally:
@@ -377,6 +379,7 @@ async def _next_for(b: Broker, clock: FakeClock) -> tuple[list[str], list[tuple[
 
 
 @pytest.mark.rocksdb_index("`chronoq check` reads the retention horizon from the index on disk")
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["its directory removed", "a middle file removed", "an entry flipped",
                                  "every queue removed"])
 def test_a_consume_queue_damaged_after_retention_is_rebuilt_to_deliver_what_it_did(tmp_path: Path, how: str) -> None:
@@ -393,7 +396,7 @@ def test_a_consume_queue_damaged_after_retention_is_rebuilt_to_deliver_what_it_d
     clock = FakeClock(START_MS)
 
     async def body() -> None:
-        b = await open_broker(data, clock, **QUEUE_SETTINGS)
+        b = await simulated_broker(data, clock, **QUEUE_SETTINGS)
         try:
             await _retained_hours(b, clock)
             assert b.store.log.start_position > 0 and b.store.queue("orders", 0).min_offset > 0
@@ -409,7 +412,7 @@ def test_a_consume_queue_damaged_after_retention_is_rebuilt_to_deliver_what_it_d
         results = []
         for copy in (undamaged, data):
             same_time = FakeClock(clock.now_ms())
-            b = await open_broker(copy, same_time, **QUEUE_SETTINGS)
+            b = await simulated_broker(copy, same_time, **QUEUE_SETTINGS)
             try:
                 if copy == data:
                     assert "orders/0" in b.open_report.rebuilt_queues and not b.open_report.hole_entries
@@ -428,7 +431,7 @@ def test_a_consume_queue_damaged_after_retention_is_rebuilt_to_deliver_what_it_d
 
 
 async def _retained_then_closed(data: Path, clock: FakeClock) -> None:
-    b = await open_broker(data, clock, **QUEUE_SETTINGS)
+    b = await simulated_broker(data, clock, **QUEUE_SETTINGS)
     try:
         await _retained_hours(b, clock)
     finally:
@@ -464,7 +467,7 @@ def test_a_queue_missing_the_file_at_its_start_is_a_problem_check_names_with_its
         results = []
         for copy in (undamaged, data):
             same_time = FakeClock(clock.now_ms())
-            b = await open_broker(copy, same_time, **QUEUE_SETTINGS)
+            b = await simulated_broker(copy, same_time, **QUEUE_SETTINGS)
             try:
                 results.append((_readable(b), await _next_for(b, same_time)))
             finally:

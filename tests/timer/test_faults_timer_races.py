@@ -15,17 +15,6 @@ import threading
 from pathlib import Path
 
 import pytest
-from timer_helpers import (
-    START_MS,
-    drain,
-    fired_messages,
-    make_config,
-    open_broker,
-    pending_total,
-    restore_index,
-    run,
-    snapshot_index,
-)
 
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
@@ -34,11 +23,10 @@ from chronoq.model import OutgoingMessage, StoredMessage, TimerState
 from chronoq.store import files
 from chronoq.timer.engine import IndexBatch, TimerEntry
 from chronoq.timer.index import RocksTimerIndex
+from tests.support.brokers import simulated_broker
+from tests.support.timers import START_MS, drain, fired_messages, pending_total, restore_index, run, snapshot_index
 
 pytestmark = pytest.mark.usefixtures("each_timer_engine")
-
-_config = make_config  # the shared set-up (tests/timer_helpers.py), under this module's old names
-_open = open_broker
 
 
 def _fired_copies(broker: Broker, topic: str) -> list[StoredMessage]:
@@ -52,7 +40,7 @@ def _copy(src: Path, dst: Path) -> None:
     shutil.copytree(src, dst)
 
 
-# --- item 6: delay-level progress and the index, restored independently -----------------------
+# --- delay-level progress and the index, restored independently -----------------------
 
 
 @pytest.mark.rocksdb_index("rolls the index on disk back to an older copy")
@@ -66,19 +54,19 @@ def test_a_delay_level_message_fires_once_whatever_store_a_power_loss_rolls_back
             clock = FakeClock(START_MS)
             case = tmp_path / "-".join(restore)
             data = case / "data"
-            broker = await _open(data, clock)
+            broker = await simulated_broker(data, clock)
             sent = await broker.send(OutgoingMessage("orders", b"level", message_id="lvl", delay_level=1))
             await broker.close()
             for name in restore:  # the stores as they were before the fire
                 _copy(data / name, case / f"before-{name}")
-            broker = await _open(data, clock)
+            broker = await simulated_broker(data, clock)
             clock.advance(1_000)
             assert await broker.run_due() == 1
             assert [m.message_id for m in await drain(broker, "orders")] == [sent.message_id]
             await broker.close()
             for name in restore:
                 _copy(case / f"before-{name}", data / name)
-            broker = await _open(data, clock)
+            broker = await simulated_broker(data, clock)
             try:
                 clock.advance(DAY_MS)
                 await broker.run_due()
@@ -89,12 +77,12 @@ def test_a_delay_level_message_fires_once_whatever_store_a_power_loss_rolls_back
     run(body())
 
 
-# --- item 7: a roll racing a fire or a cancel, then an index rebuilt from the log ---------------
+# --- a roll racing a fire or a cancel, then an index rebuilt from the log ---------------
 
 
 async def _rolling_setup(data: Path, clock: FakeClock, n: int, due_ms: int) -> tuple[Broker, list[str]]:
     """`n` timers in the first segments, then enough other traffic that those segments expire."""
-    broker = await _open(data, clock, segment_size_bytes=64 * 1024, max_message_size_bytes=4096,
+    broker = await simulated_broker(data, clock, segment_size_bytes=64 * 1024, max_message_size_bytes=4096,
                          retention_ms=HOUR_MS, timer_roll_batch=100)
     ids = []
     for start in range(0, n, 200):
@@ -110,7 +98,7 @@ async def _rolling_setup(data: Path, clock: FakeClock, n: int, due_ms: int) -> t
 async def _rebuild_index_and_fire(data: Path, clock: FakeClock) -> Broker:
     """Reopen with the timer index destroyed: rebuilt from the (retained) log alone."""
     shutil.rmtree(data / files.TIMER_DIR)
-    broker = await _open(data, clock, segment_size_bytes=64 * 1024, max_message_size_bytes=4096,
+    broker = await simulated_broker(data, clock, segment_size_bytes=64 * 1024, max_message_size_bytes=4096,
                          retention_ms=HOUR_MS, timer_roll_batch=100)
     clock.advance(DAY_MS)
     await broker.run_due()
@@ -118,6 +106,7 @@ async def _rebuild_index_and_fire(data: Path, clock: FakeClock) -> Broker:
 
 
 @pytest.mark.rocksdb_index("removes the index on disk to rebuild it")
+@pytest.mark.slow
 def test_a_roll_racing_a_fire_then_an_index_rebuild_fires_each_timer_once(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
@@ -177,13 +166,13 @@ def test_a_roll_racing_a_cancel_then_an_index_rebuild_does_not_bring_the_timer_b
     run(body())
 
 
-# --- item 8: cancel, then send the same id again ----------------------------------------------
+# --- cancel, then send the same id again ----------------------------------------------
 
 
 def test_a_timer_resent_with_its_id_after_a_cancel_is_stored_and_fires(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        broker = await _open(tmp_path / "data", clock)
+        broker = await simulated_broker(tmp_path / "data", clock)
         try:
             first = await broker.send(OutgoingMessage("orders", b"v1", message_id="order-7", delay_ms=HOUR_MS))
             await broker.cancel(recall_handle=first.recall_handle)
@@ -218,7 +207,7 @@ def test_a_cancel_reaches_only_timers_recorded_before_its_tombstone(tmp_path: Pa
         assert [e.position for e in index.due(START_MS + 10_000, 10)] == [300]
 
 
-# --- item 12: rolling holds one chunk of timers, not all of them --------------------------------
+# --- rolling holds one chunk of timers, not all of them --------------------------------
 
 
 def test_a_roll_reads_and_writes_one_chunk_at_a_time(tmp_path: Path) -> None:
@@ -266,7 +255,7 @@ def test_a_timer_indexed_at_its_roll_copy_while_its_fire_is_unwritten_is_not_fir
 
     async def body() -> None:
         clock = FakeClock(START_MS)
-        broker = await _open(tmp_path / "data", clock)
+        broker = await simulated_broker(tmp_path / "data", clock)
         try:
             sent = await broker.send(OutgoingMessage("orders", b"t", message_id="t1", delay_ms=1_000))
             clock.advance(1_000)
@@ -310,7 +299,7 @@ def test_a_roll_is_neither_an_enqueue_lag_sample_nor_a_slot_release(tmp_path: Pa
     reservation it never took (with `timer_congest_num_each_slot`, a second took a timer more)."""
     async def body() -> None:
         clock = FakeClock(START_MS)
-        broker = await _open(tmp_path / "data", clock, timer_congest_num_each_slot=2, **_SMALL)
+        broker = await simulated_broker(tmp_path / "data", clock, timer_congest_num_each_slot=2, **_SMALL)
         try:
             due = START_MS + 30 * DAY_MS
             await broker.send(OutgoingMessage("orders", b"x", message_id="rolled", deliver_at_ms=due))
@@ -343,12 +332,12 @@ def test_an_index_older_than_the_retained_log_is_rebuilt_not_replayed(tmp_path: 
     async def body() -> None:
         data, snap = tmp_path / "data", tmp_path / "snap"
         clock = FakeClock(START_MS)
-        broker = await _open(data, clock, **_SMALL)
+        broker = await simulated_broker(data, clock, **_SMALL)
         fired = await broker.send(OutgoingMessage("orders", b"one-hour", message_id="fired", delay_ms=HOUR_MS))
         cancelled = await broker.send(OutgoingMessage("orders", b"c", message_id="cancelled", delay_ms=2 * DAY_MS))
         await broker.close()
         snapshot_index(data, snap)
-        broker = await _open(data, clock, **_SMALL)
+        broker = await simulated_broker(data, clock, **_SMALL)
         await broker.cancel(recall_handle=cancelled.recall_handle)
         clock.advance(HOUR_MS)
         assert await broker.run_due() == 1
@@ -356,7 +345,7 @@ def test_an_index_older_than_the_retained_log_is_rebuilt_not_replayed(tmp_path: 
         assert broker.store.log.start_position > cancelled.position
         await broker.close()
         restore_index(data, snap)
-        broker = await _open(data, clock, **_SMALL)
+        broker = await simulated_broker(data, clock, **_SMALL)
         try:
             assert broker.timer.engine.indexed_position >= broker.store.log.start_position
             assert pending_total(broker) == 0
@@ -378,12 +367,12 @@ def test_a_broker_started_with_fewer_delay_levels_than_its_unfired_messages_need
     async def body() -> None:
         data = tmp_path / "data"
         clock = FakeClock(START_MS)
-        broker = await _open(data, clock)
+        broker = await simulated_broker(data, clock)
         await broker.send(OutgoingMessage("orders", b"late", message_id="l18", delay_level=18))
         await broker.close()
         with pytest.raises(ConfigError, match="level 18: 1"):
-            await _open(data, clock, delay_levels="1s 5s 10s")
-        broker = await _open(data, clock)  # the default table again
+            await simulated_broker(data, clock, delay_levels="1s 5s 10s")
+        broker = await simulated_broker(data, clock)  # the default table again
         try:
             clock.advance(2 * HOUR_MS)
             assert await broker.run_due() == 1
@@ -404,7 +393,7 @@ def test_a_fire_timers_call_cancelled_while_its_fire_is_made_durable_is_not_fire
 
     async def body() -> None:
         clock = FakeClock(START_MS)
-        broker = await _open(tmp_path / "data", clock)
+        broker = await simulated_broker(tmp_path / "data", clock)
         try:
             sent = await broker.send(OutgoingMessage("orders", b"t", message_id="t1", delay_ms=1_000))
             clock.advance(1_000)
@@ -462,7 +451,7 @@ def test_a_cancel_whose_caller_goes_away_while_its_tombstone_is_made_durable_sti
 
     async def body() -> None:
         clock = FakeClock(START_MS)
-        broker = await _open(tmp_path / "data", clock)
+        broker = await simulated_broker(tmp_path / "data", clock)
         try:
             first = await broker.send(OutgoingMessage("orders", b"v1", message_id="order-7", delay_ms=1_000))
             clock.advance(999)

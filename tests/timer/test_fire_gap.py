@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from timer_helpers import START_MS, drain, make_config
 
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
 from chronoq.config import Config, ConfigError
 from chronoq.model import OutgoingMessage
+from tests.support.brokers import open_broker
+from tests.support.timers import START_MS, drain
 
 pytestmark = pytest.mark.usefixtures("each_timer_engine")
 
@@ -44,7 +45,7 @@ async def fire_times(tmp_path: Path, gap_ms: int) -> dict[str, int]:
     """Send the timers of DUE_OFFSETS, walk the clock a millisecond at a time past them, and
     return, per message, the offset from START_MS at which it fired (its fired copy's store time)."""
     clock = FakeClock(START_MS)
-    broker = await Broker.open(make_config(tmp_path / "data", timer_fire_gap_ms=gap_ms), clock=clock,
+    broker = await open_broker(Config(data_dir=tmp_path / "data", timer_fire_gap_ms=gap_ms), clock=clock,
                                background=True)
     try:
         await broker.create_topic("orders", 2)

@@ -16,7 +16,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
-from timer_helpers import START_MS, drain, fired_messages, open_broker, run
 
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
@@ -31,6 +30,8 @@ from chronoq.model import (
 )
 from chronoq.store import files
 from chronoq.store.check import check_data_dir
+from tests.support.brokers import simulated_broker
+from tests.support.timers import START_MS, drain, fired_messages, run
 
 pytestmark = pytest.mark.usefixtures("each_timer_engine")
 
@@ -38,7 +39,7 @@ pytestmark = pytest.mark.usefixtures("each_timer_engine")
 def test_a_fired_timer_reads_as_its_fired_copy_did(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path / "data", clock)
+        b = await simulated_broker(tmp_path / "data", clock)
         try:
             await b.create_topic("orders", 4)
             sent = await b.send(OutgoingMessage("orders", b"pay now", message_id="order-9", tag="unpaid",
@@ -62,7 +63,7 @@ def test_a_fired_timer_reads_as_its_fired_copy_did(tmp_path: Path) -> None:
 def test_a_message_group_fires_into_one_queue_and_a_named_queue_is_kept(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path / "data", clock)
+        b = await simulated_broker(tmp_path / "data", clock)
         try:
             await b.create_topic("orders", 8)
             for i in range(12):
@@ -88,7 +89,7 @@ def test_a_fire_step_writes_link_records_of_bounded_size_and_no_copy(tmp_path: P
     links each, ~30 bytes a timer, not a copy of each message."""
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path / "data", clock)
+        b = await simulated_broker(tmp_path / "data", clock)
         try:
             await b.send_batch([OutgoingMessage("orders", b"x" * 200, message_id=f"m{i}", delay_ms=1_000)
                                 for i in range(500)])
@@ -112,7 +113,7 @@ def test_retention_keeps_a_fired_timer_as_long_as_the_link_record_that_fired_it(
     link record that fired it keeps it for that hour, and lets it go with itself."""
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path / "data", clock, retention_ms=HOUR_MS, segment_size_bytes=64 * 1024,
+        b = await simulated_broker(tmp_path / "data", clock, retention_ms=HOUR_MS, segment_size_bytes=64 * 1024,
                               max_message_size_bytes=4096)
         try:
             sent = await b.send(OutgoingMessage("orders", b"late", message_id="t1", delay_ms=50 * MINUTE_MS))
@@ -188,13 +189,13 @@ def test_a_fire_racing_the_roll_keeps_the_record_it_links(tmp_path: Path, monkey
     timer fires meanwhile from its old record (still the indexed one), so the link record follows
     the roll copy and names the old position. The roll copy is made durable first: the timer is
     pending at the copy, nothing is pending below the limit, and the link record, not yet
-    dispatched, has no floor in the index. Retention deleted the old segment, and the fired
-    message was lost (found by a review; the fire in flight now holds retention back)."""
+    dispatched, has no floor in the index. Retention must not delete the old segment under the
+    fire in flight (which holds retention back), or the fired message is lost."""
     state, held, release = _hold_two_segment_syncs(monkeypatch)
 
     async def body() -> None:
         clock = FakeClock(START_MS)
-        broker = await open_broker(tmp_path / "data", clock, **_SMALL)
+        broker = await simulated_broker(tmp_path / "data", clock, **_SMALL)
         fire_now: dict[str, Callable[[], Awaitable[object]]] = {
             "loop": broker.run_due, "spark": lambda: broker.fire_timers([sent.position])}
         try:
@@ -236,7 +237,7 @@ def test_check_reports_a_link_whose_record_is_gone(tmp_path: Path) -> None:
 
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b: Broker = await open_broker(data, clock, segment_size_bytes=64 * 1024, max_message_size_bytes=4096)
+        b: Broker = await simulated_broker(data, clock, segment_size_bytes=64 * 1024, max_message_size_bytes=4096)
         try:
             await b.send(OutgoingMessage("orders", b"t", message_id="t1", delay_ms=1_000))
             for i in range(150):

@@ -17,7 +17,6 @@ import random
 from pathlib import Path
 
 import pytest
-from timer_helpers import START_MS, drain, open_broker, run
 
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
@@ -25,6 +24,8 @@ from chronoq.config import HOUR_MS, MINUTE_MS, SECOND_MS
 from chronoq.model import OutgoingMessage
 from chronoq.store import files
 from chronoq.store.check import check_data_dir
+from tests.support.brokers import simulated_broker
+from tests.support.timers import START_MS, drain, run
 
 pytestmark = pytest.mark.usefixtures("each_timer_engine")
 
@@ -75,13 +76,14 @@ class Load:
 
 
 async def _open(data: Path, clock: FakeClock, retention_ms: int) -> Broker:
-    b = await open_broker(data, clock, retention_ms=retention_ms, segment_size_bytes=SEGMENT_BYTES,
+    b = await simulated_broker(data, clock, retention_ms=retention_ms, segment_size_bytes=SEGMENT_BYTES,
                           max_message_size_bytes=64 * 1024, retention_inflight_hold_ms=0)
     await b.create_topic("orders", 4)
     return b
 
 
 @pytest.mark.rocksdb_index("`chronoq check` reads the retention horizon from the index on disk")
+@pytest.mark.slow
 def test_a_steady_timer_load_keeps_the_disk_flat_under_retention(tmp_path: Path) -> None:
     """Six simulated hours, an hour's retention, timers due 1 to 50 minutes after they are sent,
     everything fired, received and acked: the log keeps what the last hour wrote plus the
@@ -117,6 +119,7 @@ def test_a_steady_timer_load_keeps_the_disk_flat_under_retention(tmp_path: Path)
     assert samples[6][0] <= samples[2][0] * 11 // 10, samples
 
 
+@pytest.mark.slow
 def test_timers_due_after_the_retention_period_are_rolled_and_the_disk_stays_flat(tmp_path: Path) -> None:
     """Ten minutes' retention, timers due 20 to 60 minutes out: each is rolled forward as its
     segment leaves the live ones, so it fires from a record at most one retention period (and a
@@ -145,6 +148,7 @@ def test_timers_due_after_the_retention_period_are_rolled_and_the_disk_stays_fla
 
 
 @pytest.mark.rocksdb_index("`chronoq check` reads the retention horizon from the index on disk")
+@pytest.mark.slow
 def test_the_log_shrinks_to_one_segment_once_writes_stop_and_timers_have_fired(tmp_path: Path) -> None:
     """After the load stops, once every timer has fired and the retention period has passed, the
     log holds only the segment being written: its link records are past retention too, and keep

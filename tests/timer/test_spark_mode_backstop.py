@@ -7,11 +7,11 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from timer_helpers import make_config
 
-from chronoq.broker import Broker
 from chronoq.clock import FakeClock
+from chronoq.config import Config
 from chronoq.model import OutgoingMessage, TimerState
+from tests.support.brokers import open_broker
 
 pytestmark = pytest.mark.usefixtures("each_timer_engine")
 
@@ -19,8 +19,8 @@ pytestmark = pytest.mark.usefixtures("each_timer_engine")
 def test_the_broker_leaves_timers_to_the_job_then_backs_it_up(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock()
-        config = make_config(tmp_path, timer_firer="spark", timer_spark_backstop_ms=60_000)
-        broker = await Broker.open(config, clock=clock, background=False)
+        config = Config(data_dir=tmp_path, timer_firer="spark", timer_spark_backstop_ms=60_000)
+        broker = await open_broker(config, clock=clock, background=False)
         by_job = await broker.send(OutgoingMessage("t", b"fired by the job", delay_ms=1000))
         dropped = await broker.send(OutgoingMessage("t", b"dropped by the job", delay_ms=1000))
         clock.advance(1000)

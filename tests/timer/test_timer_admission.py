@@ -2,10 +2,9 @@
 
 "Stores nothing" is checked where it matters: the commit log's end position, the topic table
 and the pending count are unchanged after the refusal. Also here: how each way of asking for a
-timer (fields and RocketMQ properties) resolves, and the delay-level rule chronoq chose for the
-issue's two statements ("a level above the maximum is clamped" under Build, "level 0 or 19 gets
-a specific error" under Must show): the RocketMQ 4 `DELAY` property clamps, as RocketMQ does;
-chronoq's own explicit `delay_level` field refuses a level outside 1..max.
+timer (fields and RocketMQ properties) resolves, and the delay-level rule: the RocketMQ 4
+`DELAY` property clamps a level above the maximum, as RocketMQ does; chronoq's own explicit
+`delay_level` field refuses a level outside 1..max (0 or 19) with a specific error.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from timer_helpers import START_MS, drain, log_end, open_broker, pending_total, run
 
 from chronoq.clock import FakeClock
 from chronoq.config import DAY_MS, HOUR_MS
@@ -30,8 +28,10 @@ from chronoq.errors import (
     TimerSlotCongested,
 )
 from chronoq.model import RESERVED_PROPERTIES, SYS_TIMER_OUT_MS, OutgoingMessage
+from tests.support.brokers import simulated_broker
+from tests.support.timers import START_MS, drain, log_end, pending_total, run
 
-# A regression here once hung the broker: fail, do not wait.
+# A bad timer that hangs the broker must fail the test, not stall it.
 pytestmark = [pytest.mark.usefixtures("each_timer_engine"), pytest.mark.timeout(120)]
 M = "adm"
 BAD: list[tuple[str, OutgoingMessage, type[ChronoqError]]] = [
@@ -77,7 +77,7 @@ def test_bad_timer_request_gets_its_specific_error_and_stores_nothing(
         tmp_path: Path, case: str, msg: OutgoingMessage, error: type[ChronoqError]) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         try:
             end, topics = log_end(b), b.list_topics()
             with pytest.raises(error) as info:
@@ -101,7 +101,7 @@ def test_bad_timer_request_gets_its_specific_error_and_stores_nothing(
 def test_error_names_the_value_and_the_limit(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         try:
             with pytest.raises(InvalidDelayLevel) as info:
                 await b.send(OutgoingMessage(M, b"x", delay_level=19))
@@ -125,7 +125,7 @@ def test_error_names_the_value_and_the_limit(tmp_path: Path) -> None:
 def test_partial_batch_refuses_only_the_bad_timer_messages(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         try:
             out = await b.send_batch([OutgoingMessage(M, b"a", delay_ms=1000),
                                       OutgoingMessage(M, b"b", delay_ms=-1),
@@ -146,7 +146,7 @@ def test_partial_batch_refuses_only_the_bad_timer_messages(tmp_path: Path) -> No
 def test_delay_property_above_the_top_is_clamped_like_rocketmq(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         try:
             r19 = await b.send(OutgoingMessage(M, b"19", properties={"DELAY": "19"}))
             r99 = await b.send(OutgoingMessage(M, b"99", properties={"DELAY": "99"}))
@@ -179,7 +179,7 @@ def test_each_way_of_asking_resolves_to_one_due_time(tmp_path: Path, props: dict
                                                      expect_delay_ms: int) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         try:
             r = await b.send(OutgoingMessage(M, b"x", properties={"user": "u", **props}, **fields))
             assert r.deliver_at_ms == START_MS + expect_delay_ms
@@ -202,7 +202,7 @@ def test_each_way_of_asking_resolves_to_one_due_time(tmp_path: Path, props: dict
 def test_timer_disabled_is_refused_at_admission_leaving_nothing(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock, timer_wheel_enable=False)
+        b = await simulated_broker(tmp_path, clock, timer_wheel_enable=False)
         try:
             end, topics = log_end(b), b.list_topics()
             with pytest.raises(TimerDisabled):
@@ -217,7 +217,7 @@ def test_timer_disabled_is_refused_at_admission_leaving_nothing(tmp_path: Path) 
 def test_slot_congestion_stores_nothing_in_the_log(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock, timer_congest_num_each_slot=1)
+        b = await simulated_broker(tmp_path, clock, timer_congest_num_each_slot=1)
         try:
             await b.send(OutgoingMessage(M, b"x", deliver_at_ms=START_MS + 5000))
             end = log_end(b)
@@ -233,7 +233,7 @@ def test_slot_congestion_stores_nothing_in_the_log(tmp_path: Path) -> None:
 def test_refused_requests_leave_no_auto_created_topic(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock, timer_congest_num_each_slot=1)
+        b = await simulated_broker(tmp_path, clock, timer_congest_num_each_slot=1)
         try:
             await b.send(OutgoingMessage(M, b"x", deliver_at_ms=START_MS + 5000))
             topics = b.list_topics()

@@ -1,4 +1,4 @@
-"""Timer messages through the whole in-process broker, in simulated time (issue 3, "Must show").
+"""Timer messages through the whole in-process broker, in simulated time.
 
 Each test drives a real broker (commit log, consume queues, RocksDB timer index) with a
 FakeClock: long delays, same-millisecond ordering, cancel (before, racing and after the fire),
@@ -14,18 +14,6 @@ import struct
 from pathlib import Path
 
 import pytest
-from timer_helpers import (
-    START_MS,
-    assert_not_early,
-    drain,
-    log_end,
-    open_broker,
-    pending_total,
-    restore_index,
-    run,
-    snapshot_index,
-    timer_dir,
-)
 
 from chronoq.clock import FakeClock
 from chronoq.config import DAY_MS, HOUR_MS, SECOND_MS
@@ -54,6 +42,18 @@ from chronoq.timer.engine import IndexBatch
 from chronoq.timer.index import FORMAT_VERSION, RocksTimerIndex
 from chronoq.timer.index_codec import CF_META, META_FORMAT_VERSION
 from chronoq.timer.recall import decode_recall_handle
+from tests.support.brokers import simulated_broker
+from tests.support.timers import (
+    START_MS,
+    assert_not_early,
+    drain,
+    log_end,
+    pending_total,
+    restore_index,
+    run,
+    snapshot_index,
+    timer_dir,
+)
 
 pytestmark = pytest.mark.usefixtures("each_timer_engine")
 
@@ -64,7 +64,7 @@ pytestmark = pytest.mark.usefixtures("each_timer_engine")
 def test_long_delay_is_delivered_exactly_at_due_never_a_millisecond_early(tmp_path: Path, delay_ms: int) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         try:
             r = await b.send(OutgoingMessage("orders", b"later", delay_ms=delay_ms, keys=("k1",)))
             due = START_MS + delay_ms
@@ -95,7 +95,7 @@ def test_long_delay_is_delivered_exactly_at_due_never_a_millisecond_early(tmp_pa
 def test_absolute_deadline_two_days_out(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         try:
             due = START_MS + 2 * DAY_MS + 123
             await b.send(OutgoingMessage("orders", b"at", deliver_at_ms=due))
@@ -111,12 +111,13 @@ def test_absolute_deadline_two_days_out(tmp_path: Path) -> None:
     run(body())
 
 
+@pytest.mark.slow
 def test_ten_thousand_due_in_the_same_millisecond_fire_in_acceptance_order(tmp_path: Path) -> None:
     n = 10_000
 
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         try:
             await b.create_topic("same-ms", queue_count=1)
             due = START_MS + 60_000
@@ -148,7 +149,7 @@ def test_ten_thousand_due_in_the_same_millisecond_fire_in_acceptance_order(tmp_p
 def test_cancel_before_fire_by_handle_and_by_id(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         try:
             r1 = await b.send(OutgoingMessage("orders", b"one", delay_ms=10_000))
             r2 = await b.send(OutgoingMessage("orders", b"two", delay_ms=10_000))
@@ -179,7 +180,7 @@ def test_cancel_of_a_due_timer_while_its_firing_batch_is_in_flight_is_a_clear_er
 
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         try:
             due_now = await b.send(OutgoingMessage("orders", b"firing", delay_ms=1000))
             later = await b.send(OutgoingMessage("orders", b"later", delay_ms=60_000))
@@ -212,7 +213,7 @@ def test_timer_falling_due_while_its_cancel_is_in_flight_is_not_fired(tmp_path: 
 
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         try:
             r = await b.send(OutgoingMessage("orders", b"x", delay_ms=1000))
             other = await b.send(OutgoingMessage("orders", b"y", delay_ms=1000))
@@ -236,7 +237,7 @@ def test_timer_falling_due_while_its_cancel_is_in_flight_is_not_fired(tmp_path: 
 def test_cancel_unknown_changes_nothing_and_cancel_after_fire_is_an_error(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         try:
             r = await b.send(OutgoingMessage("orders", b"x", delay_ms=1000))
             end = log_end(b)
@@ -268,7 +269,7 @@ def test_cancel_unknown_changes_nothing_and_cancel_after_fire_is_an_error(tmp_pa
 def test_cancel_survives_restart(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         r = await b.send(OutgoingMessage("orders", b"x", delay_ms=HOUR_MS))
         keep = await b.send(OutgoingMessage("orders", b"keep", delay_ms=HOUR_MS))
         await b.cancel(recall_handle=r.recall_handle)
@@ -278,14 +279,14 @@ def test_cancel_survives_restart(tmp_path: Path) -> None:
             if wipe:
                 import shutil
                 shutil.rmtree(timer_dir(tmp_path))
-            b = await open_broker(tmp_path, clock)
+            b = await simulated_broker(tmp_path, clock)
             try:
                 assert b.query(r.message_id)[0].state is TimerState.CANCELLED
                 assert b.query(keep.message_id)[0].state is TimerState.PENDING
                 assert pending_total(b) == 1
             finally:
                 await b.close()
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         try:
             clock.advance(HOUR_MS)
             assert await b.run_due() == 1
@@ -317,14 +318,14 @@ def _states(b) -> list[tuple[int, TimerState]]:  # type: ignore[no-untyped-def]
 @pytest.mark.rocksdb_index("puts an older copy of the index on disk back (a crash before its write)")
 @pytest.mark.parametrize("cancelled", ["first", "second"])
 def test_each_timer_of_a_reused_id_is_cancelled_by_its_own_handle_and_only_it(tmp_path: Path, cancelled: str) -> None:
-    """The review's case. The index keyed cancels by (topic, id): the first timer's own handle was
-    refused ("due time mismatch"), the second's cancelled both, and query showed only the second,
-    so the first, acknowledged and never cancelled, was silently never delivered. A cancel names
+    """Two timers with one id. Were cancels keyed by (topic, id), the first timer's own handle would
+    be refused ("due time mismatch"), the second's would cancel both, and query showed only the second,
+    so the first, acknowledged and never cancelled, would silently never be delivered. A cancel names
     (topic, id, due time), as RocketMQ's delete record does; replay and rebuild apply the same rule."""
 
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock, dedupe_window_ms=WINDOW_MS)
+        b = await simulated_broker(tmp_path, clock, dedupe_window_ms=WINDOW_MS)
         try:
             t1, t2 = await _reused_id(b, clock)
             assert _states(b) == [(t1.deliver_at_ms, TimerState.PENDING), (t2.deliver_at_ms, TimerState.PENDING)]
@@ -344,7 +345,7 @@ def test_each_timer_of_a_reused_id_is_cancelled_by_its_own_handle_and_only_it(tm
             await b.close()
         # Replayed into an index rebuilt from the log, the tombstone cancels the same timer.
         shutil.rmtree(timer_dir(tmp_path))
-        b = await open_broker(tmp_path, clock, dedupe_window_ms=WINDOW_MS)
+        b = await simulated_broker(tmp_path, clock, dedupe_window_ms=WINDOW_MS)
         try:
             assert b.query("X") == live
             clock.set(START_MS + 4 * HOUR_MS)
@@ -366,7 +367,7 @@ def test_a_cancel_by_id_alone_of_several_pending_timers_is_refused_with_their_du
 
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock, dedupe_window_ms=WINDOW_MS)
+        b = await simulated_broker(tmp_path, clock, dedupe_window_ms=WINDOW_MS)
         try:
             t1, t2 = await _reused_id(b, clock)
             end = log_end(b)
@@ -406,7 +407,7 @@ def test_an_index_of_format_version_2_is_rebuilt_under_the_due_time_rule(tmp_pat
 
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock, dedupe_window_ms=WINDOW_MS)
+        b = await simulated_broker(tmp_path, clock, dedupe_window_ms=WINDOW_MS)
         try:
             t1, t2 = await _reused_id(b, clock)
             await b.cancel(recall_handle=t2.recall_handle)
@@ -422,7 +423,7 @@ def test_an_index_of_format_version_2_is_rebuilt_under_the_due_time_rule(tmp_pat
         report = check_data_dir(tmp_path)
         assert any(f"format version 2, this chronoq reads {FORMAT_VERSION}" in r for r in report.repairs), \
             report.repairs
-        b = await open_broker(tmp_path, clock, dedupe_window_ms=WINDOW_MS)
+        b = await simulated_broker(tmp_path, clock, dedupe_window_ms=WINDOW_MS)
         try:
             assert b.query("X") == live
             assert _states(b) == [(t1.deliver_at_ms, TimerState.PENDING), (t2.deliver_at_ms, TimerState.CANCELLED)]
@@ -446,13 +447,13 @@ def test_a_tombstone_written_before_the_due_time_rule_keeps_cancelling_every_tim
 
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock, dedupe_window_ms=WINDOW_MS)
+        b = await simulated_broker(tmp_path, clock, dedupe_window_ms=WINDOW_MS)
         try:
             t1, t2 = await _reused_id(b, clock)
         finally:
             await b.close()
         snapshot_index(tmp_path, tmp_path / "index-before")
-        b = await open_broker(tmp_path, clock, dedupe_window_ms=WINDOW_MS)
+        b = await simulated_broker(tmp_path, clock, dedupe_window_ms=WINDOW_MS)
         try:
             # The tombstone version 2 wrote for a cancel by id: the newest timer's due time, no mark.
             await b.timer._append([PreparedMessage(
@@ -468,7 +469,7 @@ def test_a_tombstone_written_before_the_due_time_rule_keeps_cancelling_every_tim
             shutil.rmtree(timer_dir(tmp_path))
         elif after == "replay":
             restore_index(tmp_path, tmp_path / "index-before")
-        b = await open_broker(tmp_path, clock, dedupe_window_ms=WINDOW_MS)
+        b = await simulated_broker(tmp_path, clock, dedupe_window_ms=WINDOW_MS)
         try:
             assert b.query("X") == live
             clock.advance(4 * HOUR_MS)
@@ -491,17 +492,17 @@ def test_restart_between_accept_and_index(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
         data = tmp_path / "data"
-        b = await open_broker(data, clock)
+        b = await simulated_broker(data, clock)
         first = await b.send(OutgoingMessage("orders", b"before", delay_ms=5000))
         await b.close()
         snapshot_index(data, tmp_path / "index-before")
-        b = await open_broker(data, clock)
+        b = await simulated_broker(data, clock)
         late = [await b.send(OutgoingMessage("orders", f"m{i}".encode(), delay_ms=1000 * (i + 1)))
                 for i in range(10)]
         await b.close()
         restore_index(data, tmp_path / "index-before")
         clock.advance(2500)  # two of them are due by the time the broker comes back
-        b = await open_broker(data, clock)
+        b = await simulated_broker(data, clock)
         try:
             assert b.timer.engine.indexed_position == log_end(b)
             assert pending_total(b) == 11
@@ -527,17 +528,17 @@ def test_restart_during_a_firing_batch_does_not_fire_twice(tmp_path: Path) -> No
     async def body() -> None:
         clock = FakeClock(START_MS)
         data = tmp_path / "data"
-        b = await open_broker(data, clock)
+        b = await simulated_broker(data, clock)
         sent = [await b.send(OutgoingMessage("orders", f"m{i}".encode(), delay_ms=1000)) for i in range(20)]
         unfired = await b.send(OutgoingMessage("orders", b"later", delay_ms=5000))
         await b.close()
         snapshot_index(data, tmp_path / "index-before-fire")
-        b = await open_broker(data, clock)
+        b = await simulated_broker(data, clock)
         clock.set(START_MS + 1000)
         assert await b.run_due() == 20
         await b.close()
         restore_index(data, tmp_path / "index-before-fire")
-        b = await open_broker(data, clock)
+        b = await simulated_broker(data, clock)
         try:
             assert pending_total(b) == 1
             assert await b.run_due() == 0
@@ -576,7 +577,7 @@ def _corrupt_index(path: Path, how: str) -> None:
 def test_deleted_or_corrupt_index_is_rebuilt_from_the_log(tmp_path: Path, how: str) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         fired = await b.send(OutgoingMessage("orders", b"fired", delay_ms=1000))
         cancelled = await b.send(OutgoingMessage("orders", b"cancelled", delay_ms=HOUR_MS))
         pending = [await b.send(OutgoingMessage("orders", f"p{i}".encode(), delay_ms=2 * HOUR_MS + i,
@@ -588,7 +589,7 @@ def test_deleted_or_corrupt_index_is_rebuilt_from_the_log(tmp_path: Path, how: s
         end = log_end(b)
         await b.close()
         _corrupt_index(timer_dir(tmp_path), how)
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         try:
             assert b.timer.engine.indexed_position == end
             assert pending_total(b) == 5
@@ -613,7 +614,7 @@ def test_deleted_or_corrupt_index_is_rebuilt_from_the_log(tmp_path: Path, how: s
 def test_query_by_id_and_key_pending_delivered_cancelled(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         try:
             a = await b.send(OutgoingMessage("orders", b"a", delay_ms=1000, keys=("order-1",)))
             c = await b.send(OutgoingMessage("orders", b"c", delay_ms=DAY_MS, keys=("order-1", "x")))
@@ -650,7 +651,7 @@ def test_query_by_id_and_key_pending_delivered_cancelled(tmp_path: Path) -> None
 def test_timer_wheel_disabled_refuses_timer_messages_but_not_normal_ones(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock, timer_wheel_enable=False)
+        b = await simulated_broker(tmp_path, clock, timer_wheel_enable=False)
         try:
             await b.send(OutgoingMessage("orders", b"normal"))
             end = log_end(b)
@@ -671,7 +672,7 @@ def test_timer_wheel_disabled_refuses_timer_messages_but_not_normal_ones(tmp_pat
 def test_precision_coarsens_the_due_time_upwards_never_early(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS + 7)  # not on a precision boundary
-        b = await open_broker(tmp_path, clock, timer_precision_ms=1000)
+        b = await simulated_broker(tmp_path, clock, timer_precision_ms=1000)
         try:
             asked = {}
             for delay in (1, 999, 1000, 1001, 2500):
@@ -700,7 +701,7 @@ def test_thirty_day_timer_outlives_72h_segments_by_rolling(tmp_path: Path, resta
 
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock, **small)
+        b = await simulated_broker(tmp_path, clock, **small)
         try:
             r = await b.send(OutgoingMessage("orders", b"thirty days", delay_ms=30 * DAY_MS, keys=("k30",)))
             cancelled = await b.send(OutgoingMessage("orders", b"cancelled", delay_ms=20 * DAY_MS))
@@ -726,7 +727,7 @@ def test_thirty_day_timer_outlives_72h_segments_by_rolling(tmp_path: Path, resta
                     if restart_midway == "index-lost":
                         import shutil
                         shutil.rmtree(timer_dir(tmp_path))
-                    b = await open_broker(tmp_path, clock, **small)
+                    b = await simulated_broker(tmp_path, clock, **small)
                     assert b.query(r.message_id)[0].state is TimerState.PENDING
                     assert b.query(cancelled.message_id) == [] or \
                         b.query(cancelled.message_id)[0].state is TimerState.CANCELLED
@@ -751,7 +752,7 @@ def test_thirty_day_timer_outlives_72h_segments_by_rolling(tmp_path: Path, resta
 def test_delay_levels_use_the_schedule_topic_one_queue_per_level(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         try:
             table = b.timer.levels.levels_ms
             assert len(table) == 18 and table[0] == SECOND_MS and table[-1] == 2 * HOUR_MS
@@ -785,7 +786,7 @@ def test_delay_levels_use_the_schedule_topic_one_queue_per_level(tmp_path: Path)
 def test_delay_level_progress_is_persisted_across_restart(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         for i in range(3):
             await b.send(OutgoingMessage("orders", f"a{i}".encode(), delay_level=2))  # 5 s
         clock.advance(1000)
@@ -795,7 +796,7 @@ def test_delay_level_progress_is_persisted_across_restart(tmp_path: Path) -> Non
         assert await b.run_due() == 3
         assert [m.body for m in await drain(b, "orders")] == [b"a0", b"a1", b"a2"]
         await b.close()
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         try:
             assert b.stats()["timer"]["pending_by_delay_level"] == {"2": 3}
             assert await b.run_due() == 0  # the first three are not fired again
@@ -811,7 +812,7 @@ def test_delay_level_progress_is_persisted_across_restart(tmp_path: Path) -> Non
 def test_delay_level_path_off_routes_levels_through_the_timer_index(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock, schedule_topic_levels_enable=False)
+        b = await simulated_broker(tmp_path, clock, schedule_topic_levels_enable=False)
         try:
             r = await b.send(OutgoingMessage("orders", b"x", delay_level=3))
             assert b.queue_offsets(SCHEDULE_TOPIC, 2) == (0, 0)
@@ -830,7 +831,7 @@ def test_delay_level_path_off_routes_levels_through_the_timer_index(tmp_path: Pa
 def test_nack_redelivery_uses_level_three_plus_attempts(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         try:
             table = b.timer.levels.levels_ms
             await b.send(OutgoingMessage("orders", b"retry me"))
@@ -852,7 +853,7 @@ def test_nack_redelivery_uses_level_three_plus_attempts(tmp_path: Path) -> None:
 def test_fired_copy_records_where_it_came_from(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         try:
             r = await b.send(OutgoingMessage("orders", b"x", delay_ms=10, properties={"user": "v"}, tag="t"))
             clock.advance(10)
@@ -876,7 +877,7 @@ def test_crash_between_level_progress_and_index_write_does_not_fire_twice(tmp_pa
 
         clock = FakeClock(START_MS)
         data, image = tmp_path / "data", tmp_path / "crash-image"
-        b = await open_broker(data, clock)
+        b = await simulated_broker(data, clock)
         r = await b.send(OutgoingMessage("orders", b"lvl", delay_level=1))
         real_apply = b.timer.engine.apply
 
@@ -890,7 +891,7 @@ def test_crash_between_level_progress_and_index_write_does_not_fire_twice(tmp_pa
         assert await b.run_due() == 1
         await b.close()
         assert image.exists()
-        b = await open_broker(image, clock)
+        b = await simulated_broker(image, clock)
         try:
             assert await b.run_due() == 0
             clock.advance(DAY_MS)
@@ -907,7 +908,7 @@ def test_crash_between_level_progress_and_index_write_does_not_fire_twice(tmp_pa
 def test_delayed_messages_of_a_message_group_fire_into_the_group_queue_in_order(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         try:
             await b.create_topic("fifo", queue_count=4)
             home = {}
@@ -942,16 +943,16 @@ def test_index_ahead_of_the_log_is_rebuilt(tmp_path: Path) -> None:
 
         clock = FakeClock(START_MS)
         data, older = tmp_path / "data", tmp_path / "older"
-        b = await open_broker(data, clock)
+        b = await simulated_broker(data, clock)
         kept = [await b.send(OutgoingMessage("orders", f"k{i}".encode(), delay_ms=1000)) for i in range(5)]
         await b.close()
         shutil.copytree(data, older)
-        b = await open_broker(data, clock)
+        b = await simulated_broker(data, clock)
         for i in range(5):
             await b.send(OutgoingMessage("orders", f"lost{i}".encode(), delay_ms=1000))
         await b.close()
         restore_index(older, timer_dir(data).parent / "timer")  # the newer index onto the older log
-        b = await open_broker(older, clock)
+        b = await simulated_broker(older, clock)
         try:
             assert b.timer.engine.indexed_position == log_end(b)
             assert pending_total(b) == 5
@@ -973,13 +974,13 @@ def test_an_index_of_another_format_is_rebuilt_with_one_line_that_says_so(tmp_pa
 
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         await b.send(OutgoingMessage("orders", b"x", delay_ms=1000))
         await b.close()
         with RocksTimerIndex.open(timer_dir(tmp_path)) as index:
             index._cf[CF_META][META_FORMAT_VERSION] = struct.pack(">I", 2)
         with caplog.at_level("WARNING", logger="chronoq.timer"):
-            b = await open_broker(tmp_path, clock)
+            b = await simulated_broker(tmp_path, clock)
         try:
             assert pending_total(b) == 1
         finally:
@@ -999,7 +1000,7 @@ def test_concurrent_fires_do_not_deliver_a_timer_twice(tmp_path: Path, firer: st
 
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock, timer_firer=firer)
+        b = await simulated_broker(tmp_path, clock, timer_firer=firer)
         try:
             timers = [await b.send(OutgoingMessage("orders", b"t", delay_ms=1000)) for _ in range(10)]
             levels = [await b.send(OutgoingMessage("orders", b"l", delay_level=1)) for _ in range(5)]
@@ -1029,7 +1030,7 @@ def test_timer_engine_names_the_index_the_broker_runs_on(tmp_path: Path, each_ti
 
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         try:
             assert type(b.timer.engine).__name__ == {"rocksdb": "RocksTimerIndex",
                                                       "memory": "MemoryTimerEngine"}[each_timer_engine]
@@ -1042,7 +1043,7 @@ def test_timer_engine_names_the_index_the_broker_runs_on(tmp_path: Path, each_ti
         finally:
             await b.close()
         assert timer_dir(tmp_path).exists() == (each_timer_engine == "rocksdb")
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         try:
             states = {r.message_id: b.query(r.message_id)[0].state for r in (fired, cancelled, pending)}
             assert states == {fired.message_id: TimerState.DELIVERED, cancelled.message_id: TimerState.CANCELLED,

@@ -627,6 +627,7 @@ ops = st.lists(st.one_of(
 ), min_size=1, max_size=40)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine_name", sorted(ENGINES))
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(script=ops)

@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from timer_helpers import START_MS, drain, make_config
 
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
+from chronoq.config import Config
 from chronoq.model import OutgoingMessage
+from tests.support.brokers import open_broker
+from tests.support.timers import START_MS, drain
 
 pytestmark = pytest.mark.usefixtures("each_timer_engine")
 
@@ -36,7 +38,7 @@ async def settle(broker: Broker, passes: int | None = None) -> None:
 def test_later_timers_leave_the_sleeping_loop_alone_and_an_earlier_one_wakes_it(tmp_path: Path, arun: Any) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        broker = await Broker.open(make_config(tmp_path / "data"), clock=clock, background=True)
+        broker = await open_broker(Config(data_dir=tmp_path / "data"), clock=clock, background=True)
         try:
             await broker.create_topic("orders", 2)
             await settle(broker, 1)
@@ -74,7 +76,7 @@ def test_a_cancel_of_the_head_wakes_the_loop(tmp_path: Path, arun: Any) -> None:
     """A tombstone always wakes the loop (its head may be gone), and the next head still fires."""
     async def body() -> None:
         clock = FakeClock(START_MS)
-        broker = await Broker.open(make_config(tmp_path / "data"), clock=clock, background=True)
+        broker = await open_broker(Config(data_dir=tmp_path / "data"), clock=clock, background=True)
         try:
             await broker.create_topic("orders", 2)
             head = await broker.send(OutgoingMessage("orders", b"x", message_id="head",

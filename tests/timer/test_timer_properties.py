@@ -21,13 +21,14 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from timer_helpers import START_MS, drain, open_broker, restore_index, run, snapshot_index, timer_dir
 
 from chronoq import envvars
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
 from chronoq.errors import TimerAlreadyFired, TimerNotFound
 from chronoq.model import OutgoingMessage, StoredMessage
+from tests.support.brokers import simulated_broker
+from tests.support.timers import START_MS, drain, restore_index, run, snapshot_index, timer_dir
 
 pytestmark = pytest.mark.usefixtures("each_timer_engine")
 
@@ -71,7 +72,7 @@ class Runner:
         self.b: Broker | None = None
 
     async def open(self) -> None:
-        self.b = await open_broker(self.data, self.clock, **self.cfg)
+        self.b = await simulated_broker(self.data, self.clock, **self.cfg)
 
     async def drain_all(self) -> None:
         assert self.b is not None

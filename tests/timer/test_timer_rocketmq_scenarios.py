@@ -14,12 +14,13 @@ import random
 from pathlib import Path
 
 import pytest
-from timer_helpers import START_MS, assert_not_early, drain, log_end, open_broker, pending_total, run
 
 from chronoq.clock import FakeClock
 from chronoq.config import DAY_MS
 from chronoq.errors import DeliveryTimeTooFar, TimerSlotCongested
 from chronoq.model import OutgoingMessage, TimerState
+from tests.support.brokers import simulated_broker
+from tests.support.timers import START_MS, assert_not_early, drain, log_end, pending_total, run
 
 pytestmark = pytest.mark.usefixtures("each_timer_engine")
 
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("each_timer_engine")
 def test_put_to_ten_topics_relative_and_absolute_all_delivered_pending_back_to_zero(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         try:
             rng = random.Random(5)
             topics = [f"TimerTest{i}" for i in range(10)]
@@ -69,7 +70,7 @@ def test_put_to_ten_topics_relative_and_absolute_all_delivered_pending_back_to_z
 def test_past_deadline_is_delivered_at_once(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         try:
             r = await b.send(OutgoingMessage("expired", b"late", deliver_at_ms=START_MS - 5 * DAY_MS))
             zero = await b.send(OutgoingMessage("expired", b"zero", delay_ms=0))
@@ -87,7 +88,7 @@ def test_past_deadline_is_delivered_at_once(tmp_path: Path) -> None:
 def test_tombstone_for_one_of_five_leaves_four(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         try:
             sent = [await b.send(OutgoingMessage("del", f"{i}".encode(), delay_ms=3000)) for i in range(5)]
             await b.cancel(topic="del", message_id=sent[2].message_id)
@@ -106,7 +107,7 @@ def test_tombstone_for_one_of_five_leaves_four(tmp_path: Path) -> None:
 def test_same_message_id_on_another_topic_is_not_cancelled(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         try:
             a = await b.send(OutgoingMessage("topicA", b"a", message_id="UK-1", delay_ms=2000))
             c = await b.send(OutgoingMessage("topicB", b"b", message_id="UK-1", delay_ms=2000))
@@ -127,7 +128,7 @@ def test_same_message_id_on_another_topic_is_not_cancelled(tmp_path: Path) -> No
 def test_per_slot_flow_control(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock, timer_congest_num_each_slot=5)
+        b = await simulated_broker(tmp_path, clock, timer_congest_num_each_slot=5)
         try:
             slot_start = START_MS + 10_000
             for i in range(5):
@@ -167,7 +168,7 @@ def test_per_slot_flow_control(tmp_path: Path) -> None:
 def test_deadline_beyond_the_max_is_refused(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock, timer_max_delay_ms=DAY_MS)
+        b = await simulated_broker(tmp_path, clock, timer_max_delay_ms=DAY_MS)
         try:
             end = log_end(b)
             with pytest.raises(DeliveryTimeTooFar) as info:
@@ -190,7 +191,7 @@ def test_deadline_beyond_the_max_is_refused(tmp_path: Path) -> None:
 def test_250_pending_messages_survive_a_restart(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock(START_MS)
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         rng = random.Random(250)
         asked = {}
         for i in range(250):
@@ -198,7 +199,7 @@ def test_250_pending_messages_survive_a_restart(tmp_path: Path) -> None:
             r = await b.send(OutgoingMessage(f"rec{i % 3}", f"{i}".encode(), delay_ms=delay))
             asked[r.message_id] = START_MS + delay
         await b.close()
-        b = await open_broker(tmp_path, clock)
+        b = await simulated_broker(tmp_path, clock)
         try:
             assert pending_total(b) == 250
             assert await b.run_due() == 0

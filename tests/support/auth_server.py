@@ -21,6 +21,7 @@ from chronoq.server.admin_service import AdminService
 from chronoq.server.auth import AuthConfig, Authenticator, User
 from chronoq.server.grpc_service import MessagingService
 from chronoq.server.serve import server_options
+from tests.support.brokers import open_broker
 
 SECRET = "s3cret"
 USERS = (
@@ -49,7 +50,7 @@ class Server:
 @contextlib.asynccontextmanager
 async def running(tmp_path: Path, auth: AuthConfig = AUTH) -> AsyncIterator[Server]:
     config = Config(data_dir=tmp_path / "data")
-    broker = await Broker.open(config)
+    broker = await open_broker(config)
     server = grpc.aio.server(options=server_options(config))
     try:
         port = server.add_insecure_port("127.0.0.1:0")

@@ -25,6 +25,7 @@ from chronoq.protocol.v2 import definition, service
 from chronoq.server.admin_service import AdminService
 from chronoq.server.grpc_service import MessagingService
 from chronoq.server.serve import server_options
+from tests.support.brokers import open_broker
 
 
 @dataclass
@@ -65,7 +66,7 @@ async def running(tmp_path: Path, *, clock: Clock | None = None, background: boo
     """`wildcard`: behave as a server bound to 0.0.0.0 (routes name the client's access point).
     `batch_receive=False`: serve without chronoq's batched receive, as a RocketMQ proxy does."""
     config = Config(data_dir=tmp_path / "data", **settings)
-    broker = await Broker.open(config, clock=clock, background=background)
+    broker = await open_broker(config, clock, background=background)
     recorder = _CallRecorder()
     server = grpc.aio.server(options=server_options(config), interceptors=[recorder])
     try:

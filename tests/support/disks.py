@@ -1,7 +1,7 @@
 """A real small disk for the full-disk tests: a tmpfs mounted for one test, and a filler file on it
 that takes its free space away and gives it back.
 
-Theory of operation: a full disk is caused for real, never mocked (STYLE.md, 15). `mount_tmpfs`
+Theory of operation: a full disk is caused for real, never mocked. `mount_tmpfs`
 mounts a tmpfs of a few MiB (mounting needs root; without it the test skips), and `Disk.fill`
 takes its free space with `posix_fallocate` and then byte writes into the filler's last page, so
 the next write of the broker's own files meets ENOSPC (or RocksDB's "No space left on device").

@@ -1,39 +1,28 @@
 """Shared helpers for the broker-level timer tests (simulated time unless said otherwise).
 
-Theory of operation: every test opens a real `Broker` on a temporary data directory with a
-`FakeClock` and `background=False`, so time moves only when the test says and timers fire only
-when it calls `run_due()`. A restart is `close()` + `open()` on the same directory with the same
-clock. A crash between two steps is simulated without mocks by copying derived state (the timer
-index directory) aside and putting the old copy back before the reopen: the broker then sees
-exactly what it would after a process death at that point (a log ahead of its index).
-
-The broker-level suites run over every timer index a broker can run on (`TIMER_ENGINES`, the
-values `timer_engine` accepts): a test module lists the `each_timer_engine` fixture
-(tests/conftest.py), which sets `TIMER_ENGINE` for `make_config`, and a test that reads or
-damages the RocksDB index's files is marked `rocksdb_index` (it has no meaning elsewhere).
+Theory of operation: every test opens a simulated broker (`tests.support.brokers.simulated_broker`:
+a real `Broker` on a temporary data directory with a `FakeClock` and `background=False`), so time
+moves only when the test says and timers fire only when it calls `run_due()`. A restart is
+`close()` + open again on the same directory with the same clock. A crash between two steps is
+simulated without mocks by copying derived state (the timer index directory) aside and putting
+the old copy back before the reopen: the broker then sees exactly what it would after a process
+death at that point (a log ahead of its index).
 """
 
 from __future__ import annotations
 
 import asyncio
 import shutil
-import typing
 from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from chronoq.broker import Broker
-from chronoq.clock import FakeClock
-from chronoq.config import Config
 from chronoq.model import SYS_FIRED_FROM, SYS_TIMER_OUT_MS, StoredMessage
 from chronoq.store import files
 from chronoq.store.messagestore import MessageStore
 
 T = TypeVar("T")
-TIMER_ENGINES: tuple[str, ...] = typing.get_args(typing.get_type_hints(Config)["timer_engine"])
-"""Every timer index a broker runs on (`timer/engines.py`)."""
-TIMER_ENGINE = "rocksdb"
-"""The index `make_config` gives a broker: the default, or the one `each_timer_engine` is running."""
 START_MS = 1_700_000_000_000
 GROUP = "g-timer"
 
@@ -66,7 +55,7 @@ def run_without_cycle_collector(coro: Awaitable[T]) -> T:
     """`run` with the cyclic garbage collector off, for tests where a failed RocksDB write is
     followed by a reopen: a kept error (its traceback holds the failed call's frames) or a
     reference cycle keeps the old handle and its lock, and a collection that happens to run
-    first would hide that (such a test once passed in the full suite and failed alone)."""
+    first would hide that (the test would pass or fail with the order the suite runs in)."""
     import gc
 
     gc.disable()
@@ -74,14 +63,6 @@ def run_without_cycle_collector(coro: Awaitable[T]) -> T:
         return asyncio.run(coro)  # type: ignore[arg-type]
     finally:
         gc.enable()
-
-
-def make_config(data_dir: Path, **overrides: Any) -> Config:
-    return Config(data_dir=data_dir, **{"timer_engine": TIMER_ENGINE, **overrides})
-
-
-async def open_broker(data_dir: Path, clock: FakeClock, **overrides: Any) -> Broker:
-    return await Broker.open(make_config(data_dir, **overrides), clock=clock, background=False)
 
 
 async def drain(broker: Broker, topic: str, group: str = GROUP) -> list[StoredMessage]:

@@ -1,0 +1,1 @@
+"""The official RocketMQ clients (Python and Node.js) against a real chronoq server."""

@@ -1,0 +1,1 @@
+"""The message store on disk: commit log, consume queues, recovery, checks, and its fault handling."""

@@ -1,0 +1,1 @@
+"""Timers and delay levels: the index, firing, links, retention and their faults."""
