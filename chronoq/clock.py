@@ -14,7 +14,7 @@ W, so while nobody steps W the two run at the same rate. B obeys these rules:
   behind W (a step forward of S leaves B behind W by S: everything runs late, never early,
   until a restart or until the catch-up closes the gap, which shortens running delays by that
   fraction; it also keeps B with a wall clock that gains on the monotonic clock without steps,
-  as this project's VM does by 0.5 %. `Config.clock_catchup_ppm` is 2 % by default; 0 never
+  as virtual machines' clocks do (0.5 % was seen on one). `Config.clock_catchup_ppm` is 2 % by default; 0 never
   catches up);
 - it never gets ahead of W by more than `max_backward_step_ms` (B is W whenever the two agree,
   so due times and store times are wall-clock times a person can read);

@@ -164,8 +164,8 @@ class Config:
     collections. CPython's default, 700, is a collection every few dozen timers a fire step
     handles, and each moves the step's live objects on to older generations, collected again:
     with 50,000 (and the older generations' `GC_OLDER_THRESHOLDS`, `server/serve.py`) a fired
-    timer costs 6 % fewer instructions (65.0 k -> 60.9 k, `bench/bench_fire_instructions.py
-    --serve-gc`), an accepted one ~1 %; a young collection of 100,000 objects held the loop 3 ms (measured
+    timer costs 6 % fewer instructions (65.0 k -> 60.9 k, counted by callgrind over a fire step;
+    docs/performance.md), an accepted one ~1 %; a young collection of 100,000 objects held the loop 3 ms (measured
     2026-11-27). Only cycles wait for it: most objects are freed by their reference count as
     soon as they are dropped."""
 
@@ -228,8 +228,8 @@ class Config:
     clock_catchup_ppm: int = limit(20_000, minimum=0, maximum=1_000_000)
     """While broker time (which follows the monotonic clock) is behind the wall clock, it may run
     this many millionths faster than real time to close the gap, never past the wall clock. The
-    default 20,000 (2 %) keeps it with a wall clock that gains on the monotonic clock (this
-    project's VM: 5,000 ppm, so with 0 every timer ran later by 0.5 % of the broker's uptime)
+    default 20,000 (2 %) keeps it with a wall clock that gains on the monotonic clock (virtual
+    machines' clocks do: 5,000 ppm was seen on one, so with 0 every timer ran later by 0.5 % of the broker's uptime)
     and closes a forward step slowly (one hour in 50), shortening delays running meanwhile by
     at most 2 % of real time. 0: never catch up (until a restart), never early in real time.
     At most 1,000,000 (twice the real rate). See "Time" in docs/design.md."""

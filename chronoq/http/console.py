@@ -54,7 +54,7 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 class Access:
     """The console's single authorization point (see the module docstring).
 
-    With auth off every caller may read and cancel. With auth on (`[auth]`, issue 14) a browser
+    With auth off every caller may read and cancel. With auth on (`[auth]`) a browser
     sends HTTP Basic credentials, the user's access key and secret key (a page cannot sign
     RocketMQ's HMAC headers), checked by the same `Authenticator` as the gRPC services; the
     resulting `Principal` is what the admin methods then check, so the console may do no more

@@ -1,4 +1,4 @@
-"""Measure the Spark timer engine's firing error on this machine, end to end.
+"""Measure the Spark timer engine's firing error on the host it runs on, end to end.
 
 Theory of operation: start a real `chronoq serve` (timer_firer=spark, trace_enable=true) in a
 child process, start the engine, send N timer messages due evenly over `spread_ms` starting

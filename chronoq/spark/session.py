@@ -1,7 +1,7 @@
 """Starting a SparkSession that can run chronoq's jobs.
 
 Theory of operation: every chronoq Spark job (report, schedule, the timer engine) needs the same
-few things, measured on this machine kind (docs/spark.md): Python workers must run this
+few things (docs/spark.md): Python workers must run this
 interpreter and find the `chronoq` package; transformWithState needs the RocksDB state store
 provider; the loopback address avoids a DNS query and a warning. On a cluster, `spark-submit`
 supplies the master and the executors' environment, so `build_session` only fills in what the
