@@ -176,11 +176,24 @@ class StoredMessage:
     position: int
     """Byte offset of the record in the commit log's position space."""
     size: int
+    deliver_at_ms: int | None = field(init=False)
+    """The due time of a timer message or tombstone (and of a message a timer delivered), ms
+    since the epoch: its `TIMER_OUT_MS` system property, read once, when the message is built
+    (`due_time_ms`); None when it has none. The record keeps the text; this is its one reading."""
 
-    @property
-    def deliver_at_ms(self) -> int | None:
-        raw = self.system_properties.get(SYS_TIMER_OUT_MS)
-        return int(raw) if raw is not None else None
+    def __post_init__(self) -> None:
+        sp = self.system_properties
+        self.deliver_at_ms = due_time_ms(sp.get(SYS_TIMER_OUT_MS)) if sp else None
+
+
+def due_time_ms(text: str | None) -> int | None:
+    """A `TIMER_OUT_MS` value as a number: the broker writes it as decimal digits of a whole
+    number of ms (`str(int)`, never negative). Anything else (absent, or text that is not up to 19
+    ASCII digits, an int64's reach) is None: it says no due time, and reading a record never
+    raises for it (records are read in dispatch and in `chronoq check`)."""
+    if text is None or len(text) > 19 or not text.isascii() or not text.isdigit():
+        return None
+    return int(text)
 
 
 @dataclass(slots=True)
