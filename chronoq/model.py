@@ -52,7 +52,8 @@ PRODUCER_TIMER_PROPERTIES = frozenset(
 SYS_REAL_TOPIC = "REAL_TOPIC"
 SYS_REAL_QUEUE_ID = "REAL_QID"
 SYS_TIMER_OUT_MS = "TIMER_OUT_MS"
-"""The absolute due time of a timer message, ms since the epoch."""
+"""The absolute due time of a timer message, ms since the epoch, as decimal text in the record;
+read once into `StoredMessage.deliver_at_ms`."""
 SYS_TIMER_ENQUEUE_MS = "TIMER_ENQUEUE_MS"
 SYS_TIMER_ROLL_TIMES = "TIMER_ROLL_TIMES"
 SYS_DELAY_LEVEL = "DELAY_LEVEL"
@@ -178,22 +179,22 @@ class StoredMessage:
     size: int
     deliver_at_ms: int | None = field(init=False)
     """The due time of a timer message or tombstone (and of a message a timer delivered), ms
-    since the epoch: its `TIMER_OUT_MS` system property, read once, when the message is built
-    (`due_time_ms`); None when it has none. The record keeps the text; this is its one reading."""
+    since the epoch: its `TIMER_OUT_MS` system property, which the record keeps as text (the
+    broker writes `str(int)`), read once, when the message is built. None when it has none, or
+    text that is not a number: building a message from a record never raises for it (records
+    are read in dispatch and by `chronoq check`)."""
 
     def __post_init__(self) -> None:
-        sp = self.system_properties
-        self.deliver_at_ms = due_time_ms(sp.get(SYS_TIMER_OUT_MS)) if sp else None
-
-
-def due_time_ms(text: str | None) -> int | None:
-    """A `TIMER_OUT_MS` value as a number: the broker writes it as decimal digits of a whole
-    number of ms (`str(int)`, never negative). Anything else (absent, or text that is not up to 19
-    ASCII digits, an int64's reach) is None: it says no due time, and reading a record never
-    raises for it (records are read in dispatch and in `chronoq check`)."""
-    if text is None or len(text) > 19 or not text.isascii() or not text.isdigit():
-        return None
-    return int(text)
+        # This runs for every record read and every message stored: the usual message has no
+        # system properties, and a well-formed due time costs one int().
+        raw = self.system_properties.get(SYS_TIMER_OUT_MS) if self.system_properties else None
+        if raw is None:
+            self.deliver_at_ms = None
+            return
+        try:
+            self.deliver_at_ms = int(raw)
+        except ValueError:
+            self.deliver_at_ms = None
 
 
 @dataclass(slots=True)
