@@ -80,6 +80,10 @@ from chronoq.timefmt import byte_size, duration, duration_against, instant
 
 
 class ChronoqError(Exception):
+    """The base of every chronoq error, never raised as itself: each failure raises its own class
+    (below), whose `code` is the status a client sees (the SDK's `RemoteError`, for a status it
+    has no class for, is one too)."""
+
     code: int = 50000
     retriable: bool = False
 
@@ -102,11 +106,16 @@ def _rebuild(cls: type[ChronoqError], message: str, details: dict[str, Any]) -> 
 
 
 class BadRequest(ChronoqError):
+    """The caller's fault: the request broke a rule and nothing was stored or changed. The base of
+    every such class below. The broker raises only those; the SDK raises this class for a status
+    40000 (BAD_REQUEST) that names no class, as every RocketMQ-protocol status does."""
+
     code = 40000
 
 
 class InvalidTopicName(BadRequest):
-    """The topic name is empty, too long, or uses characters outside `[A-Za-z0-9_%|-]`."""
+    """Raised when a topic name is not text, is empty, longer than `max_topic_name_length`, or
+    uses characters outside `[A-Za-z0-9_%|-]` (`validate.check_topic_name`, every door)."""
 
     code = 40002
 
@@ -115,6 +124,11 @@ class InvalidTopicName(BadRequest):
 
 
 class InvalidGroupName(BadRequest):
+    """Raised when a consumer group's name breaks the topic-name rule, is too long for its
+    dead-letter topic (`%DLQ%<group>`) to be a valid topic name, or is the broker's own
+    `%SCHEDULE%` (`validate.check_group_name`: every receive, ack, change of invisibility,
+    dead-letter and assignment, through every door)."""
+
     code = 40003
 
     def __init__(self, group: str, reason: str) -> None:
@@ -122,6 +136,9 @@ class InvalidGroupName(BadRequest):
 
 
 class InvalidTag(BadRequest):
+    """Raised when a message's tag is longer than `max_tag_length`, blank, or holds a '|' or a
+    control character (admission, `validate.prepare`)."""
+
     code = 40004
 
     def __init__(self, tag: str, reason: str) -> None:
@@ -129,6 +146,10 @@ class InvalidTag(BadRequest):
 
 
 class InvalidKeys(BadRequest):
+    """Raised when a message has more than `max_keys_count` keys, a key that is empty, not text, or
+    has control characters, or keys too long for the record format (admission); and when a
+    lookup by key (admin QueryMessage) names a key no message can carry."""
+
     code = 40005
 
     def __init__(self, reason: str) -> None:
@@ -136,6 +157,10 @@ class InvalidKeys(BadRequest):
 
 
 class InvalidMessageId(BadRequest):
+    """Raised when a message id is not text, empty, longer than `max_message_id_length`, or holds
+    anything but printable ASCII without spaces (`validate.check_message_id`: a send through
+    every door, and a lookup or cancel by id)."""
+
     code = 40009
 
     def __init__(self, message_id: str, reason: str) -> None:
@@ -143,6 +168,9 @@ class InvalidMessageId(BadRequest):
 
 
 class InvalidFilterExpression(BadRequest):
+    """Raised when a receive's tag filter is not '*' or tags separated by '||', or is of an
+    unknown filter type (SQL92 is `Unsupported`)."""
+
     code = 40010
 
     def __init__(self, expression: str, reason: str) -> None:
@@ -150,7 +178,8 @@ class InvalidFilterExpression(BadRequest):
 
 
 class InvalidInvisibleDuration(BadRequest):
-    """`invisible_duration_ms` is outside [min, max]."""
+    """Raised when a receive's or a change of invisibility's duration is outside
+    [`min_invisible_duration_ms`, `max_invisible_duration_ms`]."""
 
     code = 40011
 
@@ -163,8 +192,10 @@ class InvalidInvisibleDuration(BadRequest):
 
 
 class InvalidReceiptHandle(BadRequest):
-    """The handle is malformed, belongs to another group/topic, or was superseded (acked, renewed,
-    or redelivered to someone else after it expired)."""
+    """Raised when an ack, a change of invisibility or a dead-letter forward names a handle that
+    is malformed, names no message in flight for that group and topic (acked, or another group's
+    or topic's), or was superseded (renewed, or redelivered to someone else after it expired);
+    and when one ack request names the same message twice."""
 
     code = 40013
 
@@ -173,6 +204,11 @@ class InvalidReceiptHandle(BadRequest):
 
 
 class InvalidBatchSize(BadRequest):
+    """Raised when a request holds more items than its limit allows, or none where one is
+    needed: a send of more than `max_send_batch` messages (gRPC SendMessage, admin SendBatch, the
+    in-process API), a receive whose batch size is outside 1..`max_receive_batch`, an ack of more
+    than `max_send_batch` entries, an admin FireTimers of more than `max_send_batch` positions."""
+
     code = 40000
 
     def __init__(self, batch_size: int, max_batch_size: int) -> None:
@@ -183,6 +219,9 @@ class InvalidBatchSize(BadRequest):
 
 
 class InvalidQueueId(BadRequest):
+    """Raised when a queue id is outside the topic's queues: a send naming its queue, a receive or
+    a read (admin ReadMessages) of one queue."""
+
     code = 40000
 
     def __init__(self, topic: str, queue_id: int, queue_count: int) -> None:
@@ -193,6 +232,8 @@ class InvalidQueueId(BadRequest):
 
 
 class InvalidQueueCount(BadRequest):
+    """Raised when a topic is created with a queue count outside 1..`max_queue_count`."""
+
     code = 40000
 
     def __init__(self, queue_count: int, max_queue_count: int) -> None:
@@ -203,6 +244,10 @@ class InvalidQueueCount(BadRequest):
 
 
 class InvalidOffset(BadRequest):
+    """RocketMQ's ILLEGAL_OFFSET. Never raised by chronoq's broker, which serves no offset RPC
+    (UpdateOffset, GetOffset and QueryOffset answer `Unsupported`); the SDK raises it when a
+    server answers 40019."""
+
     code = 40019
 
     def __init__(self, offset: int, reason: str) -> None:
@@ -218,7 +263,8 @@ class MessageTypeMismatch(BadRequest):
 
 
 class MessageTypeNotAccepted(MessageTypeMismatch):
-    """The topic was created without this message type (NORMAL, FIFO, DELAY, TRANSACTION)."""
+    """Raised when a send's message type (NORMAL, FIFO, DELAY, TRANSACTION) is not one its topic
+    was created with, and when a topic is created with no message type at all."""
 
     def __init__(self, topic: str, message_type: str, accepted: list[str]) -> None:
         super().__init__(
@@ -244,6 +290,9 @@ class TopicNotFound(BadRequest):
 
 
 class TopicExists(BadRequest):
+    """Raised when a topic is created under a name a topic already has (admin CreateTopic, the
+    in-process `create_topic`; an auto-create finds the topic and creates nothing)."""
+
     code = 40000
 
     def __init__(self, topic: str) -> None:
@@ -251,10 +300,10 @@ class TopicExists(BadRequest):
 
 
 class SystemTopicForbidden(InvalidTopicName):
-    """Producers may not write to chronoq's system topics (timer, schedule, DLQ are written by
-    the broker itself), nor consumers receive from the timer and schedule topics (their messages
-    are not due yet: the broker delivers each to its real topic when it is). An illegal topic
-    for that client (ILLEGAL_TOPIC), hence the base class."""
+    """Raised when a send names one of chronoq's system topics (the timer, schedule and link
+    topics, which only the broker writes), when a topic of such a name is created, and when a
+    consumer receives from one (its messages are not due yet: the broker delivers each to its
+    real topic when it is). An illegal topic for that client (ILLEGAL_TOPIC), hence the base class."""
 
     def __init__(self, topic: str, *, receive: bool = False) -> None:
         who = "consumers may not receive from it: its messages are delivered to their own topics when due" \
@@ -263,6 +312,8 @@ class SystemTopicForbidden(InvalidTopicName):
 
 
 class MessageBodyEmpty(BadRequest):
+    """Raised when a message's body is empty (admission, every door)."""
+
     code = 41302
 
     def __init__(self) -> None:
@@ -270,7 +321,9 @@ class MessageBodyEmpty(BadRequest):
 
 
 class MessageTooLarge(BadRequest):
-    """The encoded message exceeds `max_message_size_bytes`."""
+    """Raised when a message as the record would hold it (body, texts, and room for the system
+    properties) exceeds `max_message_size_bytes` (admission), or a GZIP body inflates past it
+    (gRPC SendMessage)."""
 
     code = 41301
 
@@ -282,7 +335,8 @@ class MessageTooLarge(BadRequest):
 
 
 class PropertiesTooLarge(BadRequest):
-    """User properties exceed `max_properties_size_bytes` or `max_property_count`."""
+    """Raised when a message's user properties are more than `max_property_count` or take more
+    than `max_properties_size_bytes` encoded."""
 
     code = 43101
 
@@ -292,6 +346,12 @@ class PropertiesTooLarge(BadRequest):
 
 
 class InvalidProperty(BadRequest):
+    """Raised when a user property's key or value is not text, the key is empty or has control
+    characters, either has a NUL or is not valid UTF-8; when a timer property (TIMER_DELIVER_MS,
+    TIMER_DELAY_MS, TIMER_DELAY_SEC, DELAY) is not an integer; and, for the fields of the
+    in-process message, when the body is not bytes, the message group not text (or has control
+    characters) or the born time not ms since the epoch up to 9999-12-31 (admission)."""
+
     code = 40007
 
     def __init__(self, key: str, reason: str) -> None:
@@ -310,6 +370,11 @@ class ReservedProperty(InvalidProperty):
 
 
 class InvalidDeliveryTime(BadRequest):
+    """Raised when a message's due time cannot be read: a gRPC `delivery_timestamp` that is neither
+    epoch seconds nor epoch milliseconds in range, or has nanos out of range or beside epoch
+    milliseconds; a `deliver_at_ms` or `delay_ms` that is not a whole number; a deliver-at time
+    before the epoch. The base (ILLEGAL_DELIVERY_TIME) of the timer refusals below."""
+
     code = 40012
 
     def __init__(self, reason: str, **details: Any) -> None:
@@ -317,7 +382,7 @@ class InvalidDeliveryTime(BadRequest):
 
 
 class DeliveryTimeTooFar(InvalidDeliveryTime):
-    """The deadline lies beyond now + `timer_max_delay_ms`."""
+    """Raised when a timer message's due time lies more than `timer_max_delay_ms` after now."""
 
     def __init__(self, deliver_at_ms: int, now_ms: int, max_delay_ms: int) -> None:
         ahead, limit = duration_against(deliver_at_ms - now_ms, max_delay_ms)
@@ -329,6 +394,8 @@ class DeliveryTimeTooFar(InvalidDeliveryTime):
 
 
 class NegativeDelay(InvalidDeliveryTime):
+    """Raised when a relative delay (`delay_ms`, TIMER_DELAY_MS, TIMER_DELAY_SEC) is below zero."""
+
     def __init__(self, delay_ms: int) -> None:
         ChronoqError.__init__(self, f"delay {duration(delay_ms)} is negative", delay_ms=delay_ms)
 
@@ -350,6 +417,10 @@ class InvalidDelayLevel(InvalidDeliveryTime):
 
 
 class ConflictingDelivery(InvalidDeliveryTime):
+    """Raised when a message names its due time more than one way: more than one of a delivery
+    time, a delay and a delay level, in fields or timer properties (admission), or in the SDK's
+    `deliver_at`, `delay` and `delay_level` arguments (before anything is sent)."""
+
     def __init__(self, given: list[str]) -> None:
         # `given` names the fields as the caller spelt them (the SDK's deliver_at and delay, the
         # broker's deliver_at_ms and delay_ms), so the message names those, not one layer's.
@@ -365,7 +436,7 @@ class Forbidden(BadRequest):
 
 
 class TimerDisabled(Forbidden):
-    """`timer_wheel_enable` is false: the broker refuses timer messages."""
+    """Raised when a timer or delay-level message is sent while `timer_wheel_enable` is false."""
 
     def __init__(self) -> None:
         super().__init__("timer messages are disabled on this broker (timer_wheel_enable=false)")
@@ -373,14 +444,17 @@ class TimerDisabled(Forbidden):
 
 class Throttled(ChronoqError):
     """The broker refuses for now (RocketMQ's TOO_MANY_REQUESTS): nothing was stored; the same
-    request may succeed later, and RocketMQ clients back off and retry it."""
+    request may succeed later, and RocketMQ clients back off and retry it. Raised as itself when
+    an auto-renewed receive comes from a new client id while `max_renewing_clients` ids hold
+    messages, and when a send finds the store's dispatch paused for want of file descriptors."""
 
     code = 42900
     retriable = True
 
 
 class TimerSlotCongested(Throttled):
-    """More than `timer_congest_num_each_slot` messages are already due in that second."""
+    """Raised when a timer message is sent for a second (still to come) that already holds
+    `timer_congest_num_each_slot` timers, those being accepted counted."""
 
     def __init__(self, slot_s: int, count: int, limit: int) -> None:
         super().__init__(
@@ -401,6 +475,9 @@ class TimerIndexRebuilding(Throttled):
 
 
 class TimerNotFound(BadRequest):
+    """Raised when a cancel (recall) names a message id of which the timer index knows no timer
+    message on that topic."""
+
     code = 40401
 
     def __init__(self, topic: str, message_id: str) -> None:
@@ -415,7 +492,7 @@ class TimerNotPending(BadRequest):
 
 
 class TimerAlreadyFired(TimerNotPending):
-    """Cancel came too late: the message was delivered (or its time has passed)."""
+    """Raised when a cancel came too late: the timer fired (or its fire is on its way to the disk)."""
 
     def __init__(self, message_id: str, deliver_at_ms: int) -> None:
         super().__init__(f"timer message {message_id!r} was due at {instant(deliver_at_ms)} and has fired or is "
@@ -424,6 +501,8 @@ class TimerAlreadyFired(TimerNotPending):
 
 
 class TimerAlreadyCancelled(TimerNotPending):
+    """Raised when a cancel names a timer that an earlier cancel already cancelled."""
+
     def __init__(self, message_id: str) -> None:
         super().__init__(f"timer message {message_id!r} is already cancelled", message_id=message_id)
 
@@ -445,8 +524,9 @@ class TimerIdAmbiguous(BadRequest):
 
 
 class InvalidRecallHandle(BadRequest):
-    """A recall handle that does not decode (`handle` given: the text is named, cut to 40
-    characters, with where a good one comes from) or names no timer of its id."""
+    """Raised when a recall handle does not decode (`handle` given: the text is named, cut to 40
+    characters, with where a good one comes from) or names no timer of its id due at its time,
+    and when a cancel names neither a handle nor both a topic and a message id."""
 
     code = 40000
 
@@ -486,6 +566,9 @@ class MalformedAuthorization(Unauthorized):
 
 
 class UnknownAccessKey(Unauthorized):
+    """Raised with auth on when a request's credentials (a gRPC signature, the web console's HTTP
+    Basic) name an access key no configured user has."""
+
     def __init__(self, access_key: str) -> None:
         super().__init__(f"unknown access key {access_key!r}", access_key=access_key)
 
@@ -519,8 +602,9 @@ class StaleSignature(Unauthorized):
 
 
 class PermissionDenied(Forbidden):
-    """The caller is authenticated but lacks the permission. Nothing changed: a batch with one
-    forbidden topic is refused whole."""
+    """Raised when the caller is authenticated but lacks the permission the request needs, or
+    names a client id that another user's auto-renewed receive holds. Nothing changed: a batch
+    with one forbidden topic is refused whole."""
 
     def __init__(self, access_key: str, action: str, resource: str) -> None:
         super().__init__(f"access key {access_key!r} may not {action} {resource}",
@@ -540,6 +624,10 @@ class RecallTopicMismatch(InvalidRecallHandle):
 
 
 class ServerError(ChronoqError):
+    """The broker's state, not the request: damage, a store that cannot open, a format it does not
+    read. The base of the classes below. The broker raises only those; the SDK raises this class
+    for a status 50001 (INTERNAL_SERVER_ERROR) that names no class."""
+
     code = 50001
 
 
@@ -620,8 +708,9 @@ class DiskFull(Throttled):
 
 
 class CorruptRecord(ServerError):
-    """A record on disk fails its length, magic, version or CRC check. Raised by decoders; the
-    store turns it into a truncation (torn tail) or a `check` finding."""
+    """Raised by decoders when a record on disk fails a check (length, magic, version, CRC, kind,
+    position, message type, UTF-8 text); the store turns it into a truncation (torn tail), a
+    quarantine or a `check` finding."""
 
     code = 40016
 
@@ -633,6 +722,9 @@ class CorruptRecord(ServerError):
 
 
 class DataDirLocked(ServerError):
+    """Raised at open when another broker holds the data directory: its lock file, or the RocksDB
+    lock of the consumer-group store or of the timer index."""
+
     def __init__(self, path: str) -> None:
         super().__init__(f"data directory {path} is in use by another broker", path=path)
 
@@ -648,6 +740,9 @@ class StoreUnavailable(ServerError):
 
 
 class UnsupportedVersion(ServerError):
+    """Raised at open when the consumer-group store's format version is not the one this chronoq
+    reads (a timer index of another version is `TimerIndexCorrupt`: it is rebuilt)."""
+
     def __init__(self, what: str, version: int, supported: int) -> None:
         super().__init__(f"{what} has format version {version}; this chronoq reads {supported}",
                          what=what, version=version, supported=supported)

@@ -52,7 +52,8 @@ PRODUCER_TIMER_PROPERTIES = frozenset(
 SYS_REAL_TOPIC = "REAL_TOPIC"
 SYS_REAL_QUEUE_ID = "REAL_QID"
 SYS_TIMER_OUT_MS = "TIMER_OUT_MS"
-"""The absolute due time of a timer message, ms since the epoch."""
+"""The absolute due time of a timer message, ms since the epoch, as decimal text in the record;
+read once into `StoredMessage.deliver_at_ms`."""
 SYS_TIMER_ENQUEUE_MS = "TIMER_ENQUEUE_MS"
 SYS_TIMER_ROLL_TIMES = "TIMER_ROLL_TIMES"
 SYS_DELAY_LEVEL = "DELAY_LEVEL"
@@ -176,11 +177,23 @@ class StoredMessage:
     position: int
     """Byte offset of the record in the commit log's position space."""
     size: int
+    deliver_at_ms: int | None = field(init=False)
+    """The due time of a timer message or tombstone (and of a message a timer delivered), ms
+    since the epoch: its `TIMER_OUT_MS` system property, which the record keeps as text (the
+    broker writes `str(int)`), read once, when the message is built. None when it has none, or
+    text that is not a number: building a message from a record never raises for it (records
+    are read in dispatch and by `chronoq check`)."""
 
-    @property
-    def deliver_at_ms(self) -> int | None:
-        raw = self.system_properties.get(SYS_TIMER_OUT_MS)
-        return int(raw) if raw is not None else None
+    def __post_init__(self) -> None:
+        # This runs for every record read and every message stored: the usual message has no
+        # system properties, and a due time costs three string checks and one int(). Only a u63
+        # in ASCII decimal is a due time (what the broker writes); anything else ("-1", "1_000",
+        # " 5", other scripts' digits) is none, never an error: this runs in dispatch.
+        raw = self.system_properties.get(SYS_TIMER_OUT_MS) if self.system_properties else None
+        if raw is not None and len(raw) <= 19 and raw.isascii() and raw.isdigit():
+            self.deliver_at_ms = int(raw)
+        else:
+            self.deliver_at_ms = None
 
 
 @dataclass(slots=True)

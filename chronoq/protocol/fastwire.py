@@ -7,11 +7,20 @@ per delivery, so `received_response` writes the serialized `ReceiveMessageRespon
 directly: a few `struct`/`bytes` joins, ~5 µs. The gRPC handler passes the bytes through
 unchanged (its serializer accepts bytes as they are).
 
-It must mean exactly what `responses.encode_received` means: the same fields, the same presence
-(a proto3 `optional` or message field that the object version sets is written here even when
-its value is zero). `tests/protocol/test_protocol_fastwire.py` parses these bytes back and compares them
-with the object version over generated messages, so the two cannot drift; field numbers are
-those of `apache.rocketmq.v2` (definition.proto), named below.
+These are the only encoders of these three responses (`responses` calls them). What they
+write, presence included (a proto3 `optional` or message field written is present even when its
+value is zero; a plain scalar or string at its default is left out, as protobuf leaves it):
+* a delivered message: topic, user properties, body; in its system properties the tag (when
+  not empty), keys, message id (when not empty), an MD5 body digest in upper-case hex, identity
+  encoding, the message type, born and store timestamps (always), store host, the delivery
+  timestamp (timers only), receipt handle, queue id (when not 0), queue offset, invisible
+  duration and delivery attempt (always), and the message group (when it has one);
+* a send: status OK, one entry per message: status OK ("duplicate" for a repeat), message id,
+  queue offset, recall handle (timers);
+* an ack: the top status, one entry per handle: message id, receipt handle, status.
+`tests/protocol/test_protocol_fastwire.py` parses the bytes with protobuf's generated classes
+and checks every field and its presence against the values given, over generated inputs; field
+numbers are those of `apache.rocketmq.v2` (definition.proto, service.proto), named below.
 
 Wire format used: a field is `key = (number << 3) | wire_type` as a varint, then a varint
 (wire type 0) or a varint length and that many bytes (wire type 2). Strings are UTF-8.
@@ -99,8 +108,7 @@ def md5_digest(body: bytes) -> bytes:
 
 
 def received_response(received: ReceivedMessage, invisible_duration_ms: int, store_host: str) -> bytes:
-    """The serialized `ReceiveMessageResponse(message=...)` for one delivered message: the same
-    bytes' meaning as `ReceiveMessageResponse(message=responses.encode_received(...))`.
+    """The serialized `ReceiveMessageResponse(message=...)` for one delivered message.
     Written inline (locals, the varint table indexed directly): it runs once per delivery."""
     stored = received.message
     v = _VARINT_CACHE
@@ -201,7 +209,7 @@ _RESPONSE_STATUS_OK = _len_field(_RESPONSE_STATUS, _STATUS_OK)
 
 def send_response(results: list[tuple[str, int, str | None, bool]]) -> bytes:
     """A serialized `SendMessageResponse`: OK, one entry per (message id, queue offset, recall
-    handle or None, duplicate) in order; the same meaning as `responses.send_response`."""
+    handle or None, duplicate) in order."""
     parts = [_RESPONSE_STATUS_OK]
     ok_entry_status = _len_field(_SEND_ENTRY_STATUS, _STATUS_OK)
     duplicate_entry_status = _len_field(_SEND_ENTRY_STATUS, _STATUS_DUPLICATE)
@@ -219,7 +227,7 @@ def send_response(results: list[tuple[str, int, str | None, bool]]) -> bytes:
 
 def ack_response(entries: list[tuple[str, str, int, str]], top: tuple[int, str]) -> bytes:
     """A serialized `AckMessageResponse`: status `top` (code, message), one entry per (message id,
-    receipt handle, status code, status message); the same meaning as `responses.ack_response`."""
+    receipt handle, status code, status message)."""
     parts = [_len_field(_RESPONSE_STATUS, status(*top))]
     for message_id, handle, code, message in entries:
         entry = b""

@@ -2,9 +2,12 @@
 
 Theory of operation: pure functions from chronoq's model (`TopicConfig`, `SendResult`,
 `ReceivedMessage`, `ChronoqError`) to protobuf responses; no I/O, no clock (times arrive as
-arguments). Every response carries a `Status`: the official clients treat a missing or zero code
-as an illegal response, 20000 as OK and 40401 as "no message". Errors are converted in exactly
-one place, `error_status`, because `ChronoqError.code` already holds the protocol's number.
+arguments). The responses of the hot RPCs (SendMessage, AckMessage, each delivered message of
+ReceiveMessage) come out serialized, written by hand in `chronoq.protocol.fastwire`, their one
+encoder; the rest are built through the generated classes. Every response carries a `Status`:
+the official clients treat a missing or zero code as an illegal response, 20000 as OK and 40401
+as "no message". Errors are converted in exactly one place, `error_status`, because
+`ChronoqError.code` already holds the protocol's number.
 
 Facts of the official clients that shape the encoding (measured in
 `shared/notes/rocketmq-grpc-facts.md`):
@@ -20,14 +23,13 @@ Facts of the official clients that shape the encoding (measured in
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 from collections.abc import Sequence
 from typing import TypeVar
 
 from chronoq.config import Config
 from chronoq.errors import ChronoqError
-from chronoq.model import SYS_MESSAGE_GROUP, ReceivedMessage, SendResult, TopicConfig
+from chronoq.model import ReceivedMessage, SendResult, TopicConfig
 from chronoq.protocol import fastwire
 from chronoq.protocol.requests import Endpoint
 from chronoq.protocol.v2 import (
@@ -116,55 +118,13 @@ def assignment_response(topic: TopicConfig, endpoint: Endpoint) -> service.Query
 # -- send ------------------------------------------------------------------------------------------
 
 
-def send_response(results: Sequence[SendResult]) -> service.SendMessageResponse:
-    return service.SendMessageResponse(
-        status=ok_status(),
-        entries=[
-            service.SendResultEntry(status=ok_status("duplicate" if r.duplicate else "OK"), message_id=r.message_id,
-                                    offset=r.queue_offset, recall_handle=r.recall_handle or "")
-            for r in results
-        ],
-    )
-
-
-def send_response_wire(results: Sequence[SendResult]) -> bytes:
-    """`send_response`, serialized by hand (`fastwire.send_response`): what the server sends."""
+def send_response(results: Sequence[SendResult]) -> bytes:
+    """The serialized `SendMessageResponse`: OK, one entry per result in order (written by hand,
+    `fastwire.send_response`)."""
     return fastwire.send_response([(r.message_id, r.queue_offset, r.recall_handle, r.duplicate) for r in results])
 
 
 # -- receive ---------------------------------------------------------------------------------------
-
-
-def body_digest(body: bytes) -> definition.Digest:
-    return definition.Digest(type=definition.MD5, checksum=hashlib.md5(body).hexdigest().upper())
-
-
-def encode_received(received: ReceivedMessage, invisible_duration_ms: int) -> definition.Message:
-    stored = received.message
-    system = definition.SystemProperties(
-        message_id=stored.message_id,
-        keys=list(stored.keys),
-        body_digest=body_digest(stored.body),
-        body_encoding=definition.IDENTITY,
-        message_type=MODEL_TO_WIRE_TYPE[stored.message_type],
-        receipt_handle=received.receipt_handle,
-        queue_id=stored.queue_id,
-        queue_offset=stored.queue_offset,
-        delivery_attempt=received.delivery_attempt,
-    )
-    if stored.tag:
-        system.tag = stored.tag
-    set_timestamp_ms(system.born_timestamp, stored.born_ms)
-    set_timestamp_ms(system.store_timestamp, stored.store_ms)
-    system.store_host = BROKER_NAME
-    if stored.deliver_at_ms is not None:
-        set_timestamp_ms(system.delivery_timestamp, stored.deliver_at_ms)
-    set_duration_ms(system.invisible_duration, invisible_duration_ms)
-    group = stored.system_properties.get(SYS_MESSAGE_GROUP)
-    if group:
-        system.message_group = group
-    return definition.Message(topic=definition.Resource(name=stored.topic), user_properties=dict(stored.properties),
-                              system_properties=system, body=stored.body)
 
 
 _NOT_FOUND = service.ReceiveMessageResponse(
@@ -176,7 +136,7 @@ def receive_responses(received: Sequence[ReceivedMessage], invisible_duration_ms
     """The server stream of one ReceiveMessage call, serialized: status first, then one response
     per message, then the delivery timestamp; or a single 40401 when nothing was received. Each
     message is written by hand (`fastwire.received_response`, ~15 µs against ~80 µs through the
-    protobuf API; `encode_received` is its reference and its test's)."""
+    protobuf API)."""
     if not received:
         return [_NOT_FOUND]
     out = [_OK]
@@ -194,23 +154,10 @@ def receive_error(status: definition.Status) -> list[service.ReceiveMessageRespo
 # -- ack, change invisible, recall --------------------------------------------------------------
 
 
-def ack_response(entries: Sequence[tuple[str, str, definition.Status]]) -> service.AckMessageResponse:
-    """`entries`: (message_id, receipt_handle, status) per acked handle. The top status is the
-    common one if all agree, else MULTIPLE_RESULTS (30000), as the Apache proxy answers."""
-    codes = {status.code for _, _, status in entries}
-    if len(codes) == 1:
-        top = entries[0][2]
-    else:
-        top = definition.Status(code=Code.MULTIPLE_RESULTS, message="entries have different results")
-    return service.AckMessageResponse(
-        status=top,
-        entries=[service.AckMessageResultEntry(message_id=m, receipt_handle=h, status=s) for m, h, s in entries],
-    )
-
-
-def ack_response_wire(entries: Sequence[tuple[str, str, int, str]]) -> bytes:
-    """`ack_response` for (message_id, receipt_handle, code, message) entries, serialized by
-    hand (`fastwire.ack_response`): what the server sends."""
+def ack_response(entries: Sequence[tuple[str, str, int, str]]) -> bytes:
+    """The serialized `AckMessageResponse` for (message_id, receipt_handle, code, message) per
+    acked handle (written by hand, `fastwire.ack_response`). The top status is the first entry's
+    if every entry has its code, else MULTIPLE_RESULTS (30000), as the Apache proxy answers."""
     codes = {code for _, _, code, _ in entries}
     top = (entries[0][2], entries[0][3]) if len(codes) == 1 else (Code.MULTIPLE_RESULTS,
                                                                  "entries have different results")

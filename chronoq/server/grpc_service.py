@@ -237,11 +237,8 @@ class MessagingService:
     async def _send(self, request: service.SendMessageRequest, context: Any, caller: Principal) -> Any:
         command = rq.decode_send(request, self.config)
         caller.require_publish({m.topic for m in command.messages})
-        if len(command.messages) == 1:
-            results = [await self.broker.send(command.messages[0])]
-        else:
-            results = await self.broker.send_batch(command.messages)
-        return rs.send_response_wire(results)
+        # One message or many, the same call: all-or-nothing, the first bad message refused.
+        return rs.send_response(await self.broker.send_batch(command.messages))
 
     async def _ack(self, request: service.AckMessageRequest, context: Any, caller: Principal) -> Any:
         command = rq.decode_ack(request, self.config)
@@ -261,7 +258,7 @@ class MessagingService:
         outcomes = [(entry.message_id, entry.receipt_handle, 20000, "OK") if err is None
                     else (entry.message_id, entry.receipt_handle, err.code, err.message)
                     for entry, err in zip(command.entries, errors, strict=True)]
-        return rs.ack_response_wire(outcomes)
+        return rs.ack_response(outcomes)
 
     async def _change_invisible(self, request: service.ChangeInvisibleDurationRequest, context: Any,
                                 caller: Principal) -> Any:

@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import replace
 
-from chronoq.model import SCHEDULE_TOPIC, SYS_DELAY_LEVEL, SYS_TIMER_OUT_MS, StoredMessage
+from chronoq.model import SCHEDULE_TOPIC, SYS_DELAY_LEVEL, StoredMessage
 from chronoq.store.messagestore import MessageStore, PreparedMessage
 from chronoq.timer.engine import TimerEngine
 from chronoq.timer.levels import DelayLevels
@@ -72,7 +72,7 @@ class DelayLevelQueues:
         cache = self._head_due_cache
         if level not in cache:
             head = next(self._head(level, 1), None)
-            cache[level] = int(head[1].system_properties[SYS_TIMER_OUT_MS]) if head else None
+            cache[level] = head[1].deliver_at_ms if head else None
         return cache[level]
 
     def due(self, now_ms: int, limit: int, firing: set[int]) -> list[tuple[int, int, StoredMessage]]:
@@ -90,7 +90,7 @@ class DelayLevelQueues:
             if head_due_ms is None or head_due_ms > now_ms:
                 continue  # known from the cache: nothing due on this level, no queue read
             for off, rec in self._head(level, limit - len(out)):
-                if rec.position in firing or int(rec.system_properties[SYS_TIMER_OUT_MS]) > now_ms:
+                if rec.position in firing or rec.deliver_at_ms > now_ms:
                     break
                 out.append((level, off, rec))
                 self.fires_by_level[level] += 1

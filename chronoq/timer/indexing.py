@@ -74,7 +74,9 @@ def index_batch(msgs: list[StoredMessage], now_ms: int | None, indexed_position:
                 cancels.append((sp[SYS_REAL_TOPIC], sp[SYS_TIMER_DEL_UNIQKEY], m.store_ms, m.position,
                                 None if due_ms is None else int(due_ms)))
                 continue
-            due = int(sp[SYS_TIMER_OUT_MS])
+            due = m.deliver_at_ms
+            if due is None:  # the broker writes every timer record's due time as str(int)
+                raise ValueError(f"timer record at {m.position} has no due time: {sp.get(SYS_TIMER_OUT_MS)!r}")
             real_qid = sp.get(SYS_REAL_QUEUE_ID)
             group = sp.get(SYS_MESSAGE_GROUP)
             entry = TimerEntry(due, m.position, m.size, m.message_id, sp[SYS_REAL_TOPIC],

@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable
 from chronoq.clock import Clock
 from chronoq.config import Config
 from chronoq.errors import DiskFull, TimerIndexCorrupt
-from chronoq.model import SCHEDULE_TOPIC, SYS_TIMER_DEL_UNIQKEY, SYS_TIMER_OUT_MS, TIMER_TOPIC, StoredMessage
+from chronoq.model import SCHEDULE_TOPIC, SYS_TIMER_DEL_UNIQKEY, TIMER_TOPIC, StoredMessage
 from chronoq.store import files
 from chronoq.store.messagestore import MessageStore, PreparedMessage
 from chronoq.timer.engine import TimerEngine
@@ -95,12 +95,11 @@ class TimerLoop:
         for m in msgs:
             topic = m.topic
             if topic == TIMER_TOPIC:
-                sp = m.system_properties
-                due = sp.get(SYS_TIMER_OUT_MS)
+                due = m.deliver_at_ms
                 # A timer due before the loop's own wake-up wakes it (a running loop reads the
                 # index again before it sleeps, so it needs none); so does
                 # a tombstone (the head may be cancelled; a cancel also pokes the loop itself).
-                if due is None or SYS_TIMER_DEL_UNIQKEY in sp or int(due) < asleep_until_ms:
+                if due is None or SYS_TIMER_DEL_UNIQKEY in m.system_properties or due < asleep_until_ms:
                     self._wakeup.set()
                     return
             elif topic == SCHEDULE_TOPIC:

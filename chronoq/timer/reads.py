@@ -29,7 +29,6 @@ from chronoq.model import (
     SYS_REAL_TOPIC,
     SYS_TIMER_DEL_UNIQKEY,
     SYS_TIMER_ENQUEUE_MS,
-    SYS_TIMER_OUT_MS,
     SYS_TIMER_ROLL_TIMES,
     SYS_TIMER_ROLLED_FROM,
     TIMER_TOPIC,
@@ -90,9 +89,7 @@ class FiredReads:
         sp = rec.system_properties
         if SYS_TIMER_DEL_UNIQKEY in sp:
             return NEVER_READ
-        due = sp.get(SYS_TIMER_OUT_MS)
-        # Never raises (it runs in dispatch): a value that is not a u63 in decimal says nothing.
-        return int(due) if due is not None and len(due) <= 19 and due.isascii() and due.isdigit() else None
+        return rec.deliver_at_ms  # read once when the record was built; None if its text is no number
 
     def fired_in(self, link_record: StoredMessage) -> list[tuple[str, str, int]]:
         """(real topic, message id, due time) of each timer a link record fired, read from

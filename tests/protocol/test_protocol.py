@@ -376,17 +376,23 @@ def test_empty_receive_is_a_single_40401():
 
 
 def test_send_response_echoes_the_clients_id_and_recall_handle():
-    res = rs.send_response([SendResult("CLIENT-ID", "orders", 0, 3, 99, NOW_MS, "RH", False)])
+    res = service.SendMessageResponse.FromString(
+        rs.send_response([SendResult("CLIENT-ID", "orders", 0, 3, 99, NOW_MS, "RH", False)]))
     assert res.status.code == Code.OK
     assert [(e.message_id, e.offset, e.recall_handle, e.status.code) for e in res.entries] == [
         ("CLIENT-ID", 3, "RH", Code.OK)]
 
 
 def test_ack_response_mixed_outcomes_is_multiple_results():
-    ok, bad = rs.ok_status(), rs.error_status(TopicNotFound("orders"))
-    assert rs.ack_response([("m", "h", ok)]).status.code == Code.OK
-    assert rs.ack_response([("m", "h", bad)]).status.code == 40402
-    assert rs.ack_response([("m", "h", ok), ("n", "i", bad)]).status.code == Code.MULTIPLE_RESULTS
+    bad = TopicNotFound("orders")
+    ok_entry, bad_entry = ("m", "h", Code.OK, "OK"), ("n", "i", bad.code, bad.message)
+
+    def top(*entries: tuple[str, str, int, str]) -> int:
+        return service.AckMessageResponse.FromString(rs.ack_response(entries)).status.code
+
+    assert top(ok_entry) == Code.OK
+    assert top(bad_entry) == 40402
+    assert top(ok_entry, bad_entry) == Code.MULTIPLE_RESULTS
 
 
 def test_error_status_uses_the_error_code_and_message():
