@@ -152,7 +152,7 @@ def _check_topics(data_dir: Path, report: CheckReport) -> dict[str, int]:
     try:
         return {t.name: t.queue_count for t in decode_topics(path.read_bytes())}
     except CorruptRecord as e:
-        # What `MessageStore._load_topics` will do, so the person knows what a restart costs.
+        # What `messagestore_recovery._load_topics` will do, so the person knows what a restart costs.
         root = data_dir / files.QUEUES_DIR
         names = sorted(n for n in os.listdir(root) if (root / n).is_dir() and not is_system_topic(n)) \
             if root.is_dir() else []

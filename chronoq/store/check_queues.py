@@ -5,7 +5,7 @@ Theory of operation: the consume queues are checked against the log in one pass 
 record must have its entry (position, size, tag hash) at its queue offset, and no queue may hold
 entries past the last record of its queue (`check_queue_ends`). A hole entry (size 0) marks a
 record lost to damage. A queue a restart rebuilds from the log (a damaged file, a gap, no file at
-all, or no directory for a queue the topic table names: `MessageStore._recover`) is a repair,
+all, or no directory for a queue the topic table names: `messagestore_recovery.recover`) is a repair,
 and its records are not also reported missing. A record the log still holds below its queue's
 first offset is a problem: retention removes a queue's files only once all their entries lie
 below the log's start, so a file at the queue's start is missing, and a restart, which cannot

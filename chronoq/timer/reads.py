@@ -3,7 +3,7 @@
 Theory of operation: a timer fires by a link record (`store/links.py`) that enters its timer
 record, where it lies in the log, into its real topic's queue. The store reads such an entry
 through the link, and asks the writer of the links three things (`LinkedReads` in
-`store/messagestore.py`), which `FiredReads` answers for the timer room:
+`store/messagestore_reads.py`), which `FiredReads` answers for the timer room:
 - `view`: the message a consumer sees there: its real topic, queue and offset, its original id,
   stored when it fired (the link record's store time), the timer bookkeeping cleared and
   TIMER_FIRED_FROM naming the timer record (`delivered_properties`, which the delay levels'
