@@ -6,8 +6,9 @@ Theory of operation: configuration layers as `Config.load` defines them: default
 and tests can wait for it (with --http-port, a second line names the console's URL); logs go to
 stderr (gRPC's own C-core log only with GRPC_VERBOSITY set:
 `chronoq.cli.main`). Exit code 0 after a clean shutdown, 1 when the broker fails (or cannot open its
-data directory), 2 on a configuration error (a setting, an unknown `CHRONOQ_*` variable, a TLS
-file, a port, a data directory that is a file), each said in one line.
+data directory), 2 when the start cannot go on as configured (a setting, an unknown `CHRONOQ_*`
+variable, a TLS file, a port, a data directory that is a file or that another broker holds), each
+said in one line.
 """
 
 from __future__ import annotations
@@ -88,8 +89,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"chronoq serve: {exc}", file=sys.stderr)
         return 2
     except DataDirLocked as exc:
+        # Like a port in use: the start cannot go on as configured, and the fix is the operator's.
         print(f"chronoq serve: {exc}: stop that broker first, or give this one another --data-dir", file=sys.stderr)
-        return 1
+        return 2
     except ChronoqError as exc:
         print(f"chronoq serve: {exc}", file=sys.stderr)
         return 1
