@@ -4,7 +4,9 @@ Theory of operation: chronoq keeps time as integer milliseconds everywhere a pro
 (errors' `details`, the admin JSON, the disk): ms since the epoch for instants, plain ms for
 durations. A person reads "2026-11-23T09:00:00Z" and "3h12m" faster and with fewer mistakes than
 1795424400000 and 11520000, so every text meant for a person goes through here, and the raw
-values stay beside it for programs. Pure functions, no clock: `relative` takes `now_ms`.
+values stay beside it for programs. Pure functions, no clock: `relative` takes `now_ms`, and rounds
+to the nearest unit it shows (a time to come is read a moment after it was fixed, so truncation would
+show one unit less than was asked for).
 
 Instants are ISO 8601 in UTC with a "Z" (`instant`): text made on the server cannot know the
 reader's zone, and ISO 8601 can be pasted back into `chronoq send --at`. The CLI, which knows
@@ -122,9 +124,26 @@ def local_instant(ms: int | float | None) -> str:
         return instant(ms)
 
 
+def _shown_step(ms: int) -> int:
+    """The smallest step `duration` shows for a duration of `ms` (>= 0): 1 ms below a minute, then
+    the second, the minute, the hour, and the day from `DAYS_ALONE_FROM` days on."""
+    if ms < MINUTE_MS:
+        return 1
+    if ms < HOUR_MS:
+        return SECOND_MS
+    if ms < DAY_MS:
+        return MINUTE_MS
+    return HOUR_MS if ms < DAYS_ALONE_FROM * DAY_MS else DAY_MS
+
+
 def relative(ms: int, now_ms: int) -> str:
-    """'in 4m03s', '3h12m ago' or 'now'."""
+    """'in 4m03s', '3h12m ago' or 'now', rounded to the nearest step shown. A due time fixed a
+    moment before `now_ms` (`chronoq send --in 29d`, then the clock read to print it) is 28 days
+    23 h 59 min 59.9 s away: truncated, that would read "in 28 days" for the 29 days asked for."""
     delta = int(ms) - int(now_ms)
     if delta == 0:
         return "now"
-    return f"in {duration(delta)}" if delta > 0 else f"{duration(-delta)} ago"
+    away = abs(delta)
+    step = _shown_step(away)
+    away = (away + step // 2) // step * step
+    return f"in {duration(away)}" if delta > 0 else f"{duration(away)} ago"

@@ -47,6 +47,27 @@ def test_instant_is_iso_8601_utc_and_never_raises() -> None:
     assert timefmt.relative(7, 7) == "now"
 
 
+@pytest.mark.parametrize(("asked_ms", "text"), [
+    (29 * DAY_MS, "in 29 days"), (3 * DAY_MS, "in 3 days"), (DAY_MS, "in 1 day"), (2 * 3_600_000, "in 2h00m"),
+    (90 * 60_000, "in 1h30m"), (5 * 60_000, "in 5m00s"), (10_000, "in 9.9s"),
+])
+def test_a_due_time_read_a_moment_later_shows_the_delay_asked_for(asked_ms: int, text: str) -> None:
+    """`chronoq send --in 29d` printed "(in 28 days)": the due time is fixed when the server takes
+    the message, the clock read to print it 100 ms later, and 28.99 days truncated to 28. Rounded
+    to the nearest step shown, the delay reads as asked (below a minute every ms is shown)."""
+    sent_ms = 1_800_000_000_000
+    assert timefmt.relative(sent_ms + asked_ms, sent_ms + 100) == text
+
+
+def test_relative_rounds_to_the_nearest_step_shown_either_way() -> None:
+    assert timefmt.relative(0, 29 * DAY_MS - 100) == "29 days ago"
+    assert timefmt.relative(DAY_MS * 12 + DAY_MS // 2 - 1, 0) == "in 12 days"
+    assert timefmt.relative(DAY_MS * 12 + DAY_MS // 2, 0) == "in 13 days"
+    assert timefmt.relative(9 * DAY_MS + 23 * 3_600_000 + 40 * 60_000, 0) == "in 10 days"  # into the next unit
+    assert timefmt.relative(59 * 60_000 + 59_600, 0) == "in 1h00m"
+    assert timefmt.relative(59_999, 0) == "in 59.999s"
+
+
 def test_errors_show_dates_and_durations_and_keep_raw_values_in_details() -> None:
     now = 1_795_000_000_000
     e = DeliveryTimeTooFar(now + 400 * DAY_MS, now, 30 * DAY_MS)
