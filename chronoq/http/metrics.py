@@ -112,7 +112,10 @@ class BrokerCollector(Collector):
         yield from self._clock(stats["clock"])
 
     def _timer_gauges(self, timer: Mapping[str, Any]) -> Iterator[Metric]:
-        by_topic: Mapping[str, int] = timer["pending_by_topic"]
+        # Every topic the broker knows reads its count, 0 included: a series that vanished at 0
+        # would leave a graph at its last value and `sum()` with nothing to add up.
+        by_topic: dict[str, int] = {t.name: 0 for t in self.broker.list_topics()}
+        by_topic.update(timer["pending_by_topic"])
         for name, doc in (("rocketmq_timing_messages", "Timer messages pending, per topic (RocketMQ's name)"),
                           ("chronoq_timer_pending", "Timer messages pending, per topic")):
             gauge = GaugeMetricFamily(name, doc, labels=["topic"])
@@ -137,7 +140,12 @@ class BrokerCollector(Collector):
         yield GaugeMetricFamily("rocketmq_timer_enqueue_latency",
                                 "P99 of accepted-to-indexed per timer since start (ms; chronoq indexes a timer "
                                 "before acknowledging it)", value=enqueue.get("p99") or 0)
-        yield GaugeMetricFamily("chronoq_timer_pending_total", "Timer messages pending, all topics",
+        yield GaugeMetricFamily("chronoq_timer_pending_all_topics", "Timer messages pending, all topics",
+                                value=timer["pending_total"])
+        # The same gauge under its former name, which a Prometheus reader takes for a counter
+        # (`_total`); kept one more release so dashboards and alerts can move.
+        yield GaugeMetricFamily("chronoq_timer_pending_total",
+                                "Deprecated: chronoq_timer_pending_all_topics (a gauge, not a counter)",
                                 value=timer["pending_total"])
         yield GaugeMetricFamily("rocketmq_timer_enqueue_lag",
                                 "Timer messages written to the log and not yet in the time index (waiting for "

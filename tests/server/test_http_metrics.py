@@ -141,6 +141,33 @@ def test_metrics_names_labels_and_values(tmp_path: Path) -> None:
     arun(main())
 
 
+def test_pending_gauges_read_zero_for_a_known_topic_and_the_total_is_not_named_as_a_counter(tmp_path: Path) -> None:
+    """A topic whose last timer fired read no `chronoq_timer_pending` at all (the graph kept its
+    last value); it reads 0. The all-topics gauge is `chronoq_timer_pending_all_topics`, a gauge's
+    name; its former name, `_total` as a counter's, stays one release with the same value."""
+    async def main() -> None:
+        async with http_broker(tmp_path) as (broker, clock, base):
+            await broker.create_topic(TOPIC)
+            await broker.create_topic("idle")
+            await send(broker, "soon", T0 + 1_000)
+            m = samples((await get(base + "/metrics"))[2])
+            assert m[("chronoq_timer_pending", (("topic", TOPIC),))] == 1
+            assert m[("chronoq_timer_pending", (("topic", "idle"),))] == 0
+            assert m[("chronoq_timer_pending_all_topics", ())] == 1
+            assert m[("chronoq_timer_pending_total", ())] == 1
+            clock.advance(1_000)
+            await broker.run_due()
+            text = (await get(base + "/metrics"))[2]
+            m = samples(text)
+            for name in ("chronoq_timer_pending", "rocketmq_timing_messages"):
+                assert m[(name, (("topic", TOPIC),))] == 0 and m[(name, (("topic", "idle"),))] == 0
+            assert m[("chronoq_timer_pending_all_topics", ())] == 0
+            types = {f.name: f.type for f in text_string_to_metric_families(text)}
+            assert types["chronoq_timer_pending_all_topics"] == "gauge"
+            assert "# HELP chronoq_timer_pending_total Deprecated: chronoq_timer_pending_all_topics" in text
+    arun(main())
+
+
 def test_histogram_export_is_cumulative_and_exact_below_256ms() -> None:
     hist = LatencyHistogram()
     for v in (-3, 0, 1, 7, 250, 251, 999, 1000, 99_999_999):
