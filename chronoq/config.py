@@ -401,8 +401,43 @@ def check_setting(name: str, value: Any, *, source: str = "") -> Any:
     else:  # Mapping
         ok = isinstance(value, Mapping)
     if not ok:
-        raise ConfigError(f"{source}{name} = {value!r}: expected {expected}{_as_milliseconds(name, value)}")
+        raise ConfigError(f"{source}{name} = {toml_text(value)}: expected {expected}{_as_milliseconds(name, value)}")
     return value
+
+
+def toml_text(value: Any) -> str:
+    """`value` as a TOML file spells it, for messages that show a setting as `name = value`: true
+    and false, strings in double quotes with TOML's escapes, arrays and inline tables; what TOML
+    cannot hold (None, a Path, other objects) as a string or as Python writes it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)  # inf and nan are spelt as in TOML
+    if isinstance(value, str | Path):
+        escaped = []
+        for ch in str(value):
+            if ch in _TOML_ESCAPES:
+                escaped.append(_TOML_ESCAPES[ch])
+            elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+                escaped.append(f"\\u{ord(ch):04X}")
+            else:
+                escaped.append(ch)
+        return '"' + "".join(escaped) + '"'
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml_text(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{_toml_key(str(k))} = {toml_text(v)}" for k, v in value.items()) + "}"
+    if hasattr(value, "isoformat"):  # TOML's dates and times, as tomllib returns them
+        return str(value.isoformat())
+    return repr(value)
+
+
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else toml_text(key)
+
+
+_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f",
+                 "\r": "\\r"}
 
 
 def _as_milliseconds(name: str, value: Any) -> str:
@@ -432,7 +467,7 @@ def _expectation(f: dataclasses.Field[Any], kind: Any) -> str:
     if kind is Path:
         return "a path (a non-empty string)"
     if get_origin(kind) is Literal:
-        return "one of " + ", ".join(repr(v) for v in get_args(kind))
+        return "one of " + ", ".join(toml_text(v) for v in get_args(kind))
     if kind is str:
         return "a string"
     return "a table"

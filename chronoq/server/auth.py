@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chronoq.config import ConfigError
+from chronoq.config import ConfigError, toml_text
 from chronoq.errors import BadSecretKey, BadSignature, PermissionDenied, StaleSignature, UnknownAccessKey
 from chronoq.protocol import signature
 
@@ -113,7 +113,7 @@ def parse_user(doc: Any, index: int) -> User:
                           f"(known: {', '.join(sorted(_USER_KEYS))})")
     admin = doc.get("admin", False)
     if not isinstance(admin, bool):
-        raise ConfigError(f"{where}.admin must be true or false, not {admin!r}")
+        raise ConfigError(f"{where}.admin must be true or false, not {toml_text(admin)}")
     return User(_key(doc, "access_key", where), _key(doc, "secret_key", where), _patterns(doc, "publish", where),
                 _patterns(doc, "subscribe", where), _patterns(doc, "groups", where), admin)
 
@@ -129,7 +129,7 @@ def parse_auth(doc: Any) -> AuthConfig:
         raise ConfigError(f"auth: unknown keys {', '.join(sorted(unknown))} (known: {', '.join(sorted(_AUTH_KEYS))})")
     enabled = doc.get("enabled", False)
     if not isinstance(enabled, bool):
-        raise ConfigError(f"auth.enabled must be true or false, not {enabled!r}")
+        raise ConfigError(f"auth.enabled must be true or false, not {toml_text(enabled)}")
     users = doc.get("users", [])
     if not isinstance(users, list):
         raise ConfigError("auth.users must be an array of tables ([[auth.users]])")
@@ -149,7 +149,10 @@ def load_auth(toml_path: str | Path | None) -> AuthConfig:
     section = doc.get("auth")
     if section is None and isinstance(doc.get("chronoq"), Mapping):
         section = doc["chronoq"].get("auth")
-    return parse_auth(section)
+    try:
+        return parse_auth(section)
+    except ConfigError as exc:  # named as the settings' errors are: the file, then what is wrong in it
+        raise ConfigError(f"{toml_path}: {exc}") from None
 
 
 # -- permissions ------------------------------------------------------------------------------

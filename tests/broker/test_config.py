@@ -28,14 +28,14 @@ from chronoq.config import Config, ConfigError
 FIELDS = dataclasses.fields(Config)
 HINTS = typing.get_type_hints(Config)
 INT_FIELDS = [f for f in FIELDS if HINTS[f.name] is int]
-WRONG_TYPE_IN_TOML = {bool: ('"false"', "'false'"), int: ('"18460"', "'18460'"), str: ("1", "1"),
+WRONG_TYPE_IN_TOML = {bool: ('"false"', '"false"'), int: ('"18460"', '"18460"'), str: ("true", "true"),
                       Path: ("1", "1")}
 
 
 def toml_value_of_the_wrong_type(f: dataclasses.Field[Any]) -> tuple[str, str]:
     kind = HINTS[f.name]
     if typing.get_origin(kind) is Literal:
-        return '"neither"', "'neither'"
+        return '"neither"', '"neither"'
     return WRONG_TYPE_IN_TOML.get(kind, ("1", "1"))
 
 
@@ -52,7 +52,7 @@ def test_an_integer_outside_its_declared_range_is_refused_naming_key_and_value(f
     if f.metadata["maximum"] is not None:
         with pytest.raises(ConfigError, match=rf"^{f.name} = {f.metadata['maximum'] + 1}: expected an integer in"):
             Config(**{f.name: f.metadata["maximum"] + 1})
-    with pytest.raises(ConfigError, match=rf"^{f.name} = True: expected an integer"):
+    with pytest.raises(ConfigError, match=rf"^{f.name} = true: expected an integer"):
         Config(**{f.name: True})
 
 
@@ -74,6 +74,36 @@ def test_a_toml_value_of_the_wrong_type_is_one_line_naming_file_key_value(tmp_pa
     message = str(info.value)
     assert message.startswith(f"{path}: {f.name} = {shown}: expected "), message
     assert "\n" not in message
+
+
+def test_a_refused_value_is_shown_as_toml_spells_it(tmp_path: Path) -> None:
+    """`port = true` was refused as "port = True", and a string in Python's quotes: a person
+    reading the line against the file looked for a True the file does not have."""
+    path = tmp_path / "chronoq.toml"
+    for line, shown in [("port = true", "port = true"), ("trace_enable = 'no'", 'trace_enable = "no"'),
+                        ('timer_engine = "it\'s \\"x\\""', 'timer_engine = "it\'s \\"x\\""'),
+                        ("port = [1, false]", "port = [1, false]"), ("port = 1.5", "port = 1.5"),
+                        ("port = {a = 'b'}", 'port = {a = "b"}')]:
+        path.write_text(line + "\n")
+        with pytest.raises(ConfigError) as info:
+            Config.load(path)
+        assert str(info.value).startswith(f"{path}: {shown}: expected "), (line, str(info.value))
+    assert [config_module.toml_text(v) for v in (True, False, "a\tb\x01", None)] == [
+        "true", "false", '"a\\tb\\u0001"', "None"]
+
+
+def test_an_auth_table_refused_names_its_file_and_shows_toml(tmp_path: Path) -> None:
+    from chronoq.server.auth import load_auth
+
+    path = tmp_path / "chronoq.toml"
+    path.write_text('[auth]\nenabled = "yes"\n')
+    with pytest.raises(ConfigError) as info:
+        load_auth(path)
+    assert str(info.value) == f'{path}: auth.enabled must be true or false, not "yes"'
+    path.write_text('[auth]\nenabled = true\n[[auth.users]]\naccess_key = "a"\nsecret_key = "b"\nadmin = "true"\n')
+    with pytest.raises(ConfigError) as info:
+        load_auth(path)
+    assert str(info.value) == f'{path}: auth.users[0].admin must be true or false, not "true"'
 
 
 def test_toml_booleans_and_integers_of_the_right_type_load(tmp_path: Path) -> None:
@@ -110,12 +140,12 @@ def test_environment_text_is_read_as_the_setting_type_or_refused() -> None:
     for key, raw, expected in [("CHRONOQ_PORT", "eighty", "an integer in 1..65535"),
                                ("CHRONOQ_TRACE_ENABLE", "maybe", "true or false"),
                                ("CHRONOQ_MAX_LONG_POLL_MS", "0", "an integer >= 1"),
-                               ("CHRONOQ_TIMER_ENGINE", "wheel", "one of 'rocksdb', 'memory'"),
-                               ("CHRONOQ_TIMER_FIRER", "job", "one of 'broker', 'spark'")]:
+                               ("CHRONOQ_TIMER_ENGINE", "wheel", 'one of "rocksdb", "memory"'),
+                               ("CHRONOQ_TIMER_FIRER", "job", 'one of "broker", "spark"')]:
         with pytest.raises(ConfigError) as info:
             Config.load(env={key: raw})
         name = key[len("CHRONOQ_"):].lower()
-        shown = repr(int(raw)) if raw.isdigit() else repr(raw)
+        shown = raw if raw.isdigit() else f'"{raw}"'
         assert str(info.value) == f"environment {key}: {name} = {shown}: expected {expected}"
 
 
@@ -218,7 +248,7 @@ def test_chronoq_serve_exits_2_with_one_line_and_no_traceback(tmp_path: Path, li
                           cwd=root, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 2, proc.stderr
     key, _, value = line.partition(" = ")
-    assert proc.stderr.strip() == f"chronoq serve: {path}: {key} = '{value.strip(chr(34))}': expected " + (
+    assert proc.stderr.strip() == f"chronoq serve: {path}: {key} = {value}: expected " + (
         "true or false" if key == "trace_enable" else "an integer in 1..65535")
     assert "Traceback" not in proc.stderr
 
@@ -257,7 +287,7 @@ def test_a_limit_in_ms_or_bytes_reads_as_a_duration_or_a_size_and_a_duration_giv
     """CHRONOQ_TIMER_MAX_DELAY_MS=90d was refused with 'expected an integer in 1..3153600000000'."""
     with pytest.raises(ConfigError) as info:
         Config.load(env={"CHRONOQ_TIMER_MAX_DELAY_MS": "90d"})
-    assert str(info.value) == ("environment CHRONOQ_TIMER_MAX_DELAY_MS: timer_max_delay_ms = '90d': expected an "
+    assert str(info.value) == ("environment CHRONOQ_TIMER_MAX_DELAY_MS: timer_max_delay_ms = \"90d\": expected an "
                                "integer in 1..3,153,600,000,000 (1ms..36,500 days); in milliseconds, 90d is "
                                "7776000000")
     with pytest.raises(ConfigError, match=re.escape("expected an integer in 1..536,870,912 (512 MiB at most)")):

@@ -73,7 +73,7 @@ def test_serve_does_not_warn_on_loopback_or_with_auth_on(tmp_path: Path) -> None
 @pytest.mark.parametrize(("text", "said"), [
     ("[auth]\nenabled = true\n", "no [[auth.users]] is configured"),
     ('[auth]\nenabled = true\n[[auth.users]]\naccess_key = "a"\n', "auth.users[0].secret_key"),
-    ("delay_levels = false\n", "delay_levels = False: expected a string"),
+    ("delay_levels = false\n", "delay_levels = false: expected a string"),
 ])
 def test_a_bad_config_is_one_line_and_exit_2(tmp_path: Path, text: str, said: str) -> None:
     line, stderr, code = _serve(tmp_path, "--config", _config(tmp_path, text))
