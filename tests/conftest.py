@@ -4,7 +4,8 @@ Tests live by layer in subdirectories (store, timer, broker, protocol, server, c
 e2e, interop); what several of them share is the `tests.support` package, imported by full name.
 The fixtures here wrap it for the common cases: a data directory in `tmp_path`, a small-limits
 config factory, the test's `FakeClock`, simulated brokers on both (`brokers`, `run_broker`), and
-real small disks (`mount`: tmpfs, `tests.support.disks`) for the full-disk faults.
+real small disks (`mount`: tmpfs, `tests.support.disks`) for the full-disk faults. A run in which
+the default marker expression left out every test collected ends with a line saying how to run them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,36 @@ LONG_TEST_TIMEOUT_S = 600
 """Slow, Spark and interop tests start processes, JVMs and Spark sessions (their fixtures' time
 counts too): they get this instead of pyproject's global per-test `timeout` (120 s, for the fast
 tests), unless they name their own with `@pytest.mark.timeout`."""
+
+
+DEFAULT_LEFT_OUT = ("slow", "spark", "interop")
+"""The markers pyproject's `addopts` leaves out (`-m 'not slow and not spark and not interop'`)."""
+_DESELECTED = pytest.StashKey[list[pytest.Item]]()
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    for item in items:
+        item.config.stash.setdefault(_DESELECTED, []).append(item)
+
+
+def _marker_on_the_command_line(config: pytest.Config) -> bool:
+    return any(str(arg).startswith("-m") for arg in config.invocation_params.args)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """When nothing ran because every test collected was left out by the default marker
+    expression (`pytest tests/e2e/test_power_loss.py`, all slow), say so and how to run them:
+    pytest's own word is only "N deselected" and exit status 5."""
+    deselected = config.stash.get(_DESELECTED, [])
+    if exitstatus != pytest.ExitCode.NO_TESTS_COLLECTED or not deselected or _marker_on_the_command_line(config):
+        return
+    if not all(any(item.get_closest_marker(m) for m in DEFAULT_LEFT_OUT) for item in deselected):
+        return  # some were left out by something else (-k): not the default selection's doing alone
+    marked = sorted({m for item in deselected for m in DEFAULT_LEFT_OUT if item.get_closest_marker(m)})
+    terminalreporter.write_line(
+        f"no test ran: the {len(deselected)} tests collected are marked {' or '.join(marked)}, which "
+        "the default selection (pyproject's addopts: -m 'not slow and not spark and not interop') leaves out; "
+        'run them with -m "" (as scripts/test.sh, the CI run, does)', yellow=True, bold=True)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
