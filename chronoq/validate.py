@@ -51,8 +51,16 @@ from chronoq.model import (
 from chronoq.store.groups import LEGACY_SCHEDULE_GROUP
 from chronoq.store.messagestore import PreparedMessage
 from chronoq.store.record import HEADER_SIZE, MAX_U16, encode_keys, encode_properties
-from chronoq.timefmt import MAX_EPOCH_MS
+from chronoq.timefmt import MAX_EPOCH_MS, instant
 from chronoq.timer.levels import DelayLevels
+
+EPOCH_SECONDS_MIN = 1_000_000_000
+EPOCH_SECONDS_END = 100_000_000_000
+"""Epoch seconds from 2001-09-09 up to year 5138: as milliseconds the same numbers are 1970-01-12 ..
+1973-03-03, a due time nobody means. A deliver-at in ms that falls here is epoch seconds by mistake
+(`check_deliver_at_unit`); gRPC's `delivery_timestamp.seconds` in this range is read as seconds."""
+EPOCH_MILLIS_MIN = EPOCH_SECONDS_MIN * 1000
+EPOCH_MILLIS_END = EPOCH_SECONDS_END * 1000
 
 
 @dataclass(slots=True)
@@ -203,7 +211,7 @@ def resolve_timer(msg: OutgoingMessage, config: Config, now_ms: int, levels: Del
         level = levels.clamp(value)  # < 1 (or not an int) is refused through either door
         deliver_at_ms = now_ms + levels.delay_ms(level)
     elif kind in ("deliver_at_ms", PROP_TIMER_DELIVER_MS):
-        return _timer_at(value, config, now_ms)
+        return _timer_at(value, config, now_ms, kind)
     else:
         if value < 0:
             raise NegativeDelay(value)
@@ -252,11 +260,28 @@ def _check_properties(given: Mapping[str, str], config: Config) -> tuple[dict[st
     return props, props_size
 
 
-def _timer_at(deliver_at_ms: int, config: Config, now_ms: int) -> TimerRequest:
+def seconds_not_ms(deliver_at_ms: int) -> str | None:
+    """Why a deliver-at in ms is plausibly epoch SECONDS (`EPOCH_SECONDS_MIN` .. `EPOCH_SECONDS_END`),
+    or None: read as ms it is a moment in 1970-1973, which would make the message due at once,
+    silently. The SDK (`chronoq.client.wire`) and the CLI's `--at` say the same before sending."""
+    if EPOCH_SECONDS_MIN <= deliver_at_ms < EPOCH_SECONDS_END:
+        return (f"looks like seconds since the epoch ({instant(deliver_at_ms * 1000)} as seconds, "
+                f"{instant(deliver_at_ms)} as ms); give milliseconds ({deliver_at_ms * 1000})")
+    return None
+
+
+def check_deliver_at_unit(deliver_at_ms: int, name: str = "deliver_at_ms") -> None:
+    reason = seconds_not_ms(deliver_at_ms)
+    if reason is not None:
+        raise InvalidDeliveryTime(f"{name}={deliver_at_ms} {reason}", **{name: deliver_at_ms})
+
+
+def _timer_at(deliver_at_ms: int, config: Config, now_ms: int, name: str = "deliver_at_ms") -> TimerRequest:
     """An absolute due time, checked against the limits and rounded up to the precision."""
     if deliver_at_ms < 0:
         raise InvalidDeliveryTime(f"deliver-at {deliver_at_ms} ms is before the epoch (1970-01-01T00:00:00Z)",
                                   deliver_at_ms=deliver_at_ms)
+    check_deliver_at_unit(deliver_at_ms, name)
     if deliver_at_ms - now_ms > config.timer_max_delay_ms:
         raise DeliveryTimeTooFar(deliver_at_ms, now_ms, config.timer_max_delay_ms)
     precision = config.timer_precision_ms

@@ -32,6 +32,7 @@ from chronoq.client import AsyncAdmin, AsyncConsumer, AsyncProducer, ReceivedMes
 from chronoq.client.wire import EARLIEST_DELIVERY_TIMESTAMP_MS
 from chronoq.config import ConfigError, parse_duration_ms
 from chronoq.timefmt import duration, instant, local_instant, relative
+from chronoq.validate import seconds_not_ms
 
 LONG_POLL_MS = 20_000
 """One long poll of `consume --wait`; the loop polls again until --count messages arrived."""
@@ -60,6 +61,9 @@ def parse_at(text: str) -> int:
     """`--at`: ms since the epoch (digits) or ISO 8601; without a zone it means local time."""
     if text.isdigit():
         ms = int(text)
+        seconds = seconds_not_ms(ms)
+        if seconds is not None:
+            raise argparse.ArgumentTypeError(f"{text} {seconds}")
         if ms < EARLIEST_DELIVERY_TIMESTAMP_MS:
             raise argparse.ArgumentTypeError(
                 f"{text} reads as ms since the epoch, {instant(ms)}: not a time a message can be due; for a delay "

@@ -58,6 +58,7 @@ from chronoq.protocol.requests import EPOCH_SECONDS_MIN
 from chronoq.protocol.v2 import Duration, Timestamp, set_duration_ms, set_timestamp_ms
 from chronoq.protocol.v2 import definition as pb
 from chronoq.timer.recall import decode_recall_handle
+from chronoq.validate import seconds_not_ms
 
 ADMIN_OK = 20000
 EARLIEST_DELIVERY_TIMESTAMP_MS = EPOCH_SECONDS_MIN * 1000
@@ -77,6 +78,11 @@ def deliver_at_to_ms(deliver_at: datetime | int) -> int:
     if isinstance(deliver_at, int) and not isinstance(deliver_at, bool):
         if deliver_at < 0:
             raise InvalidArgument("deliver_at", deliver_at, "ms since the epoch cannot be negative")
+        seconds = seconds_not_ms(deliver_at)
+        if seconds is not None:
+            # Sent as it is, it would be refused as `delivery_timestamp.seconds=<ms // 1000>` (a
+            # field the caller never wrote), or, through SendBatch, by the same rule server-side.
+            raise InvalidArgument("deliver_at", deliver_at, seconds)
         return deliver_at
     raise InvalidArgument("deliver_at", deliver_at, "give a timezone-aware datetime or ms since the epoch (int)")
 

@@ -63,17 +63,16 @@ from chronoq.protocol.v2 import (
 )
 from chronoq.timefmt import instant
 from chronoq.validate import (
+    EPOCH_MILLIS_END,
+    EPOCH_MILLIS_MIN,
+    EPOCH_SECONDS_END,
+    EPOCH_SECONDS_MIN,
     check_group_name,
     check_keys_count,
     check_message_id,
     check_property_count,
     check_topic_name,
 )
-
-EPOCH_SECONDS_MIN = 1_000_000_000
-EPOCH_SECONDS_END = 100_000_000_000
-EPOCH_MILLIS_MIN = 1_000_000_000_000
-EPOCH_MILLIS_END = 100_000_000_000_000
 
 # -- commands ----------------------------------------------------------------------------------
 

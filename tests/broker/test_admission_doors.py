@@ -151,3 +151,55 @@ def test_a_good_message_passes_every_door(tmp_path: Path, arun: Any) -> None:
 
     arun(body())
 
+
+
+SECONDS = 1_795_838_000
+"""Epoch SECONDS (2026-11-28) where ms belong: as ms, 1970-01-21, which would be due at once."""
+SECONDS_REASON = ("looks like seconds since the epoch (2026-11-28T03:53:20Z as seconds, 1970-01-21T18:50:38Z as ms); "
+                  "give milliseconds (1795838000000)")
+
+
+def test_a_deliver_at_in_epoch_seconds_is_refused_naming_the_unit(tmp_path: Path, arun: Any) -> None:
+    """A deliver-at in ms that is plausibly epoch seconds is refused with a message naming the unit
+    and the value in ms: in process and through SendBatch (`validate.check_deliver_at_unit`), for
+    the `TIMER_DELIVER_MS` property too, and by the SDK before sending, on either batch path. (Before,
+    the in-process and SendBatch doors stored it as due at once, and the SDK's send was refused as
+    `delivery_timestamp.seconds=1795838`, a field its caller never wrote.) Over gRPC
+    `delivery_timestamp.seconds` in that range is read as seconds, as the protocol rule says."""
+    from chronoq.client import AsyncProducer, InvalidArgument
+    from chronoq.client.wire import outgoing
+
+    async def body() -> None:
+        async with running(tmp_path, clock=FakeClock(NOW_MS), background=False, **LIMITS) as h:
+            await h.broker.create_topic("orders", 2)
+            end = h.broker.store.log.end_position
+            expected = f"invalid delivery time: deliver_at_ms={SECONDS} {SECONDS_REASON}"
+            with pytest.raises(errors.InvalidDeliveryTime) as info:
+                await h.broker.send(Bad(deliver_at_ms=SECONDS).in_process())
+            assert info.value.message == expected
+            admin = await h.admin("SendBatch", {"messages": [Bad(deliver_at_ms=SECONDS).json()]})
+            assert admin["results"][0]["error"]["message"] == expected, admin
+            with pytest.raises(errors.InvalidDeliveryTime) as info:
+                await h.broker.send(Bad(properties={"TIMER_DELIVER_MS": str(SECONDS)}).in_process())
+            assert info.value.message == f"invalid delivery time: TIMER_DELIVER_MS={SECONDS} {SECONDS_REASON}"
+
+            sdk = f"invalid deliver_at {SECONDS}: {SECONDS_REASON}"
+            for via in ("grpc", "admin"):
+                async with AsyncProducer(h.address, batch_via=via) as p:
+                    with pytest.raises(InvalidArgument) as sent:
+                        await p.send("orders", b"x", deliver_at=SECONDS)
+                    assert str(sent.value) == sdk
+                    with pytest.raises(InvalidArgument) as batch:
+                        await p.send_batch([outgoing("orders", b"x", deliver_at=SECONDS)])
+                    assert str(batch.value) == sdk
+            assert h.broker.store.log.end_position == end, "something was stored"
+
+            # The same number as gRPC's delivery_timestamp.seconds is a time in seconds, and due.
+            wire = definition.Message(topic=definition.Resource(name="orders"), body=b"x")
+            wire.system_properties.message_id = "in-seconds"
+            wire.system_properties.body_encoding = definition.IDENTITY
+            wire.system_properties.delivery_timestamp.seconds = SECONDS
+            reply = await h.stub.SendMessage(service.SendMessageRequest(messages=[wire]), timeout=10)
+            assert reply.status.code == 20000, reply.status
+
+    arun(body())

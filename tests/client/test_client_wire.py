@@ -26,6 +26,7 @@ from chronoq.model import MessageType
 from chronoq.protocol import requests
 from chronoq.protocol.errors import Unsupported
 from chronoq.protocol.v2 import definition as pb
+from chronoq.validate import seconds_not_ms
 
 NOW_MS = 1_795_300_000_123
 
@@ -206,6 +207,10 @@ def test_cli_argument_types() -> None:
     # Digits too small to be a date since 2001: a delay typed as --at, told so with the date it means.
     with pytest.raises(argparse.ArgumentTypeError, match=r"1970-01-01T00:00:01Z.*--in 1000ms"):
         parse_at("1000")
+    # Epoch seconds where ms belong: told so, with the value in ms.
+    with pytest.raises(argparse.ArgumentTypeError, match=r"^1795838000 looks like seconds since the epoch "
+                       r"\(2026-11-28T03:53:20Z as seconds, .*\); give milliseconds \(1795838000000\)$"):
+        parse_at("1795838000")
 
 
 _scalar = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8)
@@ -273,7 +278,7 @@ _text = st.text(st.characters(codec="utf-8"), max_size=40)
 @settings(max_examples=200, deadline=None)
 @given(body=st.binary(max_size=3000), tag=_text, keys=st.lists(_text, max_size=3),
        props=st.dictionaries(_text.filter(bool), _text, max_size=4), group=_text,
-       deliver_at=st.none() | st.integers(0, 2**62))
+       deliver_at=st.none() | st.integers(0, 2**62).filter(lambda ms: seconds_not_ms(ms) is None))
 def test_encoded_size_bounds_both_encodings(body: bytes, tag: str, keys: list[str], props: dict[str, str],
                                             group: str, deliver_at: int | None) -> None:
     """`send_batch` cuts requests by `encoded_size`: it must never be below what goes on the wire."""
