@@ -3,7 +3,8 @@
 Theory of operation: configuration layers as `Config.load` defines them: defaults < the TOML file
 (`--config`) < `CHRONOQ_*` environment variables < the flags given here. One line,
 "chronoq serving on HOST:PORT", goes to stdout (flushed) once the port accepts calls, so scripts
-and tests can wait for it (with --http-port, a second line names the console's URL); logs go to
+and tests can wait for it; the next says whether auth is on ("chronoq auth on: N users" /
+"chronoq auth off: ..."), and with --http-port a third names the console's URL; logs go to
 stderr (gRPC's own C-core log only with GRPC_VERBOSITY set:
 `chronoq.cli.main`). Exit code 0 after a clean shutdown, 1 when the broker fails (or cannot open its
 data directory), 2 when the start cannot go on as configured (a setting, an unknown `CHRONOQ_*`

@@ -13,7 +13,8 @@ between the bind and `start` (an import, an await, a collection) would leave a c
 connected at once unanswered, a quarter of a second for importing and starting the HTTP side.
 So the port opens when it serves: health says SERVING before it opens, and /healthz says
 "starting" (503) until it does, so no probe says ready early. It prints "chronoq serving on
-HOST:PORT" (with the HTTP side, a second line naming its URL) once both serve, then waits for
+HOST:PORT" and a line saying whether auth is on ("chronoq auth on: N users" / "chronoq auth off: ...";
+with the HTTP side, a third line naming its URL) once both serve, then waits for
 `stop` (SIGTERM or SIGINT when run from the CLI). Shutdown runs in the reverse order of start:
 health says NOT_SERVING, the server refuses new calls and gives running ones `SHUTDOWN_GRACE_S`
 (long polls are cancelled; their messages stay unreceived), the auto-renew loop stops, and the
@@ -123,6 +124,16 @@ def check_data_dir_path(data_dir: Path) -> None:
                           "(it is created if missing)")
 
 
+def auth_line(auth: AuthConfig) -> str:
+    """The ready line's companion: whether calls are authenticated, so the operator sees it at start
+    rather than from the first refused (or accepted) call. A line of its own: the ready line stays
+    "chronoq serving on HOST:PORT", which scripts wait for and parse."""
+    if auth.enabled:
+        count = len(auth.users)
+        return f"chronoq auth on: {count} user{'s' if count != 1 else ''}"
+    return "chronoq auth off: any caller may send, receive and administer ([auth] in --config turns it on)"
+
+
 def is_loopback(host: str) -> bool:
     return host in LOOPBACK_HOSTS or host.startswith("127.")
 
@@ -177,6 +188,7 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None,
                     signal.SIGHUP, reload_auth, authenticator, auth_file, config.host, port)
         if on_ready is not None:
             on_ready(f"chronoq serving on {bind_address(config.host, port)}" + (" (TLS)" if credentials else ""))
+            on_ready(auth_line(auth))
             if http is not None:
                 on_ready(f"chronoq console, /metrics and /healthz on {http_url(config.host, http_port)}")
         async with asyncio.TaskGroup() as tasks:
