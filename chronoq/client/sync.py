@@ -22,7 +22,8 @@ a daemon thread so that a client a program forgets to close cannot keep the inte
 The blocking methods are derived, not listed: `_derive_twins` walks each async class and gives
 the sync class a twin of every public coroutine method (it runs on the portal) and of every
 public async generator (a plain generator pulling one item at a time through the portal), with
-the same name, signature and docstring. A new async method therefore has its twin the moment it
+the same name, signature and docstring; the sync class shows its async class's constructor
+signature (`inspect.signature(Producer)`, `help(Producer)`). A new async method therefore has its twin the moment it
 exists, and nothing can drift. Attribute reads pass through to the async client only for plain
 values (`server`, `group`, ...): a public callable the derivation did not make a twin of is
 refused by name, rather than handing blocking code a coroutine it can never run. Attribute writes
@@ -202,12 +203,17 @@ def _stream_twin(async_cls: type, name: str) -> Callable[..., Iterator[Any]]:
                 self._portal.call(stream.aclose(), name)
 
     method.__annotations__ = {**target.__annotations__, "return": "Iterator[Any]"}
+    # `inspect.signature` would follow `__wrapped__` to the async generator's `-> AsyncIterator`.
+    method.__signature__ = inspect.signature(target).replace(return_annotation="Iterator[Any]")  # type: ignore[attr-defined]
     return method
 
 
 def _derive_twins(sync_cls: type[_SyncClient]) -> None:
     """Give `sync_cls` a twin of every public coroutine and async-generator method of its async
-    class (inherited ones included); `close` and the context-manager methods are its own."""
+    class (inherited ones included); `close` and the context-manager methods are its own. The class
+    takes the async class's constructor signature too (`inspect.signature`, `help()`): its own
+    `__init__` forwards `*args, **kwargs`, which says nothing to a reader."""
+    sync_cls.__signature__ = inspect.signature(sync_cls._async_cls)  # type: ignore[attr-defined]
     for name, member in inspect.getmembers(sync_cls._async_cls):
         if name.startswith("_") or name in vars(_SyncClient):
             continue

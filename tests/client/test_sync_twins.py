@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import inspect
+import pydoc
 import threading
 import time
 from collections.abc import Iterator
@@ -58,6 +59,23 @@ def test_every_public_async_method_has_a_blocking_twin_of_the_same_signature(syn
             assert inspect.isgeneratorfunction(twin), f"{sync_cls.__name__}.{name} must be a plain generator"
         assert list(inspect.signature(twin).parameters) == list(inspect.signature(member).parameters), name  # type: ignore[arg-type]
         assert twin.__doc__ == member.__doc__
+
+
+@pytest.mark.parametrize(("sync_cls", "async_cls"), PAIRS, ids=lambda c: c.__name__)
+def test_help_shows_the_async_signatures_not_args_and_kwargs(sync_cls: type, async_cls: type) -> None:
+    """`inspect.signature` and `help()` show a blocking client's real parameters: the constructor's
+    (before, `Producer(*args, **kwargs)`, its forwarding `__init__`), and every method's in full,
+    annotations and defaults included; a stream twin returns a plain `Iterator`."""
+    assert inspect.signature(sync_cls) == inspect.signature(async_cls)
+    assert f"{sync_cls.__name__}{inspect.signature(async_cls)}" in pydoc.render_doc(sync_cls, renderer=pydoc.plaintext)
+    for name, member in _public_async(async_cls):
+        twin = getattr(sync_cls, name)
+        expected = inspect.signature(member)  # type: ignore[arg-type]
+        if inspect.isasyncgenfunction(member):
+            expected = expected.replace(return_annotation="Iterator[Any]")
+        assert inspect.signature(twin) == expected, name
+        if name not in vars(_SyncClient):  # close(): the sync client's own, not a derived twin
+            assert twin.__wrapped__ is member, name
 
 
 def test_a_public_callable_without_a_twin_is_refused_by_name() -> None:
