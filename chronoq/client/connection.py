@@ -157,6 +157,19 @@ def unavailable_hint(detail: str, tls: bool) -> str | None:
                 "self-signed certificate; SDK: tls=True, root_certificates=)")
     return None
 
+
+_TLS_MISMATCH = ("CERTIFICATE_VERIFY_FAILED", "WRONG_VERSION_NUMBER")
+"""gRPC's detail text for a TLS handshake that fails the same way every time: the server's
+certificate is not trusted, or the server does not speak TLS."""
+
+
+def unavailable_retriable(detail: str) -> bool:
+    """Whether an UNAVAILABLE may go away by itself. A refused or reset connection may (the server
+    restarting); a TLS mismatch will not, until the client is given the CA certificate or told not
+    to use TLS, so retrying it only delays the hint."""
+    return not any(marker in detail for marker in _TLS_MISMATCH)
+
+
 def _json_bytes(doc: Mapping[str, Any]) -> bytes:
     return json.dumps(doc, separators=(",", ":")).encode()
 
@@ -261,7 +274,8 @@ class Connection:
             return RequestTimedOut(method, timeout_ms)
         if code == grpc.StatusCode.UNAVAILABLE:
             detail = e.details() or "unavailable"
-            return ServerUnavailable(self.server, detail, unavailable_hint(detail, self._tls))
+            return ServerUnavailable(self.server, detail, unavailable_hint(detail, self._tls),
+                                     retriable=unavailable_retriable(detail))
         if code == grpc.StatusCode.UNIMPLEMENTED:
             return RemoteError(50100, f"the server does not implement {method}")
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (e.details() or ""):

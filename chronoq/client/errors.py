@@ -47,13 +47,16 @@ class RemoteError(core.ChronoqError):
 
 
 class ServerUnavailable(ClientError):
-    """The server could not be reached (connection refused, reset, TLS failure)."""
+    """The server could not be reached (connection refused, reset, TLS failure). Retriable, except
+    when the TLS handshake failed on something the next attempt meets again (an untrusted
+    certificate, TLS against a plain server): `retriable=False` then, and the hint says what to fix."""
 
     retriable = True
 
-    def __init__(self, server: str, detail: str, hint: str | None = None) -> None:
+    def __init__(self, server: str, detail: str, hint: str | None = None, *, retriable: bool = True) -> None:
         super().__init__(f"cannot reach chronoq server at {server}: {detail}" + (f" ({hint})" if hint else ""),
                          server=server, detail=detail, hint=hint)
+        self.retriable = retriable
 
 
 class RequestTimedOut(ClientError):

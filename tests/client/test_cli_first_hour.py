@@ -222,6 +222,7 @@ def test_client_commands_talk_to_a_tls_server(tmp_path: Path) -> None:
         # TLS trusting only the system's CAs: the self-signed certificate is not trusted, and said so.
         system = chronoq_cmd("topics", "list", "--tls", env={"CHRONOQ_SERVER": address})
         assert system.returncode == 1 and "certificate is not trusted" in _one_line_error(system)
+        assert _one_line_error(system).startswith("error (ServerUnavailable): "), system.stderr  # not "retriable"
         # The key given as the CA: a usage error naming the mistake, before any connection.
         wrong = chronoq_cmd("topics", "list", "--ca-cert", str(key), env={"CHRONOQ_SERVER": address})
         assert wrong.returncode == 2 and "holds a private key" in _one_line_error(wrong)

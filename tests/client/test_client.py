@@ -313,6 +313,16 @@ def test_tls(tmp_path: Path) -> None:
             assert p.query(r.message_id)[0].state == "pending"
         with Producer(proc.address, timeout_ms=2000) as plain, pytest.raises(ServerUnavailable):
             plain.list_topics()
+        # TLS without the CA that signed the server's certificate: not retriable (the next attempt
+        # fails the same way), and the error says which certificate to give. Before, `retriable`
+        # was True, and a retrying caller kept trying a handshake that could not succeed.
+        with Producer(proc.address, tls=True, timeout_ms=5000) as untrusting, \
+                pytest.raises(ServerUnavailable) as refused:
+            untrusting.list_topics()
+        assert not refused.value.retriable, refused.value
+        assert "CERTIFICATE_VERIFY_FAILED" in str(refused.value), refused.value
+        assert "the server's certificate is not trusted" in str(refused.value), refused.value
+        assert "root_certificates=" in str(refused.value) and "CHRONOQ_CA_CERT" in str(refused.value)
 
 
 @pytest.mark.parametrize("via", ["grpc", "admin"])
