@@ -293,8 +293,12 @@ class Connection:
         return self._channel is not channel and not (task is not None and task.cancelling())
 
     async def _rpc(self, method: str, request: Any, *, timeout_ms: int | None = None) -> Any:
+        return await self._unary(method, self._method(method), request, timeout_ms)
+
+    async def _unary(self, method: str, call: Any, request: Any, timeout_ms: int | None) -> Any:
+        """One unary call with the client's deadline and credentials, its gRPC error translated, and a
+        cancel caused by this client's own close reported as `ClientClosed`."""
         deadline_ms = timeout_ms or self.timeout_ms
-        call = self._method(method)
         channel = self._channel
         try:
             return await call(request, timeout=deadline_ms / 1000, metadata=self._call_metadata())
@@ -312,17 +316,7 @@ class Connection:
             call = self._open().unary_unary(f"/{ADMIN_SERVICE}/{method}", request_serializer=_json_bytes,
                                             response_deserializer=_json_reply)
             self._calls[key] = call
-        deadline_ms = timeout_ms or self.timeout_ms
-        channel = self._channel
-        try:
-            reply = await call(body, timeout=deadline_ms / 1000, metadata=self._call_metadata())
-        except grpc.aio.AioRpcError as e:
-            raise self._translate(method, e, deadline_ms) from None
-        except asyncio.CancelledError:
-            if self._closed_under(channel):
-                raise ClientClosed(method, during=True) from None
-            raise
-        return wire.admin_result(method, reply)
+        return wire.admin_result(method, await self._unary(method, call, body, timeout_ms))
 
     async def _admin_retried(self, method: str, body: Mapping[str, Any], *, after_unknown: bool) -> dict[str, Any]:
         """`_admin` under the retry policy (`attempts`): a read is retried after any retriable

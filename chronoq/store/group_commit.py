@@ -26,6 +26,7 @@ write marks its descriptor unsynced and a roll or a retention delete fails the l
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import bisect
 import queue
@@ -39,7 +40,7 @@ from chronoq.errors import FlushFailed, FsyncFailed
 from chronoq.store import fsync
 
 
-class GroupCommit:
+class GroupCommit(abc.ABC):
     """The durability half of `CommitLog` (see the module docstring); it needs the log's
     `end_position` and `_path_of(fd)`."""
 
@@ -70,13 +71,13 @@ class GroupCommit:
     # -- what the log provides -----------------------------------------------------------------
 
     @property
+    @abc.abstractmethod
     def end_position(self) -> int:
         """Where the log's records end (`CommitLog`)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _path_of(self, fd: int) -> Path:
         """The file a descriptor in `_unsynced_fds` belongs to, for error messages (`CommitLog`)."""
-        raise NotImplementedError
 
     # -- durability ----------------------------------------------------------------------------
 

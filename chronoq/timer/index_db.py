@@ -27,6 +27,7 @@ timer semantics, and `index_codec.py` the byte layouts.
 
 from __future__ import annotations
 
+import abc
 import logging
 import struct
 from pathlib import Path
@@ -155,7 +156,7 @@ def read_bounded(upper: bytes | None) -> ReadOptions:
 # --- the database -------------------------------------------------------------------------------
 
 
-class IndexDb:
+class IndexDb(abc.ABC):
     """The database and its handles (module docstring). Single-threaded, as the index is."""
 
     def __init__(self, path: Path, db: Rdict, *, disk: DiskSpace | None = None,
@@ -172,9 +173,9 @@ class IndexDb:
         self._write_opt = WriteOptions()  # WAL on, no fsync: see `timer/index.py`
         self._closed = False
 
+    @abc.abstractmethod
     def _reload(self) -> None:
         """Reload what the subclass mirrors in memory from a database opened again (`_attach`)."""
-        raise NotImplementedError
 
     def close(self) -> None:
         """Close, flushing memtables if the disk lets it; if not, close unflushed (the WAL keeps
