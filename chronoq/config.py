@@ -171,19 +171,31 @@ class Config:
 
     # -- timers ------------------------------------------------------------------------------
     timer_wheel_enable: bool = True
-    timer_engine: Literal["rocksdb", "memory"] = "rocksdb"
+    timer_engine: Literal["rocksdb", "wheel", "memory"] = "rocksdb"
     """The timer index the broker keeps (`timer/engines.py`, the one place this is read):
     "rocksdb" (the default) keeps it on disk beside the log, so a restart replays only what the
     index had not applied. "memory" keeps it in the process only: it is NOT durable, and every
     start rebuilds it by replaying the whole retained commit log (slower to start, O(pending)
     lookups); nothing acknowledged is lost, since the log is the truth, but the statuses of
-    timers whose records retention deleted are forgotten. Chosen only by naming it. The old value
+    timers whose records retention deleted are forgotten. Chosen only by naming it. "wheel" is
+    RocketMQ 5's own design (RIP-43: a TimerLog of 52-byte units chained per slot of a
+    memory-mapped TimerWheel, `timer/wheel.py`), durable in `data_dir/timerwheel`, with its id
+    maps and counters in memory (more memory per pending timer than "rocksdb"; docs/performance.md
+    compares the two). The old value
     "spark" is read as `timer_firer = "spark"` on the RocksDB index, with a warning naming the
     new setting, for one release."""
     timer_firer: Literal["broker", "spark"] = "broker"
     """Who fires due timers (`timer/firing.py`): "broker" (the default: its own loop) or "spark"
     (a Spark job reads the timer topic and calls FireTimers; the broker's loop is only the
     backstop, `timer_spark_backstop_ms`)."""
+    timer_wheel_slot_ms: int = limit(1000, maximum=60_000)
+    """With timer_engine = "wheel": the width of one TimerWheel slot. Firing stays to the
+    millisecond whatever the width (a slot's timers are ordered by their exact due times); the
+    width sets the wheel file's size (32 bytes a slot) for a given window."""
+    timer_wheel_slots: int = limit(7 * 24 * 3600, minimum=16, maximum=1 << 28)
+    """With timer_engine = "wheel": slots in the TimerWheel (RocketMQ's default: 7 days of 1 s
+    slots, a 19 MB file). Timers due beyond slots x slot width are chained into the window's
+    last slot with the ROLL magic and linked again when it comes up."""
     timer_spark_backstop_ms: int = limit(60_000)
     """With timer_firer = "spark": the broker itself fires a timer overdue by this much (the
     Spark job is down, or dropped it), so none waits forever."""

@@ -9,7 +9,9 @@
       commitlog/<20-digit base>.log commit-log segments, named by their first position
       queues/<topic>/<qid>/<20-digit first offset>.cq   consume-queue files
       groups/                       consumer-group state (RocksDB)
-      timer/                        the timer index (RocksDB)
+      timer/                        the timer index (RocksDB; timer_engine = "rocksdb")
+      timerwheel/                   the file wheel (timer_engine = "wheel"): timercheck,
+                                    timerlog.<gen>, timerwheel.<gen>, timerfacts.<gen>
       trace/<20-digit number>.trace delivery-trace segments (when tracing is on), bounded by
                                     trace_retention_bytes
       trace/events.bin              version 1 of the delivery trace (one file): read, never written
@@ -35,6 +37,7 @@ QUEUES_DIR = "queues"
 CQ_SUFFIX = ".cq"
 GROUPS_DIR = "groups"
 TIMER_DIR = "timer"
+TIMER_WHEEL_DIR = "timerwheel"
 TRACE_DIR = "trace"
 TRACE_EVENTS = "events.bin"
 TRACE_SEGMENT_SUFFIX = ".trace"

@@ -8,6 +8,8 @@ index, or one that cannot be used at open), and whether what the index applied s
 restart (`durable`). `engine_choice(config)` maps the setting to one:
 - "rocksdb" (the default): `RocksTimerIndex` in `data_dir/timer`, durable; at open the log is
   replayed from the index's `indexed_position`, and an index that cannot be used is rebuilt.
+- "wheel": `WheelTimerEngine` in `data_dir/timerwheel`, RocketMQ 5's TimerLog + TimerWheel,
+  durable; replayed from its checkpoint's `indexed_position` like the RocksDB index.
 - "memory": `MemoryTimerEngine`, NOT durable: each open starts empty and the whole retained log
   is replayed into it (the log is the truth, so nothing acknowledged is lost; start-up takes
   longer, and lookups scan every pending timer). For tests and trials, chosen only by name.
@@ -25,6 +27,7 @@ from chronoq.store.diskspace import DiskSpace
 from chronoq.timer.engine import TimerEngine
 from chronoq.timer.index import RocksTimerIndex
 from chronoq.timer.memory import MemoryTimerEngine
+from chronoq.timer.wheel import WheelTimerEngine
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +52,16 @@ def _rocksdb(config: Config, disk: DiskSpace) -> EngineChoice:
     return EngineChoice("rocksdb", True, open_index, lambda: RocksTimerIndex.destroy(path))
 
 
+def _wheel(config: Config, disk: DiskSpace) -> EngineChoice:
+    path = config.data_dir / files.TIMER_WHEEL_DIR
+
+    def open_wheel() -> TimerEngine:
+        return WheelTimerEngine.open(path, slot_ms=config.timer_wheel_slot_ms, slots=config.timer_wheel_slots,
+                                     disk=disk)
+
+    return EngineChoice("wheel", True, open_wheel, lambda: WheelTimerEngine.destroy(path))
+
+
 def _memory(config: Config, disk: DiskSpace) -> EngineChoice:
     return EngineChoice("memory", False, MemoryTimerEngine, _nothing)
 
@@ -57,7 +70,8 @@ def _nothing() -> None:
     return None
 
 
-_BY_NAME: dict[str, Callable[[Config, DiskSpace], EngineChoice]] = {"rocksdb": _rocksdb, "memory": _memory}
+_BY_NAME: dict[str, Callable[[Config, DiskSpace], EngineChoice]] = {"rocksdb": _rocksdb, "wheel": _wheel,
+                                                                   "memory": _memory}
 """Each `timer_engine` value and how its index is opened and destroyed."""
 
 

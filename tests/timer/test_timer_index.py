@@ -42,6 +42,7 @@ from chronoq.timer.index_codec import (
     decode_fired_history,
 )
 from chronoq.timer.memory import MemoryTimerEngine, MemoryTimerState
+from chronoq.timer.wheel import WheelTimerEngine
 
 T0 = 1_700_000_000_000
 STRIDE = 100  # bytes between timer records in these synthetic logs
@@ -98,6 +99,10 @@ _MEMORY_STATES: dict[Path, MemoryTimerState] = {}
 ENGINES: dict[str, EngineFactory] = {
     "rocksdb": lambda path: RocksTimerIndex.open(path / "timer-index"),
     "memory": lambda path: MemoryTimerEngine(_MEMORY_STATES.setdefault(path, MemoryTimerState())),
+    "wheel": lambda path: WheelTimerEngine.open(path / "timer-wheel", slots=4 * 24 * 3600),
+    # A wheel of 256 slots of 50 ms (a 12.8 s window): many timers here lie beyond it (ROLL,
+    # linked again when their slot comes up).
+    "wheel-small": lambda path: WheelTimerEngine.open(path / "timer-wheel-small", slot_ms=50, slots=256),
 }
 """Every `TimerEngine`: each semantic test below runs against each (add an engine here)."""
 
