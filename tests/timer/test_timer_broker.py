@@ -1032,7 +1032,7 @@ def test_timer_engine_names_the_index_the_broker_runs_on(tmp_path: Path, each_ti
         clock = FakeClock(START_MS)
         b = await simulated_broker(tmp_path, clock)
         try:
-            assert type(b.timer.engine).__name__ == {"rocksdb": "RocksTimerIndex",
+            assert type(b.timer.engine).__name__ == {"rocksdb": "RocksTimerIndex", "wheel": "WheelTimerEngine",
                                                       "memory": "MemoryTimerEngine"}[each_timer_engine]
             fired = await b.send(OutgoingMessage("orders", b"f", delay_ms=1000))
             cancelled = await b.send(OutgoingMessage("orders", b"c", delay_ms=5000))
@@ -1043,6 +1043,7 @@ def test_timer_engine_names_the_index_the_broker_runs_on(tmp_path: Path, each_ti
         finally:
             await b.close()
         assert timer_dir(tmp_path).exists() == (each_timer_engine == "rocksdb")
+        assert (timer_dir(tmp_path).parent / "timerwheel" / "timercheck").exists() == (each_timer_engine == "wheel")
         b = await simulated_broker(tmp_path, clock)
         try:
             states = {r.message_id: b.query(r.message_id)[0].state for r in (fired, cancelled, pending)}
