@@ -197,7 +197,8 @@ def test_a_user_console_shows_its_own_topics_and_nothing_of_another(tmp_path: Pa
 
             # The pending chart counts the user's timers; the admin's, every topic's.
             status, _, svg = await call("GET", base + "/chart/pending.svg?horizon=10m", APP)
-            assert status == 200 and "2 due in your topics in the next 10 minutes, 10 s bars; 1 overdue; 1 later" in svg, svg
+            assert status == 200, svg
+            assert "2 due in your topics in the next 10 minutes, 10 s bars; 1 overdue; 1 later" in svg, svg
             status, _, svg = await call("GET", base + "/chart/pending.svg?horizon=10m", ADMIN)
             assert "3 due in the next 10 minutes, 10 s bars; 1 overdue; 1 later" in svg, svg
 
@@ -224,7 +225,8 @@ def test_a_user_search_and_chart_stop_at_the_scan_bound_and_say_so(tmp_path: Pat
             status, _, reply = await call("GET", base + "/api/search?from=%2B4s&to=%2B1m", APP)
             assert [t["message_id"] for t in reply["timers"]] == ["o-1"] and not reply["truncated"]
             status, _, svg = await call("GET", base + "/chart/pending.svg?horizon=10m", APP)
-            assert status == 200 and "0 due in your topics in the next 10 minutes, 10 s bars; 0 overdue; scan stopped " \
+            assert status == 200, svg
+            assert "0 due in your topics in the next 10 minutes, 10 s bars; 0 overdue; scan stopped " \
                 "(timer_search_max_scanned): bars from 2027-01-15 08:00:01.003Z may be short" in svg, svg
             assert "later" not in svg
 
