@@ -8,7 +8,9 @@ QueryMessage, CancelMessage, SearchTimers, PendingByDue), the same code the gRPC
 what is the console's own:
 
 - `parse_time_ms` reads a time as a person types it ("now", "+10m", "2026-11-24T07:00Z", epoch
-  ms) and `ConsoleInputError` says what was wrong with it, never a stack trace;
+  ms) and `ConsoleInputError` says what was wrong with it, never a stack trace; `check_range`
+  checks the search form's range in the form's words ("due from", "to") and UTC times
+  (`spoken_utc`), before the search runs;
 - `pending_chart_svg` and `error_chart_svg` draw the two charts on the server as SVG (no
   JavaScript chart library to vendor; they are images the page reloads);
 - `ErrorHistory` samples the delivery-error histogram every `console_sample_interval_ms` and keeps
@@ -61,8 +63,9 @@ class Access:
     than the same user through the CLI. "admin" asks in addition for the admin role, through the
     same `Principal.require_admin` the admin methods use: cancel, and the broker-wide views that
     call no admin method (`/metrics` names every topic and group, the delivery-error chart spans
-    every topic). The overview and the pending chart are admin only through their admin methods
-    (Stats, PendingByDue), so one user sees the same thing through every door."""
+    every topic). Every other view is "read": an admin gets the admin methods' replies, another
+    user the same views cut to its topics (`http/scope.py`, by `Principal.may_see`), so one user
+    sees no more through the console than through the CLI."""
 
     def __init__(self, authenticator: Authenticator | None = None) -> None:
         self.authenticator = authenticator

@@ -20,6 +20,14 @@ Routes:
   (`Access.check`, `http/console.py`: "read", or "admin" for cancel), then the method. The
   delivery-error chart calls no admin method and spans every topic: it asks for "admin" itself.
   `/healthz` alone answers without credentials (it says only whether the broker is ready).
+- `GET /api/topics`: who the caller is (`user`, `admin`) and the topics it may see (ListTopics),
+  what the page's topic drop-down lists and whether it shows the admin views.
+
+A caller without the admin role (auth on) gets every read view cut to the topics it may publish
+or subscribe to: the admin methods that span every topic (Stats, PendingByDue, SearchTimers and
+QueryMessage without a topic) are admin only, so for such a caller the overview, the pending
+chart, a search without a topic and a look-up read the broker as those methods do and keep what
+`Principal.may_see` allows (`http/scope.py`). An admin's replies are the admin methods' own.
 
 Errors are converted at one point, `_errors`: a `ChronoqError` (bad input, unknown topic or
 message, a refused cancel) becomes a JSON reply `{"error", "message", "details"}` (details: the
