@@ -8,7 +8,9 @@ QueryMessage, CancelMessage, SearchTimers, PendingByDue), the same code the gRPC
 what is the console's own:
 
 - `parse_time_ms` reads a time as a person types it ("now", "+10m", "2026-11-24T07:00Z", epoch
-  ms) and `ConsoleInputError` says what was wrong with it, never a stack trace;
+  ms) and `ConsoleInputError` says what was wrong with it, never a stack trace; `check_range`
+  checks the search form's range in the form's words ("due from", "to") and UTC times
+  (`spoken_utc`), before the search runs;
 - `pending_chart_svg` and `error_chart_svg` draw the two charts on the server as SVG (no
   JavaScript chart library to vendor; they are images the page reloads);
 - `ErrorHistory` samples the delivery-error histogram every `console_sample_interval_ms` and keeps
@@ -61,8 +63,9 @@ class Access:
     than the same user through the CLI. "admin" asks in addition for the admin role, through the
     same `Principal.require_admin` the admin methods use: cancel, and the broker-wide views that
     call no admin method (`/metrics` names every topic and group, the delivery-error chart spans
-    every topic). The overview and the pending chart are admin only through their admin methods
-    (Stats, PendingByDue), so one user sees the same thing through every door."""
+    every topic). Every other view is "read": an admin gets the admin methods' replies, another
+    user the same views cut to its topics (`http/scope.py`, by `Principal.may_see`), so one user
+    sees no more through the console than through the CLI."""
 
     def __init__(self, authenticator: Authenticator | None = None) -> None:
         self.authenticator = authenticator
@@ -137,6 +140,30 @@ def _parse_time_ms(text: str, now_ms: int, field: str) -> int:
     return int(parsed.timestamp() * 1000)
 
 
+def spoken_utc(ms: int) -> str:
+    """A time as a person reads it in a sentence: '2026-11-28 10:00:00 UTC', with milliseconds
+    only when there are some ('... 10:00:00.250 UTC')."""
+    text = (_EPOCH + timedelta(milliseconds=ms)).strftime("%Y-%m-%d %H:%M:%S")
+    return text + (f".{ms % SECOND_MS:03d}" if ms % SECOND_MS else "") + " UTC"
+
+
+def check_range(from_text: str, from_ms: int, to_text: str, to_ms: int, max_range_ms: int) -> None:
+    """The search form's due-time range, checked in the form's own words ("due from", "to"), with
+    what each field was read as, before the search runs: an empty or reversed range, or one wider
+    than `timer_search_max_range_ms`, is a `ConsoleInputError`."""
+    start = f"due from {from_text.strip()!r} ({spoken_utc(from_ms)})"
+    end = f"to {to_text.strip()!r} ({spoken_utc(to_ms)})"
+    if to_ms < from_ms:
+        raise ConsoleInputError(f"the range's end, {end}, is before its start, {start}: the range must end "
+                                "after it starts")
+    if to_ms == from_ms:
+        raise ConsoleInputError(f"the range's end, {end}, is its start, {start}: the range must end after "
+                                "it starts")
+    if to_ms - from_ms > max_range_ms:
+        raise ConsoleInputError(f"the range {start} {end} covers {duration(to_ms - from_ms)}, more than "
+                                f"timer_search_max_range_ms ({duration(max_range_ms)}); search a narrower one")
+
+
 def format_utc(ms: int | None) -> str:
     if ms is None:
         return "-"
@@ -188,8 +215,12 @@ def _axis(top: float, label_top: str) -> list[str]:
             f'<line x1="{_PAD_L}" y1="{_PAD_T}" x2="{_W - 8}" y2="{_PAD_T}" stroke="#eee"/>']
 
 
-def pending_chart_svg(counts: list[int], from_s: int, h: Horizon, before: int, after: int) -> str:
-    """Bars of pending timers per interval from `from_s` on, with what lies outside the chart."""
+def pending_chart_svg(counts: list[int], from_s: int, h: Horizon, before: int | None, after: int | None,
+                      partial_from_ms: int | None = None, scope: str = "") -> str:
+    """Bars of pending timers per interval from `from_s` on, with what lies outside the chart.
+    `scope` names whose timers they are when not every topic's ("your topics"); a chart counted
+    by a bounded scan that stopped gives `partial_from_ms` (the bars may be short from then on)
+    and None for what it could not count."""
     top = max([*counts, 1])
     width = (_W - _PAD_L - 8) / max(len(counts), 1)
     plot_h = _H - _PAD_B - _PAD_T
@@ -207,7 +238,14 @@ def pending_chart_svg(counts: list[int], from_s: int, h: Horizon, before: int, a
         label = "now" if i == 0 else "+" + duration(i * h.bar_s * 1000)
         anchor = "end" if i == len(counts) else "start" if i == 0 else "middle"  # the ends stay inside
         body.append(f'<text x="{x:.1f}" y="{_H - _PAD_B + 14}" text-anchor="{anchor}">{html.escape(label)}</text>')
-    note = f"{sum(counts)} due in the {h.label}; {before} overdue; {after} later"
+    whose = f" in {scope}" if scope else ""
+    note = f"{sum(counts)} due{whose} in the {h.label}"
+    if before is not None:
+        note += f"; {before} overdue"
+    if after is not None:
+        note += f"; {after} later"
+    if partial_from_ms is not None:
+        note += f"; scan stopped (timer_search_max_scanned): bars from {format_utc(partial_from_ms)} may be short"
     body.append(f'<text x="{_PAD_L}" y="14">{html.escape(note)}</text>')
     return _svg(f"pending timers by due time, {h.label}", body)
 

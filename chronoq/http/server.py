@@ -20,6 +20,14 @@ Routes:
   (`Access.check`, `http/console.py`: "read", or "admin" for cancel), then the method. The
   delivery-error chart calls no admin method and spans every topic: it asks for "admin" itself.
   `/healthz` alone answers without credentials (it says only whether the broker is ready).
+- `GET /api/topics`: who the caller is (`user`, `admin`) and the topics it may see (ListTopics),
+  what the page's topic drop-down lists and whether it shows the admin views.
+
+A caller without the admin role (auth on) gets every read view cut to the topics it may publish
+or subscribe to: the admin methods that span every topic (Stats, PendingByDue, SearchTimers and
+QueryMessage without a topic) are admin only, so for such a caller the overview, the pending
+chart, a search without a topic and a look-up read the broker as those methods do and keep what
+`Principal.may_see` allows (`http/scope.py`). An admin's replies are the admin methods' own.
 
 Errors are converted at one point, `_errors`: a `ChronoqError` (bad input, unknown topic or
 message, a refused cancel) becomes a JSON reply `{"error", "message", "details"}` (details: the
@@ -51,6 +59,7 @@ from chronoq.http.console import (
     ErrorHistory,
     Forbidden,
     Role,
+    check_range,
     error_chart_svg,
     format_utc,
     horizon,
@@ -58,10 +67,20 @@ from chronoq.http.console import (
     pending_chart_svg,
 )
 from chronoq.http.metrics import make_registry
+from chronoq.http.scope import (
+    console_topics,
+    visible_groups,
+    visible_pending,
+    visible_pending_by_due,
+    visible_statuses,
+)
+from chronoq.protocol import admin as codec
 from chronoq.protocol.admin import details_json
 from chronoq.server.admin_service import AdminService
+from chronoq.server.auth import Principal
 from chronoq.server.net import bind_failure
 from chronoq.timer.recall import encode_recall_handle
+from chronoq.validate import check_key, check_message_id
 
 if TYPE_CHECKING:
     from chronoq.broker import Broker  # the type only: the broker imports the store, the servers stay light
@@ -128,6 +147,7 @@ class HttpServer:
         app.router.add_static("/static/", str(static), show_index=False)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/api/topics", self.topics)
         app.router.add_get("/api/overview", self.overview)
         app.router.add_get("/api/message", self.message)
         app.router.add_post("/api/cancel", self.cancel)
@@ -196,37 +216,71 @@ class HttpServer:
         """Every console read and action on the broker: the access check for `role`, then the
         admin service's method of that name (its gRPC name), in process. The one place where the
         caller's identity (auth on: the browser's credentials) reaches the admin service."""
-        caller = self.access.check(request, role)
+        return await self.invoke(self.access.check(request, role), method, doc)
+
+    async def invoke(self, caller: Principal, method: str, doc: dict[str, Any]) -> dict[str, Any]:
+        """The admin service's method `method` for a caller `Access.check` has authenticated."""
         return await self.admin_methods[method](doc, caller)
+
+    async def _topics(self, caller: Principal) -> dict[str, dict[str, Any]]:
+        """The topics the caller may see (ListTopics: publish or subscribe; an admin, every one),
+        by name in name order, the broker's own left out."""
+        topics = {t["name"]: t for t in (await self.invoke(caller, "ListTopics", {}))["topics"]}
+        return {name: topics[name] for name in console_topics(topics)}
 
     async def index(self, request: web.Request) -> web.Response:
         self.access.check(request, "read")
         page = (resources.files("chronoq.http") / "static" / "index.html").read_text(encoding="utf-8")
         return web.Response(text=page, content_type="text/html")
 
+    async def topics(self, request: web.Request) -> web.Response:
+        """Who the caller is and the topics it may see: what the console's topic drop-down lists,
+        and whether it shows the admin views (with auth off every caller is the admin)."""
+        caller = self.access.check(request, "read")
+        return _json({"user": caller.name or None, "admin": caller.admin, "topics": list(await self._topics(caller))})
+
     async def overview(self, request: web.Request) -> web.Response:
-        topics = (await self.call(request, "read", "ListTopics", {}))["topics"]
-        stats = await self.call(request, "read", "Stats", {})
+        """The topics table, the timer summary and the consumer groups. An admin gets Stats whole;
+        another user the same numbers for its own topics and groups (`http/scope.py`), without the
+        broker-wide ones (every topic's next deadline, the delivery error): `null` for it."""
+        caller = self.access.check(request, "read")
+        topics = await self._topics(caller)
+        # Stats is admin only (it spans every topic); a user's overview is the same reading, cut to its topics.
+        stats = await self.invoke(caller, "Stats", {}) if caller.admin else self.broker.stats()
         timer = stats["timer"]
         pending = timer["pending_by_topic"]
-        rows = [{"name": t["name"], "queues": t.get("queue_count"), "pending": pending.get(t["name"], 0),
-                 "accepted": self.broker.accepted_by_topic.get(t["name"], 0),
-                 "delivered": self.broker.delivered_by_topic.get(t["name"], 0)}
-                for t in topics if not t["name"].startswith(("rmq_sys_", "SCHEDULE_TOPIC"))]
-        return _json({"now_ms": stats["now_ms"], "now": format_utc(stats["now_ms"]), "topics": rows,
-                      "groups": stats["groups"], "pending_total": timer["pending_total"],
-                      "pending_by_due": timer["pending_by_due"], "next_deadline": format_utc(timer["next_deadline_ms"]),
-                      "oldest_overdue_ms": timer["oldest_overdue_ms"],
-                      "delivery_error_ms": timer["latencies"]["delivery_error_ms"],
-                      "horizons": {name: h.label for name, h in HORIZONS.items()}})
+        rows = [{"name": name, "queues": t.get("queue_count"), "pending": pending.get(name, 0),
+                 "accepted": self.broker.accepted_by_topic.get(name, 0),
+                 "delivered": self.broker.delivered_by_topic.get(name, 0)} for name, t in topics.items()]
+        reply: dict[str, Any] = {
+            "now_ms": stats["now_ms"], "now": format_utc(stats["now_ms"]), "admin": caller.admin, "topics": rows,
+            "horizons": {name: h.label for name, h in HORIZONS.items()}}
+        if caller.admin:
+            reply.update(groups=stats["groups"], pending_total=timer["pending_total"],
+                         pending_by_due=timer["pending_by_due"], next_deadline=format_utc(timer["next_deadline_ms"]),
+                         oldest_overdue_ms=timer["oldest_overdue_ms"],
+                         delivery_error_ms=timer["latencies"]["delivery_error_ms"])
+        else:
+            reply.update(groups=visible_groups(stats["groups"], caller),
+                         pending_total=sum(n for topic, n in pending.items() if caller.may_see(topic)),
+                         pending_by_due=None, next_deadline=None, oldest_overdue_ms=None, delivery_error_ms=None)
+        return _json(reply)
 
     async def message(self, request: web.Request) -> web.Response:
         message_id = request.query.get("id", "").strip()
         key = request.query.get("key", "").strip()
         if not message_id and not key:
             raise ConsoleInputError("give a message id or a key to look up")
-        doc: dict[str, Any] = {"message_id": message_id} if message_id else {"key": key}
-        statuses = (await self.call(request, "read", "QueryMessage", doc))["statuses"]
+        caller = self.access.check(request, "read")
+        if caller.admin:
+            doc: dict[str, Any] = {"message_id": message_id} if message_id else {"key": key}
+            statuses = (await self.invoke(caller, "QueryMessage", doc))["statuses"]
+        else:
+            # QueryMessage without a topic is admin only (it spans every topic): a user looks
+            # up across the topics it may see, the same index read cut to them.
+            found = self.broker.query(check_message_id(message_id, self.config)) if message_id \
+                else self.broker.query_key(check_key(key))
+            statuses = [codec.timer_status_json(s) for s in visible_statuses(found, caller)]
         if not statuses:
             what = f"message id {message_id!r}" if message_id else f"key {key!r}"
             return _json({"error": "NotFound", "message": f"no timer message with {what} (only scheduled and "
@@ -266,11 +320,22 @@ class HttpServer:
         return _json({"cancelled": reply["message_id"], "topic": doc["topic"]})
 
     async def search(self, request: web.Request) -> web.Response:
+        caller = self.access.check(request, "read")
         now_ms = self.broker.now_ms()
-        from_ms = parse_time_ms(request.query.get("from", "now"), now_ms, "from")
-        to_ms = parse_time_ms(request.query.get("to", ""), now_ms, "to")
-        doc: dict[str, Any] = {"topic": request.query.get("topic") or None, "from_ms": from_ms, "to_ms": to_ms}
-        reply = await self.call(request, "read", "SearchTimers", doc)
+        from_text, to_text = request.query.get("from", "now"), request.query.get("to", "")
+        from_ms = parse_time_ms(from_text, now_ms, "from")
+        to_ms = parse_time_ms(to_text, now_ms, "to")
+        check_range(from_text, from_ms, to_text, to_ms, self.config.timer_search_max_range_ms)
+        topic = request.query.get("topic") or None
+        if topic is not None or caller.admin:
+            doc: dict[str, Any] = {"topic": topic, "from_ms": from_ms, "to_ms": to_ms}
+            reply = await self.invoke(caller, "SearchTimers", doc)
+        else:
+            # SearchTimers without a topic is admin only: a user searches the topics it may see.
+            config = self.config
+            entries, truncated = visible_pending(self.broker, caller, from_ms, to_ms, config.timer_search_max_rows,
+                                                 config.timer_search_max_scanned)
+            reply = {"timers": [codec.timer_entry_json(e) for e in entries], "truncated": truncated}
         for t in reply["timers"]:
             t["deliver_at"] = format_utc(t["deliver_at_ms"])
             t["accepted"] = format_utc(t["accepted_ms"])
@@ -279,8 +344,18 @@ class HttpServer:
 
     async def pending_chart(self, request: web.Request) -> web.Response:
         h = horizon(request.query.get("horizon", "1h"))
-        reply = await self.call(request, "read", "PendingByDue", {"bar_s": h.bar_s, "bars": h.bars})
-        svg = pending_chart_svg(reply["counts"], reply["from_s"], h, reply["before"], reply["after"])
+        caller = self.access.check(request, "read")
+        if caller.admin:
+            reply = await self.invoke(caller, "PendingByDue", {"bar_s": h.bar_s, "bars": h.bars})
+            svg = pending_chart_svg(reply["counts"], reply["from_s"], h, reply["before"], reply["after"])
+        else:
+            # PendingByDue is admin only (every topic's counters): a user's chart counts its own topics' timers.
+            from_s = self.broker.now_ms() // 1000
+            pending = self.broker.stats()["timer"]["pending_by_topic"]
+            bars = visible_pending_by_due(self.broker, caller, pending, from_s, h.bar_s, h.bars,
+                                          self.config.timer_search_max_scanned)
+            svg = pending_chart_svg(bars.counts, from_s, h, bars.before, bars.after, bars.partial_from_ms,
+                                    scope="your topics")
         return web.Response(text=svg, content_type="image/svg+xml", headers={"Cache-Control": "no-store"})
 
     async def error_chart(self, request: web.Request) -> web.Response:

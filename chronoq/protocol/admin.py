@@ -17,7 +17,7 @@ import base64
 import binascii
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from chronoq.config import Config
 from chronoq.errors import ChronoqError
@@ -32,6 +32,9 @@ from chronoq.model import (
 )
 from chronoq.protocol.errors import InvalidField, MalformedRequest, MissingField
 from chronoq.protocol.requests import decode_topic_name
+
+if TYPE_CHECKING:
+    from chronoq.timer.engine import TimerEntry  # the type only: the wire codec does not import the timer room
 
 SERVICE_NAME = "chronoq.admin.v1.Admin"
 OK_CODE = 20000
@@ -243,6 +246,12 @@ def send_result_json(result: SendResult) -> dict[str, Any]:
     return {"message_id": result.message_id, "topic": result.topic, "queue_id": result.queue_id,
             "queue_offset": result.queue_offset, "deliver_at_ms": result.deliver_at_ms,
             "recall_handle": result.recall_handle, "duplicate": result.duplicate}
+
+
+def timer_entry_json(entry: TimerEntry) -> dict[str, Any]:
+    """One row of a SearchTimers reply: a pending timer."""
+    return {"message_id": entry.message_id, "topic": entry.topic, "deliver_at_ms": entry.deliver_at_ms,
+            "accepted_ms": entry.accepted_ms, "keys": list(entry.keys)}
 
 
 def timer_status_json(status: TimerStatus) -> dict[str, Any]:

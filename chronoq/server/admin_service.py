@@ -186,9 +186,7 @@ class AdminService:
             self.broker.get_topic(topic)  # TopicNotFound names an unknown topic
         entries, truncated = self.broker.pending_between(
             from_ms, to_ms, topic, limit, self.config.timer_search_max_scanned)
-        return codec.ok_json(timers=[{"message_id": e.message_id, "topic": e.topic, "deliver_at_ms": e.deliver_at_ms,
-                                      "accepted_ms": e.accepted_ms, "keys": list(e.keys)} for e in entries],
-                             truncated=truncated)
+        return codec.ok_json(timers=[codec.timer_entry_json(e) for e in entries], truncated=truncated)
 
     async def pending_by_due(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
         """Pending timers (all topics) per bar of `bar_s` seconds from `from_s` on, `bars` bars,

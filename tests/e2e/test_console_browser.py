@@ -5,6 +5,10 @@ Debian's chromium driven by selenium through Debian's matching chromium-driver (
 `scripts/setup.sh --browser`; nothing is downloaded). The test loads the page, finds the topic
 and the pending timer it sent, cancels it (accepting the confirmation), and sees it gone; then it
 looks the message up (cancelled), and types a malformed range (a clear message, no trace).
+A second test runs the server with auth on and opens the page as a user without the admin role,
+its credentials in the address (http://user:secret@host/): the drop-down holds that user's
+topics, no error shows and no request fails, its search finds its own pending timers and
+nothing of another user's topic, and the range error reads in the form's words.
 
 It saves a screenshot of each view in its temp directory, and in CHRONOQ_SCREENSHOT_DIR when set
 (how docs/console/*.png were made: `CHRONOQ_SCREENSHOT_DIR=docs/console pytest -m browser`).
@@ -34,6 +38,31 @@ pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 TOPIC = "browser-orders"
 OTHER = "browser-invoices"
+USER, USER_SECRET = "orders-team", "orders-s3cret"
+USER_TOPICS = ("browser-orders", "browser-payments-eu")
+OTHERS_TOPIC = "browser-hr-secret"
+AUTH_TOML = f"""
+[auth]
+enabled = true
+
+[[auth.users]]
+access_key = "ops"
+secret_key = "0ps-s3cret"
+admin = true
+
+[[auth.users]]
+access_key = "{USER}"
+secret_key = "{USER_SECRET}"
+publish = ["browser-orders", "browser-payments-*"]
+subscribe = ["browser-orders"]
+groups = ["billing"]
+
+[[auth.users]]
+access_key = "hr-team"
+secret_key = "hr-s3cret"
+publish = ["{OTHERS_TOPIC}"]
+subscribe = ["{OTHERS_TOPIC}"]
+"""
 WAIT_S = 30.0
 """Generous: a shared 2-core machine may be slow to start chromium or render."""
 
@@ -50,6 +79,7 @@ def browser(tmp_path: Path) -> Iterator[Any]:
 
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # failed requests, script errors
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                 "--window-size=1200,1500", f"--user-data-dir={tmp_path / 'chromium-profile'}"):
         options.add_argument(arg)
@@ -172,3 +202,93 @@ def test_console_find_cancel_and_bad_input(tmp_path: Path, browser: Any) -> None
             assert "Traceback" not in browser.page_source
         browser.execute_script("window.scrollTo(0, 0)")
         screenshot(browser, tmp_path, "bad-input")
+
+
+def failed_requests(driver: Any) -> list[str]:
+    """The browser console's errors since last asked: a request answered 4xx/5xx, a script error."""
+    return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def test_console_as_a_user_without_the_admin_role(tmp_path: Path, browser: Any,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    config = tmp_path / "chronoq.toml"
+    config.write_text(AUTH_TOML)
+    # The readiness check's and the topic set-up's admin calls sign as the admin user.
+    monkeypatch.setenv(envvars.ACCESS_KEY, "ops")
+    monkeypatch.setenv(envvars.SECRET_KEY, "0ps-s3cret")
+    http_port = free_port()
+    with ServerProcess(tmp_path / "data", settings={"http_port": http_port}, args=["--config", str(config)]) as server:
+        with Producer(server.address) as admin:
+            for topic in (*USER_TOPICS, OTHERS_TOPIC):
+                admin.create_topic(topic)
+        mine = []
+        with Producer(server.address, access_key=USER, secret_key=USER_SECRET) as producer:
+            for topic, minutes in ((USER_TOPICS[0], 5), (USER_TOPICS[0], 50), (USER_TOPICS[1], 20)):
+                mine.append(producer.send(topic, "mine", delay=timedelta(minutes=minutes), keys=["shared-key"]))
+        with Producer(server.address, access_key="hr-team", secret_key="hr-s3cret") as producer:
+            theirs = [producer.send(OTHERS_TOPIC, "not yours", delay=timedelta(minutes=m), keys=["shared-key"])
+                      for m in (10, 30)]
+
+        # Credentials in the address: the page's own requests must work too.
+        browser.get(f"http://{USER}:{USER_SECRET}@127.0.0.1:{http_port}/")
+        wait_for(lambda: browser.find_element(By.CSS_SELECTOR, f'#topics tr[data-topic="{USER_TOPICS[1]}"]'),
+                 "the user's topics in the topics table")
+        options = [o.text for o in Select(browser.find_element(By.ID, "search-topic")).options]
+        assert options == ["(all my topics)", *USER_TOPICS], options
+        topics = [r.get_attribute("data-topic") for r in browser.find_elements(By.CSS_SELECTOR, "#topics tbody tr")]
+        assert topics == list(USER_TOPICS), topics
+        assert "signed in as " + USER in browser.find_element(By.ID, "who").text
+
+        # The initial search (no topic chosen): the user's pending timers, none of another user's.
+        want = {r.message_id for r in mine}
+        wait_for(lambda: set(row_ids(browser, "results")) == want, "the user's timers in the search results")
+        shown_topics = {r.find_elements(By.TAG_NAME, "td")[1].text
+                        for r in browser.find_elements(By.CSS_SELECTOR, "#results tbody tr")}
+        assert shown_topics == set(USER_TOPICS)
+        assert not browser.find_elements(By.CSS_SELECTOR, "#results button.cancel")  # cancel is the admins'
+        wait_for(lambda: browser.execute_script(
+            "const i = document.getElementById('pending-chart'); return i.complete && i.naturalWidth > 0"),
+            "the pending chart")
+        chart = browser.execute_script(
+            "return fetch(new URL('/chart/pending.svg?horizon=1h', location.origin)).then(r => r.text())")
+        assert "3 due in your topics in the next hour" in chart, chart
+
+        # No red banner, no broken request, the admin views hidden rather than failing.
+        status = browser.find_element(By.ID, "status")
+        assert not status.is_displayed() or "error" not in status.get_attribute("class"), status.text
+        assert not browser.find_element(By.ID, "error-chart").is_displayed()
+        assert failed_requests(browser) == []
+        page = browser.page_source
+        assert OTHERS_TOPIC not in page and "admin only" not in page
+        assert all(t.message_id not in page for t in theirs)
+        screenshot(browser, tmp_path, "user-overview")
+
+        # One topic chosen: its timers only.
+        Select(browser.find_element(By.ID, "search-topic")).select_by_value(USER_TOPICS[1])
+        browser.find_element(By.ID, "search-button").click()
+        wait_for(lambda: row_ids(browser, "results") == [mine[2].message_id], "the chosen topic's timer")
+
+        # Look-up by a key both users' messages carry: the user's only.
+        Select(browser.find_element(By.ID, "lookup-kind")).select_by_value("key")
+        browser.find_element(By.ID, "lookup-value").send_keys("shared-key")
+        browser.find_element(By.ID, "lookup-button").click()
+        wait_for(lambda: set(row_ids(browser, "lookup-result")) == want, "the user's messages in the look-up")
+        assert OTHERS_TOPIC not in browser.find_element(By.ID, "lookup-result").text
+
+        # A reversed range: the form's words and UTC times, not a field name and epoch ms.
+        for field, text in (("search-from", "+1h"), ("search-to", "now")):
+            box = browser.find_element(By.ID, field)
+            box.clear()
+            box.send_keys(text)
+        browser.find_element(By.ID, "search-button").click()
+        said = wait_for(lambda: (t := browser.find_element(By.ID, "status").text) and "range" in t and t,
+                        "the range error")
+        assert "the range's end, to 'now' (" in said and "UTC), is before its start, due from '+1h' (" in said, said
+        assert "to_ms" not in said
+        errors = failed_requests(browser)  # the refused search's 400, nothing else
+        assert len(errors) == 1 and "/api/search" in errors[0] and "status of 400" in errors[0], errors
+        browser.execute_script("window.scrollTo(0, 0)")
+        screenshot(browser, tmp_path, "user-bad-range")

@@ -1,9 +1,25 @@
 // chronoq console: calls the JSON endpoints under /api/ and shows the SVG charts under /chart/.
 // No framework and no build step: plain DOM calls. Every reply that is not OK carries
 // {"error", "message"}; the message is shown as it is.
+//
+// What it shows follows who is calling (/api/topics): an admin (or anyone, with auth off) sees
+// every topic, the delivery-error chart and cancel buttons; another user sees the topics it may
+// publish or subscribe to, and the views the server cuts to them, with the admin views hidden.
 "use strict";
 
 let horizon = "1h";
+let me = { user: null, admin: false, topics: [] };
+
+// Every request names the page's origin: opened as http://user:secret@host/, the page's own
+// address carries the credentials, and a browser refuses to fetch a URL resolved against it
+// ("Request cannot be constructed from a URL that includes credentials"). The origin never
+// carries them; the browser sends the credentials it was given for the page with each request.
+function here(path) { return location.origin + path; }
+
+function credentialsInUrl() {
+  return "this browser refuses requests from a page opened with a user and password in its address: open " +
+    location.origin + "/ instead, and give the access key and secret key when the browser asks";
+}
 
 function $(id) { return document.getElementById(id); }
 
@@ -42,8 +58,9 @@ function showStatus(text, isError) {
 async function call(url, options) {
   let reply;
   try {
-    reply = await fetch(url, options);
+    reply = await fetch(here(url), options);
   } catch (err) {
+    if (/credentials/i.test(err.message)) throw new Error(credentialsInUrl());
     throw new Error("the server did not answer (" + err.message + ")");
   }
   let body;
@@ -52,14 +69,28 @@ async function call(url, options) {
   return body;
 }
 
+// Who is calling, and the topics it may see: the drop-down lists them; the admin views show for admins.
+async function refreshTopics() {
+  me = await call("/api/topics");
+  for (const el of document.querySelectorAll(".admin-only")) el.hidden = !me.admin;
+  $("who").textContent = me.user ? "signed in as " + me.user + (me.admin ? " (admin)" : "") : "";
+  const select = $("search-topic");
+  const chosen = select.value;
+  select.replaceChildren(new Option(me.admin ? "(all topics)" : "(all my topics)", ""));
+  for (const name of me.topics) select.add(new Option(name, name));
+  select.value = me.topics.includes(chosen) ? chosen : "";
+  if (!me.topics.length && !me.admin) {
+    showStatus("user " + me.user + " may not publish or subscribe to any topic: there is nothing to show", false);
+  }
+}
+
 async function refreshOverview() {
+  await refreshTopics();
   const o = await call("/api/overview");
   $("now").textContent = "broker time " + o.now;
   const tbody = $("topics").tBodies[0];
   tbody.replaceChildren();
   const select = $("search-topic");
-  const chosen = select.value;
-  select.replaceChildren(new Option("(all topics)", ""));
   for (const t of o.topics) {
     const row = tbody.insertRow();
     row.dataset.topic = t.name;
@@ -72,15 +103,18 @@ async function refreshOverview() {
     b.textContent = "pending timers";
     b.onclick = () => { select.value = t.name; search(); };
     row.insertCell().append(b);
-    select.add(new Option(t.name, t.name));
   }
-  select.value = chosen;
-  $("timer-summary").textContent = count(o.pending_total) + " timers pending; next due " + o.next_deadline +
-    (o.oldest_overdue_ms ? "; firing is " + duration(o.oldest_overdue_ms) + " behind" : "");
-  const e = o.delivery_error_ms;
-  $("error-summary").textContent = e.count ? ("since start: " + count(e.count) + " fired, fired minus due p50 " +
-    duration(e.p50) + ", p99 " + duration(e.p99) + ", max " + duration(e.max))
-    : "no timer has fired since the broker started";
+  if (o.admin) {
+    $("timer-summary").textContent = count(o.pending_total) + " timers pending; next due " + o.next_deadline +
+      (o.oldest_overdue_ms ? "; firing is " + duration(o.oldest_overdue_ms) + " behind" : "");
+    const e = o.delivery_error_ms;
+    $("error-summary").textContent = e.count ? ("since start: " + count(e.count) + " fired, fired minus due p50 " +
+      duration(e.p50) + ", p99 " + duration(e.p99) + ", max " + duration(e.max))
+      : "no timer has fired since the broker started";
+  } else {
+    $("timer-summary").textContent = count(o.pending_total) + " timers pending in your topics " +
+      "(the broker-wide figures are for admins)";
+  }
   const gbody = $("groups").tBodies[0];
   gbody.replaceChildren();
   for (const g of o.groups) {
@@ -101,9 +135,15 @@ async function refreshOverview() {
 
 function refreshCharts() {
   const t = Date.now();
-  $("pending-chart").src = "/chart/pending.svg?horizon=" + encodeURIComponent(horizon) + "&t=" + t;
-  $("error-chart").src = "/chart/error.svg?t=" + t;
+  $("pending-chart").src = here("/chart/pending.svg?horizon=" + encodeURIComponent(horizon) + "&t=" + t);
+  if (me.admin) $("error-chart").src = here("/chart/error.svg?t=" + t);
   for (const b of $("horizons").children) b.classList.toggle("active", b.dataset.horizon === horizon);
+}
+
+// Cancelling from the console is for admins (the server refuses it to others): no button otherwise.
+function cancelCell(row, topic, id, due, due_ms) {
+  const c = row.insertCell();
+  if (me.admin) c.append(cancelButton(topic, id, due, due_ms));
 }
 
 function cancelButton(topic, id, due, due_ms) {
@@ -137,9 +177,10 @@ async function search(quiet) {
       row.dataset.messageId = t.message_id;
       cell(row, t.deliver_at); cell(row, t.topic); cell(row, t.message_id);
       cell(row, t.keys.join(" ")); cell(row, t.accepted);
-      row.insertCell().append(cancelButton(t.topic, t.message_id, t.deliver_at, t.deliver_at_ms));
+      cancelCell(row, t.topic, t.message_id, t.deliver_at, t.deliver_at_ms);
     }
-    $("search-note").textContent = count(r.timers.length) + " pending due " + r.from + " .. " + r.to +
+    const where = $("search-topic").value ? " on " + $("search-topic").value : me.admin ? "" : " in your topics";
+    $("search-note").textContent = count(r.timers.length) + " pending" + where + " due " + r.from + " .. " + r.to +
       (r.truncated ? " (stopped at a limit: narrow the range to see the rest)" : "");
     if (!quiet) $("status").hidden = true;
   } catch (err) {
@@ -161,8 +202,8 @@ async function lookup() {
       row.dataset.messageId = s.message_id;
       cell(row, s.message_id); cell(row, s.topic); cell(row, s.state, "state"); cell(row, s.deliver_at);
       cell(row, s.accepted); cell(row, s.fired); cell(row, s.cancelled);
-      const c = row.insertCell();
-      if (s.state === "pending") c.append(cancelButton(s.topic, s.message_id, s.deliver_at, s.deliver_at_ms));
+      if (s.state === "pending") cancelCell(row, s.topic, s.message_id, s.deliver_at, s.deliver_at_ms);
+      else row.insertCell();
     }
     $("status").hidden = true;
   } catch (err) { showStatus("look up: " + err.message, true); }
