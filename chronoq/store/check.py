@@ -40,8 +40,10 @@ from chronoq.store.check_queues import Queue, QueueEntries, check_queue_ends, lo
 from chronoq.store.check_report import CheckReport, format_report, plural
 from chronoq.store.diskspace import resource_problem
 from chronoq.store.meta import CHECKPOINT_VERSION, decode_checkpoint_versioned, decode_topics
+from chronoq.timer import wheel_files as wf
 from chronoq.timer.index import FORMAT_VERSION as TIMER_INDEX_FORMAT_VERSION
 from chronoq.timer.index_codec import CF_META, META_FORMAT_VERSION, U32
+from chronoq.timer.wheel import WheelTimerEngine
 
 __all__ = ["DATA_DIR_MARKERS", "CheckReport", "check_data_dir", "format_report"]
 
@@ -65,8 +67,12 @@ def check_data_dir(data_dir: str | Path) -> CheckReport:
         return report
     topics = _check_topics(data_dir, report)
     _check_rocksdb(data_dir / files.GROUPS_DIR, "consumer-group store", report, derived=False)
-    _check_rocksdb(data_dir / files.TIMER_DIR, "timer index", report, derived=True,
-                   format_version=(CF_META, META_FORMAT_VERSION, TIMER_INDEX_FORMAT_VERSION))
+    wheel_dir = data_dir / files.TIMER_WHEEL_DIR
+    if wheel_dir.exists():
+        _check_wheel(data_dir, wheel_dir, report)
+    if (data_dir / files.TIMER_DIR).exists() or not wheel_dir.exists():
+        _check_rocksdb(data_dir / files.TIMER_DIR, "timer index", report, derived=True,
+                       format_version=(CF_META, META_FORMAT_VERSION, TIMER_INDEX_FORMAT_VERSION))
     checkpoint, checkpoint_version = _check_checkpoint(data_dir, report)
     queues = load_queues(data_dir, report, topics)
     entries = QueueEntries(report)
@@ -100,6 +106,21 @@ def _cost_damage(data_dir: Path, report: CheckReport, queues: dict[tuple[str, in
                 damage.count_entries(topic, qid, q.first_offset + number * check_queues.CHUNK_ENTRIES, raw)
     for problem, cost in zip(damage.problem_index, damage.costs(data_dir, index), strict=True):
         report.problems[problem] += ". " + cost
+
+
+def _check_wheel(data_dir: Path, path: Path, report: CheckReport) -> None:
+    """The file wheel (`timer_engine = "wheel"`), read as a start would read it but without
+    writing: damage is a repair (a start rebuilds it from the log). `chronoq check` is given no
+    settings: a wheel sized other than by the defaults is read at its own size, not reported."""
+    from chronoq.config import Config  # the settings' defaults: the wheel's slot width and count
+
+    defaults = Config(data_dir=data_dir)
+    reason = WheelTimerEngine.verify(path, slot_ms=defaults.timer_wheel_slot_ms, slots=defaults.timer_wheel_slots)
+    if reason is not None and "the settings ask for" in reason:
+        check = wf.Checkpoint.decode((path / "timercheck").read_bytes())
+        reason = WheelTimerEngine.verify(path, slot_ms=check.slot_ms, slots=check.slots)
+    if reason is not None:
+        report.repairs.append(f"{path}: the file wheel cannot be used ({reason}); a restart rebuilds it from the log")
 
 
 def _check_rocksdb(path: Path, what: str, report: CheckReport, *, derived: bool,

@@ -60,6 +60,7 @@ from __future__ import annotations
 import heapq
 import os
 import shutil
+import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,6 +183,36 @@ class WheelTimerEngine:
         return engine
 
     @staticmethod
+    def verify(path: str | Path, *, slot_ms: int, slots: int) -> str | None:
+        """Why the wheel at `path` cannot be used as it is (None: it can), read without writing
+        anything: what `chronoq check` asks (the broker would rebuild it from the log)."""
+        path = Path(path)
+        try:
+            check = wf.Checkpoint.decode((path / "timercheck").read_bytes())
+        except (OSError, ValueError) as e:
+            return f"its checkpoint cannot be read ({e})"
+        if (check.slot_ms, check.slots) != (slot_ms, slots):
+            return (f"its wheel has {check.slots} slots of {check.slot_ms} ms; the settings ask for {slots} of "
+                    f"{slot_ms} ms")
+        scratch = Path(tempfile.mkdtemp(prefix="chronoq-check-wheel-"))
+        try:
+            for name, end in (("timerlog", check.timerlog_end), ("timerfacts", check.facts_end)):
+                source = path / f"{name}.{check.generation}"
+                size = source.stat().st_size if source.exists() else 0
+                if size < end:
+                    return f"{source.name} holds {size} bytes, its checkpoint covers {end}"
+                with open(source, "rb") as src, open(scratch / source.name, "wb") as dst:
+                    dst.write(src.read(end))
+            (scratch / "timercheck").write_bytes(check.encode())
+            try:
+                WheelTimerEngine.open(scratch, slot_ms=slot_ms, slots=slots).close()
+            except TimerIndexCorrupt as e:
+                return str(e.details.get("reason", e.message))
+            return None
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    @staticmethod
     def destroy(path: str | Path) -> None:
         path = Path(path)
         if path.exists():
@@ -255,10 +286,26 @@ class WheelTimerEngine:
         self.wheel.clear()
         slots: dict[int, tuple[int, int, int, int]] = {}
         view = self.timerlog.view()
+        if self.timerlog.end % wf.UNIT_SIZE:
+            raise ValueError(f"the TimerLog's end {self.timerlog.end} is not a whole number of "
+                             f"{wf.UNIT_SIZE}-byte units")
         for at in range(0, self.timerlog.end, wf.UNIT_SIZE):
-            size, _prev, magic, slot_ms, _delay, position, _rsize, _hash, reserved = wf.UNIT.unpack_from(view, at)
-            if size != wf.UNIT_SIZE:
-                raise ValueError(f"TimerLog unit at {at} gives size {size}, not {wf.UNIT_SIZE}")
+            size, prev, magic, slot_ms, delay, position, rsize, topic_h, reserved = wf.UNIT.unpack_from(view, at)
+            # RIP-43's units carry no checksum; each is checked against what it must agree with
+            # (its chain, its facts record, its timer), so a damaged one makes the wheel unusable
+            # (rebuilt from the commit log) instead of quietly wrong.
+            if size != wf.UNIT_SIZE or not (prev == -1 or (0 <= prev < at and prev % wf.UNIT_SIZE == 0)):
+                raise ValueError(f"TimerLog unit at {at} gives size {size} and previous unit {prev}")
+            if slot_ms % self.slot_ms or slot_ms < 0:
+                raise ValueError(f"TimerLog unit at {at} names slot time {slot_ms}, not a slot of {self.slot_ms} ms")
+            if magic & (wf.MAGIC_DEFAULT | wf.MAGIC_ROLL):
+                f = facts.get(reserved)
+                if (f is None or f.position != position or f.size != rsize or wf.topic_hash(f.topic) != topic_h
+                        or delay != wf.clamp_i32(f.deliver_at_ms - slot_ms)):
+                    raise ValueError(f"TimerLog unit at {at} (position {position}, facts at {reserved}) disagrees "
+                                     "with its facts record")
+            elif magic & wf.FINISHING and (position not in self.rows or reserved < 0):
+                raise ValueError(f"TimerLog unit at {at} finishes a timer at {position} it never placed")
             index = (slot_ms // self.slot_ms) % self.slots
             t, first, _last, count = slots.get(index, (-1, -1, -1, 0))
             slots[index] = (slot_ms, first, at, count + 1) if t == slot_ms else (slot_ms, at, at, 1)
@@ -512,7 +559,7 @@ class WheelTimerEngine:
             view = self.timerlog.view()
             at = last
             while at >= 0:
-                _size, prev, magic, unit_slot, _delay, position, _s, _h, _r = wf.UNIT.unpack_from(view, at)
+                _size, prev, magic, _slot, _delay, position, _s, _h, _r = wf.UNIT.unpack_from(view, at)
                 if magic & (wf.MAGIC_DEFAULT | wf.MAGIC_ROLL) and position not in seen:
                     seen.add(position)
                     row = self.rows.get(position)
@@ -682,11 +729,9 @@ class WheelTimerEngine:
         in_range = sorted((r.entry.deliver_at_ms, p) for p in self.pending_positions
                           if from_ms <= (r := self.rows[p]).entry.deliver_at_ms < to_ms)
         out: list[TimerEntry] = []
-        scanned = 0
-        for _due, position in in_range:
+        for scanned, (_due, position) in enumerate(in_range):
             if len(out) >= limit or scanned >= max_scanned:
                 return out, True
-            scanned += 1
             entry = self.rows[position].entry
             if topic is None or entry.topic == topic:
                 out.append(entry)
@@ -789,7 +834,7 @@ class _Units:
         return index, current
 
     def _link(self, slot_ms: int, magic: int, delay_ms: int, entry: TimerEntry, reserved: int) -> None:
-        index, (t, first, last, count) = self._slot(slot_ms)
+        index, (_t, first, last, count) = self._slot(slot_ms)
         self.data.append(wf.pack_unit(last, magic, slot_ms, delay_ms, entry.position, entry.size,
                                       wf.topic_hash(entry.topic), reserved))
         self.slots[index] = (slot_ms, first if first >= 0 else self.at, self.at, count + 1)
