@@ -73,8 +73,8 @@ from chronoq.model import (
     TimerStatus,
     TopicConfig,
 )
-from chronoq.recurring.records import Schedule
-from chronoq.recurring.service import ScheduleChange, Schedules
+from chronoq.recurring.records import Schedule, ScheduleChange
+from chronoq.recurring.service import Schedules
 from chronoq.retention import Retention
 from chronoq.store import files
 from chronoq.store.commitlog import FsyncTimes

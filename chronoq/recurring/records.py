@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,23 @@ class Schedule:
         """The message id of one occurrence: the same for the same (schedule, definition,
         occurrence), so a repeat after a crash is recognised (`Schedules` looks it up first)."""
         return f"{self.name}@{nominal_ms}.v{self.version if version is None else version}"
+
+
+@dataclass(slots=True)
+class ScheduleChange:
+    """What an update changes (None: kept)."""
+
+    body: bytes | None = None
+    every_ms: int | None = None
+    cron: str | None = None
+    zone: str | None = None
+    start_ms: int | None = None
+    end_ms: int | None = None
+    catch_up: str | None = None
+    jitter_ms: int | None = None
+    limit: int | None = None
+    tag: str | None = None
+    properties: Mapping[str, str] | None = None
 
 
 def _recurrence_json(r: Recurrence) -> dict[str, Any]:

@@ -40,7 +40,7 @@ import heapq
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from chronoq.accept import Accept
@@ -66,7 +66,7 @@ from chronoq.model import (
     TimerState,
 )
 from chronoq.recurring import records
-from chronoq.recurring.records import Schedule
+from chronoq.recurring.records import Schedule, ScheduleChange
 from chronoq.recurring.spec import Recurrence, check, check_name, jitter_offset_ms
 from chronoq.store.messagestore import MessageStore, PreparedMessage
 from chronoq.timer.metrics import DelayHistogram
@@ -80,23 +80,6 @@ LATENESS_EDGES_MS = (1, 5, 10, 50, 100, 500, 1_000, 5_000, 10_000, 60_000, 600_0
 Send = Callable[[list[OutgoingMessage]], Awaitable[list[Any]]]
 RETRY_MS = 1_000
 """After an issue failed (a full disk, a topic gone), the schedule is looked at again this much later."""
-
-
-@dataclass(slots=True)
-class ScheduleChange:
-    """What an update changes (None: kept)."""
-
-    body: bytes | None = None
-    every_ms: int | None = None
-    cron: str | None = None
-    zone: str | None = None
-    start_ms: int | None = None
-    end_ms: int | None = None
-    catch_up: str | None = None
-    jitter_ms: int | None = None
-    limit: int | None = None
-    tag: str | None = None
-    properties: Mapping[str, str] | None = None
 
 
 class Schedules:

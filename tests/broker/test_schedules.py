@@ -12,7 +12,7 @@ from chronoq import errors
 from chronoq.broker import Broker
 from chronoq.clock import FakeClock
 from chronoq.model import PROP_SCHEDULE_DUE_MS, PROP_SCHEDULE_NAME
-from chronoq.recurring.service import ScheduleChange
+from chronoq.recurring.records import ScheduleChange
 from tests.support.brokers import SimulatedBrokers
 
 HOUR = 3_600_000
