@@ -10,7 +10,9 @@ Theory of operation: a message walks through rooms, each a module of its own:
 - `timer/loop.py` and `timer/service.py`: when timers fire, and what firing writes (a link record
   entering each timer record into its real topic's queue, which dispatch then makes visible);
 - `deliver.py` over `consumers.py`: receive (long polls), ack, invisible durations, retries, DLQ;
-- `retention.py`: rolling pending timers forward and deleting expired segments.
+- `retention.py`: rolling pending timers forward and deleting expired segments;
+- `recurring/service.py`: recurring schedules, each occurrence a timer sent through `accept.py`
+  (their records replayed at open, their missed occurrences settled before the timer loop starts).
 This module builds them (`open`), each given what it needs when built; the timer index is the
 one `timer_engine` names (`timer/engines.py`), and who fires is `timer_firer`'s
 (`timer/firing.py`). It owns their background tasks (the flusher, the timer loop, the
@@ -71,6 +73,8 @@ from chronoq.model import (
     TimerStatus,
     TopicConfig,
 )
+from chronoq.recurring.records import Schedule, ScheduleChange
+from chronoq.recurring.service import Schedules
 from chronoq.retention import Retention
 from chronoq.store import files
 from chronoq.store.commitlog import FsyncTimes
@@ -109,7 +113,9 @@ class Broker:
         self.deliver = Deliver(config, clock, store, groups, self.topics, timer.levels, append, self.trace)
         self.consumers = self.deliver.consumers
         self.timer_loop = TimerLoop(config, clock, store, timer, engines)
-        self.retention = Retention(config, store, groups, timer)
+        self.schedules = Schedules(config, clock, store, self.accept, timer,
+                                   send=functools.partial(self.send_batch, partial=True))
+        self.retention = Retention(config, store, groups, timer, roll_schedules=self.schedules.roll_before)
         # The path of every durable record, in one place (`chronoq/dispatch.py`): its queues,
         # the timer index (where a link record tells the timer room its fire is durable), the
         # trace, the long polls. A fired timer reads through its link as `timer/reads.py` says.
@@ -190,8 +196,17 @@ class Broker:
         store.log.on_failed = broker._store_failed
         broker._stop_following_clock = clock.add_rebase_listener(broker._clock_rebased)
         broker._spawn(store.log.flush_loop(), "flusher")
+        try:
+            # Before the timer loop runs: an occurrence that came due while the broker was down
+            # is still the schedule's to withdraw, as its catch-up policy says.
+            broker.schedules.replay()
+            await broker.schedules.reconcile(clock.now_ms())
+        except BaseException:
+            await broker.close()
+            raise
         if background:
             broker._spawn(broker.timer_loop.run(), "timer")
+            broker._spawn(broker.schedules.run(), "schedules")
             broker._spawn(broker._every(config.checkpoint_interval_ms, broker._checkpoint, "checkpoint"),
                           "checkpoint")
             broker._spawn(broker._every(config.retention_check_interval_ms, broker.retention.step, "retention"),
@@ -299,8 +314,10 @@ class Broker:
             self.trace.flush()
 
     async def run_due(self) -> int:
-        """Fire every timer due at the clock's fire horizon; returns how many. For tests with a
-        FakeClock and `background=False`."""
+        """Issue the schedules' occurrences due at the clock's fire horizon, then fire every
+        timer due then; returns how many timers fired. For tests with a FakeClock and
+        `background=False`."""
+        await self.schedules.step(self.clock.fire_horizon_ms())
         return await self.timer_loop.run_due()
 
     async def enforce_retention(self) -> None:
@@ -354,6 +371,40 @@ class Broker:
                         hist = delays[topic] = DelayHistogram(DELAY_EDGES_MS)
                     hist.record(max(0, outcome.deliver_at_ms - now))
         return outcomes
+
+    # -- schedules ------------------------------------------------------------------------------
+
+    async def create_schedule(self, name: str, topic: str, body: bytes, **spec: Any) -> Schedule:
+        """A recurring schedule (`recurring/service.py`; `spec`: every_ms or cron, zone, start_ms,
+        end_ms, catch_up, jitter_ms, limit, tag, properties); durable when this returns."""
+        self._check_open()
+        return await self.schedules.create(name, topic, body, **spec)
+
+    async def update_schedule(self, name: str, change: ScheduleChange) -> Schedule:
+        self._check_open()
+        return await self.schedules.update(name, change)
+
+    async def pause_schedule(self, name: str) -> Schedule:
+        self._check_open()
+        return await self.schedules.pause(name)
+
+    async def resume_schedule(self, name: str) -> Schedule:
+        self._check_open()
+        return await self.schedules.resume(name)
+
+    async def delete_schedule(self, name: str) -> Schedule:
+        self._check_open()
+        return await self.schedules.delete(name)
+
+    def get_schedule(self, name: str) -> Schedule:
+        return self.schedules.get(name)
+
+    def list_schedules(self) -> list[Schedule]:
+        return self.schedules.list()
+
+    def schedule_upcoming(self, name: str, count: int) -> list[int]:
+        """The schedule's next `count` occurrences (nominal due times, ms)."""
+        return self.schedules.upcoming(name, count)
 
     # -- deliver ----------------------------------------------------------------------------
 
@@ -479,6 +530,7 @@ class Broker:
             "disk": self.store.disk_stats(),
             "trace": self.trace_stats(),
             "groups": self.group_stats(),
+            "schedules": self.schedules.stats(),
         }
 
     def now_ms(self) -> int:

@@ -223,6 +223,18 @@ class Config:
     too: the index rebuilt from the log) sends back to fire again."""
     timer_roll_batch: int = limit(1024)
     """Timers rolled forward per step before retention (their bodies are in memory meanwhile)."""
+
+    # -- recurring schedules (`chronoq/recurring/`) --------------------------------------------
+    schedule_min_interval_ms: int = limit(1 * SECOND_MS, minimum=1)
+    """The shortest gap a recurring schedule's occurrences may have (an `every` interval, or two
+    of a cron expression's next occurrences): each occurrence is a timer, a group commit and a
+    record of progress, so a schedule may not ask for more than this rate."""
+    schedule_max_count: int = limit(200_000)
+    """Most schedules at once: each lives in the broker's memory (about 1-2 KiB with a short body),
+    and its records are replayed at every start."""
+    schedule_catch_up_max_occurrences: int = limit(10_000)
+    """With catch-up policy `all`, the most missed occurrences of one schedule delivered after an
+    outage or a pause (the latest ones); the rest are skipped."""
     timer_index_block_cache_bytes: int = limit(32 * MiB)
     """RocksDB block cache of the timer index, holding its index and filter blocks as well: with
     the memtables below, what bounds the index's memory at any backlog."""

@@ -37,8 +37,10 @@ RocketMQ broker's flush timeout:
     40000 BAD_REQUEST                          BadRequest (InvalidBatchSize, InvalidQueueId, InvalidQueueCount,
                                                TopicExists, InvalidRecallHandle, MalformedRequest,
                                                MissingField, InvalidField, ConsoleInputError,
-                                               RecallTopicMismatch, TimerIdAmbiguous: RocketMQ has no
-                                               code for these)
+                                               RecallTopicMismatch, TimerIdAmbiguous, InvalidSchedule,
+                                               ScheduleNeverFires, UnknownTimeZone, ScheduleIntervalTooShort,
+                                               ScheduleExists, ScheduleNotFound, TooManySchedules: RocketMQ
+                                               has no code for these)
     40002 ILLEGAL_TOPIC                        InvalidTopicName (SystemTopicForbidden)
     40003 ILLEGAL_CONSUMER_GROUP               InvalidGroupName
     40004 ILLEGAL_MESSAGE_TAG                  InvalidTag
@@ -521,6 +523,85 @@ class TimerIdAmbiguous(BadRequest):
                          f"cancel one by its recall handle ({listed})",
                          topic=topic, message_id=message_id, deliver_at_ms=deliver_at_ms,
                          recall_handles=recall_handles)
+
+
+class InvalidSchedule(BadRequest):
+    """Raised when a schedule is malformed: its name breaks the rule (the topic alphabet, at most
+    `MAX_SCHEDULE_NAME_LENGTH` characters), its cron expression or interval cannot be read, its
+    start lies after its end, its limit is below 1, its catch-up policy is unknown, or its jitter
+    is as long as the gap between its occurrences (`chronoq/recurring/spec.py`). Nothing is stored."""
+
+    code = 40000
+
+    def __init__(self, name: str, field: str, value: object, reason: str) -> None:
+        super().__init__(f"schedule {name!r}: {field} {value!r} {reason}", name=name, field=field,
+                         value=value if isinstance(value, (str, int, float, type(None))) else repr(value),
+                         reason=reason)
+
+
+class ScheduleNeverFires(BadRequest):
+    """Raised when a schedule's expression, with its start, end and limit, has no occurrence
+    (February 30th, an end before the first occurrence). Nothing is stored."""
+
+    code = 40000
+
+    def __init__(self, name: str, expression: str, reason: str) -> None:
+        super().__init__(f"schedule {name!r}: {expression!r} never fires: {reason}", name=name,
+                         expression=expression, reason=reason)
+
+
+class UnknownTimeZone(BadRequest):
+    """Raised when a schedule names a time zone the IANA database (`zoneinfo`) does not know."""
+
+    code = 40000
+
+    def __init__(self, name: str, zone: str) -> None:
+        super().__init__(f"schedule {name!r}: unknown time zone {zone!r} (give an IANA name such as "
+                         "'Asia/Shanghai', 'Europe/Berlin' or 'UTC')", name=name, zone=zone)
+
+
+class ScheduleIntervalTooShort(BadRequest):
+    """Raised when a schedule's occurrences would come closer together than
+    `schedule_min_interval_ms` (an `--every` below it, or a cron expression two of whose next
+    occurrences are closer)."""
+
+    code = 40000
+
+    def __init__(self, name: str, expression: str, interval_ms: int, min_interval_ms: int) -> None:
+        value, limit = duration_against(interval_ms, min_interval_ms)
+        super().__init__(f"schedule {name!r}: {expression!r} has occurrences {value} apart; the minimum "
+                         f"(schedule_min_interval_ms) is {limit}", name=name, expression=expression,
+                         interval_ms=interval_ms, min_interval_ms=min_interval_ms)
+
+
+class ScheduleExists(BadRequest):
+    """Raised when a schedule is created under a name a schedule already has (delete it first,
+    or update it)."""
+
+    code = 40000
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"schedule {name!r} already exists", name=name)
+
+
+class ScheduleNotFound(BadRequest):
+    """Raised when a show, update, pause, resume or delete names no schedule."""
+
+    code = 40000
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"no schedule {name!r}", name=name)
+
+
+class TooManySchedules(BadRequest):
+    """Raised when a create would hold more than `schedule_max_count` schedules (each lives in
+    the broker's memory)."""
+
+    code = 40000
+
+    def __init__(self, count: int, limit: int) -> None:
+        super().__init__(f"{count} schedules exist; the limit (schedule_max_count) is {limit}", count=count,
+                         limit=limit)
 
 
 class InvalidRecallHandle(BadRequest):

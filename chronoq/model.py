@@ -36,8 +36,17 @@ LINKS_TOPIC = "chronoq.links"
 """Link records: each enters records already in the log into other topics' queues (a fire step's
 timers into their real topics; `store/links.py`). A name no producer can give (a '.' is outside
 the topic alphabet), so no topic a user made, before or since, is ever read as link records."""
+SCHEDULES_TOPIC = "chronoq.schedules"
+"""Recurring schedules' records (`chronoq/recurring/records.py`): each schedule's definition and
+progress, replayed at open into the live table. Like `LINKS_TOPIC`, a name outside the topic
+alphabet, so no user's topic is ever read as schedules. Made by the first schedule's create."""
 DLQ_PREFIX = "%DLQ%"
-SYSTEM_TOPICS = frozenset({TIMER_TOPIC, SCHEDULE_TOPIC, LINKS_TOPIC})
+SYSTEM_TOPICS = frozenset({TIMER_TOPIC, SCHEDULE_TOPIC, LINKS_TOPIC, SCHEDULES_TOPIC})
+PROP_SCHEDULE_NAME = "SCHEDULE_NAME"
+"""On a message a recurring schedule produced: the schedule's name."""
+PROP_SCHEDULE_DUE_MS = "SCHEDULE_DUE_MS"
+"""On a message a recurring schedule produced: the occurrence's nominal due time, ms since the
+epoch (before any jitter), as decimal text."""
 
 # -- producer-facing timer properties (RocketMQ names) ---------------------------------------
 PROP_TIMER_DELIVER_MS = "TIMER_DELIVER_MS"

@@ -26,13 +26,16 @@ re-appended, so a timer due in 30 days outlives 72-hour segments), all of them, 
 below the limit: one left in an expired segment would fire from there, and its link, live, would
 keep that segment for another retention period. If any timer is still pending below the limit
 afterwards (skipped because it was being fired or cancelled), nothing is deleted this time.
-Then the consume queues are checkpointed, the segments and queue files below the limit deleted,
+Recurring schedules' records below the live segments are rolled forward the same way
+(`Schedules.roll_before`: a `put` of each, re-appended). Then the consume queues are
+checkpointed, the segments and queue files below the limit deleted,
 and the timer index's history older than the retention period pruned.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 from chronoq.config import Config
 from chronoq.store.groups import GroupStore
@@ -43,8 +46,12 @@ log = logging.getLogger("chronoq.retention")
 
 
 class Retention:
-    def __init__(self, config: Config, store: MessageStore, groups: GroupStore, timer: TimerService) -> None:
+    def __init__(self, config: Config, store: MessageStore, groups: GroupStore, timer: TimerService, *,
+                 roll_schedules: Callable[[int, int], Awaitable[int]] | None = None) -> None:
         self.config = config
+        self.roll_schedules = roll_schedules
+        """Re-appends the recurring schedules whose latest record lies below a position
+        (`Schedules.roll_before`), so each schedule stays whole in the log."""
         self.store = store
         self.groups = groups
         self.timer = timer
@@ -70,6 +77,8 @@ class Retention:
         # limit: one left where it is would fire from there, and its link (live) would keep
         # that expired segment for another retention period.
         await self.timer.roll_before(live, now_ms)
+        if self.roll_schedules is not None:
+            await self.roll_schedules(live, now_ms)
         # A receive while the roll waited may have put older records in flight, and a fire
         # linked older timers: pin them too.
         live = self._held_in_flight(live, hold_limit)

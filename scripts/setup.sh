@@ -32,7 +32,7 @@ extras=""
 spec="."
 [ -n "$extras" ] && spec=".[$extras]"
 .venv/bin/python -m pip install -q -e "$spec" 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -c "import chronoq, rocksdict, grpc" || { echo "setup.sh: chronoq did not install" >&2; exit 1; }
+.venv/bin/python -c "import chronoq, rocksdict, grpc, cronsim" || { echo "setup.sh: chronoq did not install" >&2; exit 1; }
 if [ "$want_node" = 1 ] && [ -x scripts/install-node-client.sh ]; then scripts/install-node-client.sh; fi
 if [ "$want_spark" = 1 ] && [ -x scripts/install-spark.sh ]; then scripts/install-spark.sh; fi
 if [ "$want_peers" = 1 ] && [ -x scripts/install-peers.sh ]; then scripts/install-peers.sh; fi

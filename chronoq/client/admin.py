@@ -13,6 +13,7 @@ are what the server offers, not how a call reaches it; `AsyncProducer` and `Asyn
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
@@ -95,6 +96,48 @@ class AsyncAdmin(Connection):
 
     # -- observation ---------------------------------------------------------------------------
 
+    # -- recurring schedules (the admin service's *Schedule calls; replies as JSON objects) -------
+
+    async def create_schedule(self, name: str, topic: str, body: bytes, *, every_ms: int | None = None,
+                              cron: str | None = None, zone: str | None = None, start_ms: int | None = None,
+                              end_ms: int | None = None, catch_up: str | None = None, jitter_ms: int | None = None,
+                              limit: int | None = None, tag: str | None = None,
+                              properties: dict[str, str] | None = None) -> dict[str, Any]:
+        """Create a recurring schedule (`every_ms` or `cron` [6 fields: seconds first], `zone` an
+        IANA name); returns it with its next occurrences (`upcoming_ms`)."""
+        req = _schedule_fields(body=body, every_ms=every_ms, cron=cron, zone=zone, start_ms=start_ms, end_ms=end_ms,
+                               catch_up=catch_up, jitter_ms=jitter_ms, limit=limit, tag=tag, properties=properties)
+        reply = await self._admin_retried("CreateSchedule", {"name": name, "topic": topic, **req}, after_unknown=False)
+        return dict(reply["schedule"])
+
+    async def update_schedule(self, name: str, *, body: bytes | None = None, every_ms: int | None = None,
+                              cron: str | None = None, zone: str | None = None, start_ms: int | None = None,
+                              end_ms: int | None = None, catch_up: str | None = None, jitter_ms: int | None = None,
+                              limit: int | None = None, tag: str | None = None,
+                              properties: dict[str, str] | None = None) -> dict[str, Any]:
+        """Change a schedule (only what is given); applies from its next occurrence."""
+        req = _schedule_fields(body=body, every_ms=every_ms, cron=cron, zone=zone, start_ms=start_ms, end_ms=end_ms,
+                               catch_up=catch_up, jitter_ms=jitter_ms, limit=limit, tag=tag, properties=properties)
+        reply = await self._admin_retried("UpdateSchedule", {"name": name, **req}, after_unknown=False)
+        return dict(reply["schedule"])
+
+    async def pause_schedule(self, name: str) -> dict[str, Any]:
+        return dict((await self._admin_retried("PauseSchedule", {"name": name}, after_unknown=False))["schedule"])
+
+    async def resume_schedule(self, name: str) -> dict[str, Any]:
+        return dict((await self._admin_retried("ResumeSchedule", {"name": name}, after_unknown=False))["schedule"])
+
+    async def delete_schedule(self, name: str) -> dict[str, Any]:
+        return dict((await self._admin_retried("DeleteSchedule", {"name": name}, after_unknown=False))["schedule"])
+
+    async def list_schedules(self) -> list[dict[str, Any]]:
+        return [dict(s) for s in (await self._admin_retried("ListSchedules", {}, after_unknown=True))["schedules"]]
+
+    async def describe_schedule(self, name: str, count: int = 5) -> dict[str, Any]:
+        """A schedule and its next `count` occurrences (`upcoming_ms`, nominal due times)."""
+        reply = await self._admin_retried("DescribeSchedule", {"name": name, "count": count}, after_unknown=True)
+        return dict(reply["schedule"])
+
     async def stats(self) -> dict[str, Any]:
         reply = await self._admin_retried("Stats", {}, after_unknown=True)
         return {k: v for k, v in reply.items() if k not in ("code", "message")}
@@ -112,3 +155,10 @@ class AsyncAdmin(Connection):
         checked = [wire.nonnegative_int("position", p) for p in positions]
         reply = await self._admin("FireTimers", {"positions": checked})
         return FireOutcome(int(reply.get("fired", 0)), int(reply.get("skipped", 0)))
+
+
+def _schedule_fields(*, body: bytes | None, **fields: Any) -> dict[str, Any]:
+    out = {k: v for k, v in fields.items() if v is not None}
+    if body is not None:
+        out["body_b64"] = base64.b64encode(body).decode()
+    return out

@@ -32,6 +32,7 @@ from chronoq.model import (
 )
 from chronoq.protocol.errors import InvalidField, MalformedRequest, MissingField
 from chronoq.protocol.requests import decode_topic_name
+from chronoq.recurring.records import Schedule
 
 if TYPE_CHECKING:
     from chronoq.timer.engine import TimerEntry  # the type only: the wire codec does not import the timer room
@@ -266,3 +267,43 @@ def stored_message_json(msg: StoredMessage) -> dict[str, Any]:
             "properties": dict(msg.properties), "system_properties": dict(msg.system_properties),
             "body_b64": base64.b64encode(msg.body).decode("ascii"), "born_ms": msg.born_ms,
             "store_ms": msg.store_ms, "deliver_at_ms": msg.deliver_at_ms, "position": msg.position}
+
+
+def schedule_json(s: Schedule, upcoming: list[int] | None = None) -> dict[str, Any]:
+    """A recurring schedule for the admin service's replies (body as base64, times in ms)."""
+    r = s.recurrence
+    out = {"name": s.name, "topic": s.topic, "body_b64": base64.b64encode(s.body).decode(),
+           "every_ms": r.every_ms, "cron": r.cron, "zone": r.zone, "start_ms": r.start_ms, "end_ms": r.end_ms,
+           "catch_up": s.catch_up, "jitter_ms": s.jitter_ms, "limit": s.limit, "tag": s.tag,
+           "properties": dict(s.properties), "paused": s.paused, "finished": s.finished, "version": s.version,
+           "created_ms": s.created_ms, "updated_ms": s.updated_ms, "count": s.count,
+           "pending_due_ms": s.pending[1] if s.pending else None, "last_error": s.last_error}
+    if upcoming is not None:
+        out["upcoming_ms"] = upcoming
+    return out
+
+
+def schedule_spec_from_json(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """A CreateSchedule / UpdateSchedule request's schedule fields (absent: not given)."""
+    spec: dict[str, Any] = {}
+    if "body_b64" in doc:
+        spec["body"] = _b64(doc, "body_b64")
+    for name in ("every_ms", "start_ms", "end_ms", "jitter_ms", "limit"):
+        if doc.get(name) is not None:
+            spec[name] = arg_int(doc, name)
+    for name in ("cron", "zone", "catch_up", "tag"):
+        if doc.get(name) is not None:
+            spec[name] = arg_str(doc, name)
+    if doc.get("properties") is not None:
+        spec["properties"] = _str_map(doc, "properties")
+    return spec
+
+
+def _b64(doc: Mapping[str, Any], name: str) -> bytes:
+    value = doc.get(name)
+    if not isinstance(value, str):
+        raise InvalidField(name, "must be base64 text")
+    try:
+        return base64.b64decode(value, validate=True)
+    except (ValueError, binascii.Error):
+        raise InvalidField(name, "is not valid base64") from None

@@ -27,6 +27,11 @@ carrying at least one message; it reads a few messages at a time, so the server 
 than about one reply (not a send batch of messages at the size limit). `next_offset` is where to
 read on; `truncated` says the byte budget stopped the reply with messages left.
 
+Schedules (recurring, `chronoq/recurring/`): CreateSchedule and UpdateSchedule need publish on
+the schedule's topic, as its messages are sends; Pause, Resume and Delete publish on it too;
+DescribeSchedule (with its next `count` occurrences, default 5) publish or subscribe; and
+ListSchedules lists the schedules of the topics the caller may see.
+
 SendBatch reports per message: messages that fail to decode get their own error entry and the
 rest go to `Broker.send_batch(partial=True)` in one durable write, which reports each message's
 outcome in its slot (one bad message does not fail the others).
@@ -47,6 +52,7 @@ from chronoq.errors import ChronoqError, InvalidBatchSize, PermissionDenied
 from chronoq.model import OutgoingMessage
 from chronoq.protocol import admin as codec
 from chronoq.protocol.errors import InvalidField, MalformedRequest, MissingField
+from chronoq.recurring.records import ScheduleChange
 from chronoq.server.auth import AUTH_OFF, Authenticator, Principal
 from chronoq.server.grpc_service import authenticate
 from chronoq.server.net import max_request_bytes
@@ -81,6 +87,10 @@ class AdminService:
             "QueryMessage": self.query_message, "CancelMessage": self.cancel_message,
             "ReadMessages": self.read_messages, "Stats": self.stats, "SendBatch": self.send_batch,
             "FireTimers": self.fire_timers, "SearchTimers": self.search_timers, "PendingByDue": self.pending_by_due,
+            "CreateSchedule": self.create_schedule, "UpdateSchedule": self.update_schedule,
+            "PauseSchedule": self.pause_schedule, "ResumeSchedule": self.resume_schedule,
+            "DeleteSchedule": self.delete_schedule, "ListSchedules": self.list_schedules,
+            "DescribeSchedule": self.describe_schedule,
         }
         handlers = {name: grpc.unary_unary_rpc_method_handler(self._handler(name, body))
                     for name, body in methods.items()}
@@ -267,6 +277,54 @@ class AdminService:
     async def stats(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
         caller.require_admin("Stats")
         return codec.ok_json(**self.broker.stats())
+
+    # -- schedules ----------------------------------------------------------------------------------
+
+    async def create_schedule(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
+        name = codec.arg_str(doc, "name")
+        topic = codec.arg_topic(doc, self.config)
+        caller.require_publish({topic})
+        spec = codec.schedule_spec_from_json(doc)
+        body = spec.pop("body", None)
+        if body is None:
+            raise MissingField("body_b64")
+        s = await self.broker.create_schedule(name, topic, body, **spec)
+        return codec.ok_json(schedule=codec.schedule_json(s, self.broker.schedule_upcoming(s.name, 5)))
+
+    async def update_schedule(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
+        name = codec.arg_str(doc, "name")
+        caller.require_publish({self.broker.get_schedule(name).topic})
+        s = await self.broker.update_schedule(name, ScheduleChange(**codec.schedule_spec_from_json(doc)))
+        return codec.ok_json(schedule=codec.schedule_json(s, self.broker.schedule_upcoming(s.name, 5)))
+
+    async def pause_schedule(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
+        name = codec.arg_str(doc, "name")
+        caller.require_publish({self.broker.get_schedule(name).topic})
+        return codec.ok_json(schedule=codec.schedule_json(await self.broker.pause_schedule(name)))
+
+    async def resume_schedule(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
+        name = codec.arg_str(doc, "name")
+        caller.require_publish({self.broker.get_schedule(name).topic})
+        s = await self.broker.resume_schedule(name)
+        return codec.ok_json(schedule=codec.schedule_json(s, self.broker.schedule_upcoming(s.name, 5)))
+
+    async def delete_schedule(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
+        name = codec.arg_str(doc, "name")
+        caller.require_publish({self.broker.get_schedule(name).topic})
+        return codec.ok_json(schedule=codec.schedule_json(await self.broker.delete_schedule(name)))
+
+    async def list_schedules(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
+        return codec.ok_json(schedules=[codec.schedule_json(s) for s in self.broker.list_schedules()
+                                        if caller.may_see(s.topic)])
+
+    async def describe_schedule(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
+        name = codec.arg_str(doc, "name")
+        s = self.broker.get_schedule(name)
+        caller.require_see(s.topic)
+        count = codec.arg_int(doc, "count", required=False) or 5
+        if not 1 <= count <= 1000:
+            raise InvalidField("count", "must be 1..1000")
+        return codec.ok_json(schedule=codec.schedule_json(s, self.broker.schedule_upcoming(name, count)))
 
     async def send_batch(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
         entries = doc.get("messages")
