@@ -115,7 +115,8 @@ def test_every_name_in_the_data_directory_has_its_section() -> None:
     for name in names:
         assert name in tree, f"{name!r} (store/files.py) is missing from the directory tree in docs/disk-format.md"
     for heading in ("(`commitlog/*.log`)", "(`queues/<topic>/<qid>/*.cq`)", "(`checkpoint`)", "(`topics`)",
-                    "(`groups/`", "(`timer/`", "(`timerwheel/`", "(`trace/*.trace`", "## Recall handle", "### Link record"):
+                    "(`groups/`", "(`timer/`", "(`timerwheel/`", "(`trace/*.trace`", "## Recall handle",
+                    "### Link record"):
         assert heading in text, f"docs/disk-format.md has no section {heading}"
 
 
