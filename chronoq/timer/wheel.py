@@ -82,6 +82,9 @@ DEFAULT_SLOT_MS = 1000
 DEFAULT_SLOTS = 7 * 24 * 3600
 """RocketMQ's wheel: 7 days of 1-second slots (19 MB)."""
 DEFAULT_CHECKPOINT_BYTES = 16 << 20
+_STATE_CODE = {TimerState.DELIVERED: 2, TimerState.CANCELLED: 3, TimerState.DAMAGED: 4}
+"""A finished timer's state in a kind-7 facts record (the RocksDB index's codes)."""
+_CODE_STATE = {code: state for state, code in _STATE_CODE.items()}
 
 
 @dataclass(slots=True)
@@ -100,8 +103,12 @@ class WheelTimerEngine:
     """RIP-43's TimerLog + TimerWheel behind the `TimerEngine` protocol (module docstring)."""
 
     def __init__(self, path: Path, *, slot_ms: int = DEFAULT_SLOT_MS, slots: int = DEFAULT_SLOTS,
-                 checkpoint_bytes: int = DEFAULT_CHECKPOINT_BYTES, disk: DiskSpace | None = None) -> None:
+                 checkpoint_bytes: int = DEFAULT_CHECKPOINT_BYTES, rewrite_ratio: float = 3.0,
+                 disk: DiskSpace | None = None) -> None:
         self.path = Path(path)
+        self.rewrite_ratio = rewrite_ratio
+        """Rewrite the files when they are this many times what a rewrite would keep (0: at
+        every checkpoint, which the tests use)."""
         self.slot_ms = slot_ms
         self.slots = slots
         self.window_ms = slot_ms * slots
@@ -141,10 +148,12 @@ class WheelTimerEngine:
 
     @classmethod
     def open(cls, path: str | Path, *, slot_ms: int = DEFAULT_SLOT_MS, slots: int = DEFAULT_SLOTS,
-             checkpoint_bytes: int = DEFAULT_CHECKPOINT_BYTES, disk: DiskSpace | None = None) -> WheelTimerEngine:
+             checkpoint_bytes: int = DEFAULT_CHECKPOINT_BYTES, rewrite_ratio: float = 3.0,
+             disk: DiskSpace | None = None) -> WheelTimerEngine:
         """Open (or create) the wheel at `path`. `TimerIndexCorrupt` when its files cannot be used
         (the broker then destroys it and rebuilds it from the commit log)."""
-        engine = cls(Path(path), slot_ms=slot_ms, slots=slots, checkpoint_bytes=checkpoint_bytes, disk=disk)
+        engine = cls(Path(path), slot_ms=slot_ms, slots=slots, checkpoint_bytes=checkpoint_bytes,
+                     rewrite_ratio=rewrite_ratio, disk=disk)
         make_dirs(engine.path)
         check_path = engine.path / "timercheck"
         if check_path.exists():
@@ -166,6 +175,10 @@ class WheelTimerEngine:
             if size < end:
                 raise TimerIndexCorrupt(engine.path, f"{p.name} holds {size} bytes, its checkpoint covers {end}")
         engine.generation = check.generation
+        for stray in engine.path.iterdir():  # a rewrite a crash interrupted, or one it finished
+            suffix = stray.name.rpartition(".")[2]
+            if stray.name.startswith(("timerlog.", "timerfacts.", "timerwheel.")) and suffix != str(check.generation):
+                stray.unlink()
         engine._indexed_position = check.indexed_position
         engine.read_slot_ms = check.read_slot_ms
         engine.timerlog = wf.AppendFile(engine._file("timerlog"), check.timerlog_end)
@@ -247,6 +260,99 @@ class WheelTimerEngine:
             self.slot_ms, self.slots))
         self._checkpointed_bytes = self.timerlog.end + self.facts.end
 
+    def _worth_rewriting(self) -> bool:
+        """The files hold mostly what no longer matters: units and facts of timers finished and
+        pruned. A rewrite keeps ~2 units' worth per known timer; it is worth it past 3 times that
+        (and past the checkpoint interval, so a small wheel is never rewritten)."""
+        kept = len(self.rows) * (2 * wf.UNIT_SIZE + 100) + len(self.link_copies) * 1024
+        return self.timerlog.end + self.facts.end > max(self.rewrite_ratio * kept, self.checkpoint_bytes)
+
+    def rewrite(self) -> None:
+        """Write what the engine knows into a new generation of files, then switch to it: the
+        TimerLog and facts journal otherwise grow with every timer ever indexed. Pending timers
+        get a facts record and a placement unit in the slot they are in; finished ones (until
+        pruned) a facts record with their state; roll redirects a record each; link copies,
+        link floors and delay-level progress are carried over. The new files are made durable,
+        then the checkpoint naming them replaces the old one (atomic), then the old files go; a
+        crash before the checkpoint leaves the old generation in force (the new files are
+        removed at the next open). Takes time in O(timers known), during one `apply`."""
+        self._check_open()
+        gen = self.generation + 1
+        log = wf.AppendFile(self.path / f"timerlog.{gen}", 0)
+        facts = wf.AppendFile(self.path / f"timerfacts.{gen}", 0)
+        wheel = wf.WheelFile(self.path / f"timerwheel.{gen}", self.slots)
+        try:
+            wheel.clear()
+            facts_parts: list[bytes] = []
+            units: list[bytes] = []
+            chains: dict[int, tuple[int, int, int, int]] = {}
+            facts_at = 0
+            moved: list[tuple[int, _Row]] = []
+            for position in sorted(self.rows):
+                row = self.rows[position]
+                e = row.entry
+                if row.state is None:
+                    record = wf.redirect_record(position, e.position, e.deliver_at_ms)
+                else:
+                    record = wf.timer_record(e.position, e.size, e.deliver_at_ms, e.accepted_ms, e.tag_hash,
+                                             e.queue_id, e.group_hash, None, e.topic, e.message_id, e.keys)
+                    if row.state is not TimerState.PENDING:
+                        record = wf.finished_record(_STATE_CODE[row.state], row.done_ms or 0, record)
+                    else:
+                        at = len(units) * wf.UNIT_SIZE
+                        index = (row.slot_ms // self.slot_ms) % self.slots
+                        t, first, last, count = chains.get(index, (-1, -1, -1, 0))
+                        if t != row.slot_ms:
+                            first, last, count = -1, -1, 0
+                        magic = wf.MAGIC_ROLL if e.deliver_at_ms >= row.slot_ms + self.slot_ms else wf.MAGIC_DEFAULT
+                        units.append(wf.pack_unit(last, magic, row.slot_ms, e.deliver_at_ms - row.slot_ms,
+                                                  e.position, e.size, wf.topic_hash(e.topic), facts_at))
+                        chains[index] = (row.slot_ms, first if first >= 0 else at, at, count + 1)
+                    moved.append((position, _Row(e, row.state, row.done_ms, row.slot_ms, facts_at)))
+                facts_parts.append(record)
+                facts_at += len(record)
+            for level, offset in sorted(self.levels.items()):
+                facts_parts.append(wf.level_record(level, offset))
+            for base, floor in sorted(self.link_floors.items()):
+                facts_parts.append(wf.floor_record(base, floor))
+            copies: dict[int, int] = {}
+            for position in sorted(self.link_copies):
+                copy = self.link_copy(position)
+                if copy is not None:
+                    copies[position] = facts_at
+                    record = wf.link_copy_record(position, copy[1], copy[0])
+                    facts_parts.append(record)
+                    facts_at += len(record)
+            if self._live_links_from is not None:
+                facts_parts.append(wf.forget_links_record(0, self._live_links_from))
+            facts.append(b"".join(facts_parts))
+            log.append(b"".join(units))
+            for index, (slot_ms, first, last, count) in chains.items():
+                wheel.put(index, slot_ms, first, last, count)
+            log.sync()
+            facts.sync()
+            wheel.sync()
+            wf.write_checkpoint(self.path, wf.Checkpoint(gen, self._indexed_position, log.end, facts.end,
+                                                         self.read_slot_ms, self.slot_ms, self.slots))
+        except BaseException:
+            log.close()
+            facts.close()
+            wheel.close()
+            for name in ("timerlog", "timerfacts", "timerwheel"):
+                (self.path / f"{name}.{gen}").unlink(missing_ok=True)
+            raise
+        old = (self.timerlog, self.facts, self.wheel, self.generation)
+        self.timerlog, self.facts, self.wheel, self.generation = log, facts, wheel, gen
+        for f in old[:3]:
+            f.close()
+        for name in ("timerlog", "timerfacts", "timerwheel"):
+            (self.path / f"{name}.{old[3]}").unlink(missing_ok=True)
+        for position, row in moved:
+            self.rows[position] = row
+        self.link_copies = copies
+        self._slot_lists.clear()
+        self._checkpointed_bytes = log.end + facts.end
+
     @property
     def indexed_position(self) -> int:
         return self._indexed_position
@@ -281,6 +387,14 @@ class WheelTimerEngine:
                 self._forget_links(below, live_from)
             elif kind == wf.F_PRUNE:
                 prune_before = max(prune_before, wf.decode_prune(payload))
+            elif kind == wf.F_FINISHED:
+                state, done_ms, f = wf.decode_finished(payload)
+                self._set(f.position, _Row(_entry_of(f), _CODE_STATE[state], done_ms, -1, at))
+                self.history.append((done_ms, f.position))
+            elif kind == wf.F_REDIRECT:
+                old, new, due_ms = wf.decode_redirect(payload)
+                self._set(old, _Row(TimerEntry(due_ms, new, 0, "", "", 0), None))
+                self.history.append((due_ms, old))
             else:
                 raise ValueError(f"facts record at {at} of unknown kind {kind}")
         self.wheel.clear()
@@ -333,8 +447,7 @@ class WheelTimerEngine:
             if row.state is TimerState.PENDING:
                 self._set(position, _Row(row.entry, row.state, None, slot_ms, row.facts_at))
             return
-        entry = TimerEntry(facts.deliver_at_ms, position, facts.size, facts.message_id, facts.topic,
-                           facts.accepted_ms, facts.keys, facts.tag_hash, facts.queue_id, facts.group_hash)
+        entry = _entry_of(facts)
         if facts.rolled_from is not None:
             old = self.rows.get(facts.rolled_from)
             if old is None or old.state is TimerState.PENDING:
@@ -538,7 +651,10 @@ class WheelTimerEngine:
         if batch.applied_ms is not None and added:
             self._latencies.enqueue_lag_ms.record_many([batch.applied_ms - e.accepted_ms for e in added])
         if self.timerlog.end + self.facts.end - self._checkpointed_bytes >= self.checkpoint_bytes:
-            self.checkpoint()
+            if self._worth_rewriting():
+                self.rewrite()
+            else:
+                self.checkpoint()
 
     def _io_error(self, exc: OSError, during: str) -> Exception:
         if self._disk is not None and is_disk_full(exc):
@@ -848,8 +964,10 @@ class _Units:
         pending timers lies inside one window, which starts at the read pointer (or at the
         earliest such slot, if earlier). Due beyond the window: the window's last slot, with
         ROLL. Due before the read pointer: its own slot when no pending timer lies a window or
-        more after it, else the read pointer's slot (the read pointer is never ahead of the
-        clock that fires, so that slot's time has come: it fires at once)."""
+        more after it, else the earliest slot the window allows, at or before every other
+        pending timer's (so the order of due times holds; on a clock that never goes back that
+        slot's time has come, since the window started at or before the read pointer: it fires
+        at once, and after a clock stepped back it fires late, never early)."""
         slot_ms, magic = self.target(entry, after)
         self.lo = slot_ms if self.lo is None else min(self.lo, slot_ms)
         self.hi = slot_ms if self.hi is None else max(self.hi, slot_ms)
@@ -872,7 +990,7 @@ class _Units:
         start = e.read_slot_ms if lo is None else min(lo, e.read_slot_ms)
         magic = wf.MAGIC_DEFAULT
         if slot_ms < start and hi is not None and hi - slot_ms >= e.window_ms:
-            slot_ms = max(e.read_slot_ms, hi - e.window_ms + e.slot_ms)
+            slot_ms = hi - e.window_ms + e.slot_ms  # at or before every other pending timer's slot
         else:
             start = min(start, slot_ms)
             if slot_ms > start + e.window_ms - e.slot_ms:
@@ -885,6 +1003,11 @@ class _Units:
     def commit(self) -> None:
         for index, (slot_ms, first, last, count) in self.slots.items():
             self.engine.wheel.put(index, slot_ms, first, last, count)
+
+
+def _entry_of(facts: wf.TimerFacts) -> TimerEntry:
+    return TimerEntry(facts.deliver_at_ms, facts.position, facts.size, facts.message_id, facts.topic,
+                      facts.accepted_ms, facts.keys, facts.tag_hash, facts.queue_id, facts.group_hash)
 
 
 def _dec(counter: Counter, key: object) -> None:  # type: ignore[type-arg]

@@ -67,6 +67,8 @@ F_FLOOR = 3
 F_LINK_COPY = 4
 F_FORGET_LINKS = 5
 F_PRUNE = 6
+F_FINISHED = 7
+F_REDIRECT = 8
 
 _HEAD = struct.Struct(">II")
 _TIMER = struct.Struct(">QIQqIiqq")
@@ -142,6 +144,29 @@ def forget_links_record(below: int, live_from: int | None) -> bytes:
 
 def prune_record(before_ms: int) -> bytes:
     return _record(F_PRUNE, _PRUNE.pack(before_ms))
+
+
+_FINISHED = struct.Struct(">BQ")
+_REDIRECT = struct.Struct(">QQQ")
+
+
+def finished_record(state: int, done_ms: int, timer: bytes) -> bytes:
+    """A finished timer as a rewrite keeps it: state · done_ms · the kind-1 payload (`timer`
+    is a whole kind-1 record; its payload is taken from it)."""
+    return _record(F_FINISHED, _FINISHED.pack(state, done_ms) + timer[_HEAD.size + 1:])
+
+
+def redirect_record(old_position: int, new_position: int, due_ms: int) -> bytes:
+    return _record(F_REDIRECT, _REDIRECT.pack(old_position, new_position, due_ms))
+
+
+def decode_finished(payload: memoryview) -> tuple[int, int, TimerFacts]:
+    state, done_ms = _FINISHED.unpack_from(payload, 0)
+    return state, done_ms, decode_timer(payload[_FINISHED.size:])
+
+
+def decode_redirect(payload: memoryview) -> tuple[int, int, int]:
+    return _REDIRECT.unpack_from(payload, 0)  # type: ignore[return-value]
 
 
 @dataclass(frozen=True, slots=True)

@@ -140,7 +140,7 @@ def test_environment_text_is_read_as_the_setting_type_or_refused() -> None:
     for key, raw, expected in [("CHRONOQ_PORT", "eighty", "an integer in 1..65535"),
                                ("CHRONOQ_TRACE_ENABLE", "maybe", "true or false"),
                                ("CHRONOQ_MAX_LONG_POLL_MS", "0", "an integer >= 1"),
-                               ("CHRONOQ_TIMER_ENGINE", "wheel", 'one of "rocksdb", "memory"'),
+                               ("CHRONOQ_TIMER_ENGINE", "rocks", 'one of "rocksdb", "wheel", "memory"'),
                                ("CHRONOQ_TIMER_FIRER", "job", 'one of "broker", "spark"')]:
         with pytest.raises(ConfigError) as info:
             Config.load(env={key: raw})

@@ -103,6 +103,9 @@ ENGINES: dict[str, EngineFactory] = {
     # A wheel of 256 slots of 50 ms (a 12.8 s window): many timers here lie beyond it (ROLL,
     # linked again when their slot comes up).
     "wheel-small": lambda path: WheelTimerEngine.open(path / "timer-wheel-small", slot_ms=50, slots=256),
+    # The same, rewriting its files into a new generation every 2 KiB they grow.
+    "wheel-rewriting": lambda path: WheelTimerEngine.open(path / "timer-wheel-rw", slot_ms=50, slots=256,
+                                                          checkpoint_bytes=2048, rewrite_ratio=0),
 }
 """Every `TimerEngine`: each semantic test below runs against each (add an engine here)."""
 
