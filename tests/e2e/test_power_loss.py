@@ -41,6 +41,7 @@ from chronoq.model import SYS_TIMER_OUT_MS, OutgoingMessage, TimerState
 from chronoq.store import files
 from chronoq.store.check import check_data_dir
 from tests.e2e import powerloss_driver as driver
+from tests.support import brokers as support_brokers
 from tests.support.brokers import open_broker
 from tests.support.children import child_env, module_argv
 from tests.support.timers import fired_messages
@@ -88,7 +89,7 @@ def _assemble(snaps: list[Path], j: int, i: int, k: int, to: Path) -> None:
             shutil.copytree(src, to / name)
         elif src.exists():
             shutil.copy2(src, to / name)
-    for name, n in ((files.GROUPS_DIR, i), (files.TIMER_DIR, k)):
+    for name, n in ((files.GROUPS_DIR, i), (files.TIMER_DIR, k), (files.TIMER_WHEEL_DIR, k)):
         if (snaps[n] / name).exists():
             shutil.copytree(snaps[n] / name, to / name)
 
@@ -148,7 +149,10 @@ async def _verify(world: Path, acked: dict[str, dict], label: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_worlds_assembled_from_snapshots_lose_nothing_and_fire_nothing_twice(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ["rocksdb", "wheel"])
+def test_worlds_assembled_from_snapshots_lose_nothing_and_fire_nothing_twice(
+        tmp_path: Path, engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(support_brokers, "TIMER_ENGINE", engine)
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     data, journal = tmp_path / "data", tmp_path / "journal"
@@ -156,7 +160,7 @@ def test_worlds_assembled_from_snapshots_lose_nothing_and_fire_nothing_twice(tmp
     marks: list[int] = []
     with open(tmp_path / "driver.log", "wb") as log:
         child = subprocess.Popen(module_argv(DRIVER, data, journal, seed), stdout=subprocess.PIPE, stderr=log,
-                                 env=child_env())
+                                 env=child_env(CHRONOQ_TEST_TIMER_ENGINE=engine))
         try:
             assert child.stdout is not None and child.stdout.readline() == b"READY\n", "driver did not start"
             for n in range(SNAPSHOTS):
@@ -177,6 +181,6 @@ def test_worlds_assembled_from_snapshots_lose_nothing_and_fire_nothing_twice(tmp
     for n, (j, i, k) in enumerate(worlds):
         world = tmp_path / f"world{n}"
         _assemble(snaps, j, i, k, world)
-        label = f"seed {seed}, world log@{j} groups@{i} timer@{k}"
+        label = f"{engine}, seed {seed}, world log@{j} groups@{i} timer@{k}"
         asyncio.run(_verify(world, _journal(journal, marks[j]), label))
         shutil.rmtree(world)

@@ -31,9 +31,10 @@ MAX_LATE_MS = 15_000
 
 
 class Child:
-    def __init__(self, args: list[str]) -> None:
+    def __init__(self, args: list[str], engine_env: dict[str, str] | None = None) -> None:
+        engine_env = engine_env or {}
         self.proc = subprocess.Popen(module_argv(DRIVER, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=child_env(PYTHONUNBUFFERED="1"), cwd=ROOT)
+                                     text=True, env=child_env(PYTHONUNBUFFERED="1", **engine_env), cwd=ROOT)
         self.events: list[dict[str, Any]] = []
         self.lock = threading.Lock()
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -87,9 +88,11 @@ def _percentile(values: list[int], p: float) -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_sigkill_midway_all_delivered_none_early(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ["rocksdb", "wheel"])
+def test_sigkill_midway_all_delivered_none_early(tmp_path: Path, engine: str) -> None:
     data = str(tmp_path / "data")
-    first = Child(["--data", data, "--count", str(COUNT), "--run", "0", "--seed", "7"])
+    env = {"CHRONOQ_TEST_TIMER_ENGINE": engine}
+    first = Child(["--data", data, "--count", str(COUNT), "--run", "0", "--seed", "7"], env)
     try:
         first.wait_for(lambda ev: any(e["ev"] == "open" for e in ev), 30)
         # Midway: some timers delivered, some sends still to come.
@@ -102,7 +105,7 @@ def test_sigkill_midway_all_delivered_none_early(tmp_path: Path) -> None:
     acked_sends_1 = [item for e in _of(ev1, "sent") for item in e["items"]]
     start = len(acked_sends_1)  # batches are sent one after another: indexes 0..start-1 acked
     second = Child(["--data", data, "--count", str(COUNT), "--start", str(start), "--run", "1", "--seed", "7",
-                    "--exit-when-idle"])
+                    "--exit-when-idle"], env)
     second.finish(90)
     ev2 = second.snapshot()
     assert second.proc.returncode == 0, second.proc.stderr.read()[-3000:]

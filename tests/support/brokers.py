@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import typing
 from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
@@ -38,8 +39,10 @@ T = TypeVar("T")
 TIMER_ENGINES: tuple[str, ...] = typing.get_args(typing.get_type_hints(Config)["timer_engine"])
 """Every timer index a broker runs on (`chronoq/timer/engines.py`)."""
 DEFAULT_TIMER_ENGINE: str = next(f.default for f in dataclasses.fields(Config) if f.name == "timer_engine")
-TIMER_ENGINE = DEFAULT_TIMER_ENGINE
-"""The index `open_broker` gives a broker: the default, or the one `each_timer_engine` is running."""
+TIMER_ENGINE = os.environ.get("CHRONOQ_TEST_TIMER_ENGINE", DEFAULT_TIMER_ENGINE)
+"""The index `open_broker` gives a broker: the default, or the one `each_timer_engine` is running
+(a child process started by a test that runs on several engines reads it from
+CHRONOQ_TEST_TIMER_ENGINE)."""
 
 SMALL_LIMITS: dict[str, Any] = {
     "segment_size_bytes": 4096,
