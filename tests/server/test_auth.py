@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from chronoq.client import AsyncAdmin, AsyncProducer, outgoing
 from chronoq.config import Config, ConfigError
 from chronoq.protocol import batch_receive, signature
 from chronoq.protocol.v2 import definition, service
-from chronoq.server.auth import ANONYMOUS, AuthConfig, Authenticator, User, load_auth, parse_auth
+from chronoq.server.auth import ANONYMOUS, AuthConfig, Authenticator, RefusalLog, User, load_auth, parse_auth
 from chronoq.server.grpc_service import wall_ms
 from tests.support.auth_server import AUTH, SECRET, USERS, running
 
@@ -396,3 +397,31 @@ def test_a_client_id_is_bound_to_the_user_whose_receive_made_it_hold(tmp_path: P
             reply = await stub.NotifyClientTermination(bye, metadata=as_user("orders-app", SECRET), timeout=10)
             assert reply.status.code == 20000 and len(srv.messaging.renewals) == 1
     arun(body())
+
+
+def test_refusals_are_logged_once_a_minute_per_peer_call_and_reason(caplog: pytest.LogCaptureFixture) -> None:
+    now = [100.0]
+    refusals = RefusalLog(logging.getLogger("chronoq.test.refusals"), interval_s=60, clock=lambda: now[0])
+    wrong = core.BadSignature("orders-app")
+    with caplog.at_level(logging.WARNING, logger="chronoq.test.refusals"):
+        refusals.note("QueryRoute", "ipv4:127.0.0.1:5001", wrong)
+        refusals.note("QueryRoute", "ipv4:127.0.0.1:5002", wrong)  # the same host on another port: the same refusal
+        refusals.note("SendMessage", "ipv4:127.0.0.1:5001", wrong)  # another call
+        refusals.note("QueryRoute", "ipv4:10.0.0.9:5001", wrong)  # another host
+        refusals.note("QueryRoute", "ipv4:127.0.0.1:5001", core.TopicNotFound("orders"))  # not a refusal: not logged
+        now[0] += 59.9
+        refusals.note("QueryRoute", "ipv4:127.0.0.1:5003", wrong)
+        now[0] += 0.2
+        refusals.note("QueryRoute", "ipv4:127.0.0.1:5004", wrong)  # a minute on: logged again
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "refused QueryRoute from ipv4:127.0.0.1:5001: 40100 signature mismatch for access key 'orders-app' "
+        "(wrong secret key?)",
+        "refused SendMessage from ipv4:127.0.0.1:5001: 40100 signature mismatch for access key 'orders-app' "
+        "(wrong secret key?)",
+        "refused QueryRoute from ipv4:10.0.0.9:5001: 40100 signature mismatch for access key 'orders-app' "
+        "(wrong secret key?)",
+        "refused QueryRoute from ipv4:127.0.0.1:5004: 40100 signature mismatch for access key 'orders-app' "
+        "(wrong secret key?)",
+    ], lines
+    assert all(r.levelno == logging.WARNING for r in caplog.records)
