@@ -42,16 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from chronoq.config import ConfigError, toml_text
-from chronoq.errors import (
-    BadSecretKey,
-    BadSignature,
-    ChronoqError,
-    Forbidden,
-    PermissionDenied,
-    StaleSignature,
-    Unauthorized,
-    UnknownAccessKey,
-)
+from chronoq.errors import ChronoqError, Forbidden, Unauthorized
 from chronoq.protocol import signature
 
 DEFAULT_MAX_TIME_SKEW_S = 24 * 60 * 60
@@ -200,22 +191,22 @@ class Principal:
     def require_publish(self, topics: Iterable[str]) -> None:
         for topic in topics:
             if not self.may_publish(topic):
-                raise PermissionDenied(self.name, "publish to", f"topic {topic!r}")
+                raise Forbidden.permission(self.name, "publish to", f"topic {topic!r}")
 
     def require_subscribe(self, topic: str, group: str) -> None:
         if not self.may_subscribe(topic):
-            raise PermissionDenied(self.name, "subscribe to", f"topic {topic!r}")
+            raise Forbidden.permission(self.name, "subscribe to", f"topic {topic!r}")
         if not self.may_use_group(group):
-            raise PermissionDenied(self.name, "consume as", f"group {group!r}")
+            raise Forbidden.permission(self.name, "consume as", f"group {group!r}")
 
     def require_see(self, topic: str) -> None:
         """Route and description queries: publishers and subscribers of the topic both need them."""
         if not self.may_see(topic):
-            raise PermissionDenied(self.name, "publish to or subscribe to", f"topic {topic!r}")
+            raise Forbidden.permission(self.name, "publish to or subscribe to", f"topic {topic!r}")
 
     def require_admin(self, what: str) -> None:
         if not self.admin:
-            raise PermissionDenied(self.name, "call", f"{what} (admin only)")
+            raise Forbidden.permission(self.name, "call", f"{what} (admin only)")
 
 
 ANONYMOUS = Principal("", admin=True)
@@ -252,10 +243,10 @@ class Authenticator:
             return ANONYMOUS
         found = self._users.get(access_key)
         if found is None:
-            raise UnknownAccessKey(access_key)
+            raise Unauthorized.unknown_access_key(access_key)
         user, principal = found
         if not hmac.compare_digest(user.secret_key.encode(), secret_key.encode()):
-            raise BadSecretKey(access_key)
+            raise Unauthorized.wrong_secret_key(access_key)
         return principal
 
     def authenticate(self, metadata: Iterable[tuple[str, str | bytes]] | None, now_ms: int) -> Principal:
@@ -264,14 +255,14 @@ class Authenticator:
         claim = signature.read_headers(metadata or ())
         found = self._users.get(claim.access_key)
         if found is None:
-            raise UnknownAccessKey(claim.access_key)
+            raise Unauthorized.unknown_access_key(claim.access_key)
         user, principal = found
         if not signature.verify(user.secret_key, claim):
-            raise BadSignature(claim.access_key)
+            raise Unauthorized.bad_signature(claim.access_key)
         if self._max_skew_ms:
             skew_ms = claim.signed_at_ms - now_ms
             if abs(skew_ms) > self._max_skew_ms:
-                raise StaleSignature(claim.date_time, skew_ms, self._max_skew_ms)
+                raise Unauthorized.stale_signature(claim.date_time, skew_ms, self._max_skew_ms)
         return principal
 
 

@@ -647,11 +647,15 @@ def test_a_refusal_for_missing_or_wrong_keys_says_where_the_cli_takes_them(tmp_p
         assert serve.stdout is not None and "chronoq serving on" in serve.stdout.readline()
         env = {"CHRONOQ_SERVER": f"127.0.0.1:{port}"}
         for keys in ({}, {"CHRONOQ_ACCESS_KEY": "ops", "CHRONOQ_SECRET_KEY": "wrong"}):
-            proc = chronoq_cmd("send", "orders", "x", env={**env, **keys})
-            assert proc.returncode == 1
-            err = _one_line_error(proc)
-            assert "code 40100" in err and "the CLI takes keys as --access-key and --secret-key, or " \
-                   "$CHRONOQ_ACCESS_KEY and $CHRONOQ_SECRET_KEY" in err, err
+            # The same refusal has the same name whichever service refused it: the RocketMQ
+            # protocol's send (a code only) and the admin service's stats (which names the class).
+            for command in (["send", "orders", "x"], ["stats"]):
+                proc = chronoq_cmd(*command, env={**env, **keys})
+                assert proc.returncode == 1
+                err = _one_line_error(proc)
+                assert err.startswith("error (Unauthorized, code 40100): "), (command, err)
+                assert "the CLI takes keys as --access-key and --secret-key, or " \
+                       "$CHRONOQ_ACCESS_KEY and $CHRONOQ_SECRET_KEY" in err, err
         proc = chronoq_cmd("send", "orders", "x",
                            env={**env, "CHRONOQ_ACCESS_KEY": "ops", "CHRONOQ_SECRET_KEY": "s3cret"})
         assert proc.returncode == 0, proc.stderr
