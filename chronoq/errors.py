@@ -56,9 +56,8 @@ RocketMQ broker's flush timeout:
     40016 MESSAGE_CORRUPTED                    CorruptRecord
     40018 ILLEGAL_POLLING_TIME                 InvalidPollingTime
     40019 ILLEGAL_OFFSET                       InvalidOffset
-    40100 UNAUTHORIZED                         Unauthorized (MissingCredentials, MalformedAuthorization,
-                                               UnknownAccessKey, BadSignature, StaleSignature, BadSecretKey)
-    40300 FORBIDDEN                            Forbidden (PermissionDenied, TimerDisabled)
+    40100 UNAUTHORIZED                         Unauthorized (every cause: `details["cause"]`)
+    40300 FORBIDDEN                            Forbidden (a permission; TimerDisabled)
     40401 MESSAGE_NOT_FOUND                    TimerNotFound
     40402 TOPIC_NOT_FOUND                      TopicNotFound
     41301 MESSAGE_BODY_TOO_LARGE               MessageTooLarge
@@ -431,10 +430,18 @@ class ConflictingDelivery(InvalidDeliveryTime):
 
 
 class Forbidden(BadRequest):
-    """RocketMQ's FORBIDDEN: the broker does not allow this request (a permission the caller lacks,
-    `PermissionDenied`, or a feature turned off, `TimerDisabled`). Nothing changed."""
+    """RocketMQ's FORBIDDEN: the broker does not allow this request. Nothing changed. A permission
+    the caller lacks (`Forbidden.permission`: a topic, a group, an admin method, or a client id
+    that another user's auto-renewed receive holds; a batch with one forbidden topic is refused
+    whole) is this class itself, whichever call refused it; a feature turned off is `TimerDisabled`."""
 
     code = 40300
+
+    @classmethod
+    def permission(cls, access_key: str, action: str, resource: str) -> Forbidden:
+        """The authenticated caller `access_key` may not `action` the `resource`."""
+        return cls(f"access key {access_key!r} may not {action} {resource}", access_key=access_key, action=action,
+                   resource=resource)
 
 
 class TimerDisabled(Forbidden):
@@ -624,72 +631,76 @@ class InvalidRecallHandle(BadRequest):
 
 
 class Unauthorized(BadRequest):
-    """The request carries no credentials, or credentials the broker cannot verify (RocketMQ's
-    UNAUTHORIZED). The broker answers before looking at the request: nothing changed."""
+    """Every refusal of a call's credentials (RocketMQ's UNAUTHORIZED): none, or credentials the
+    broker cannot verify. One class whichever call refused them (over the RocketMQ protocol a
+    client sees only the code, so a name of each cause's own would show on some calls and not on
+    others); the message says which, and `details["cause"]` names it for programs: `no_credentials`,
+    `malformed`, `unknown_access_key`, `wrong_secret_key`, `bad_signature`, `stale_signature`. The
+    classmethods below build each. The broker answers before looking at the request: nothing
+    changed."""
 
     code = 40100
 
+    @classmethod
+    def no_credentials(cls, header: str) -> Unauthorized:
+        """Auth is on and the request has no `authorization` header, or one naming an empty access
+        key (the Python client sends the header even without credentials)."""
+        return cls(f"authentication required: no credentials in {header!r} (configure an access key and secret key "
+                   "in the client)", cause="no_credentials", header=header)
 
-class MissingCredentials(Unauthorized):
-    """Auth is on and the request has no `authorization` header, or one naming an empty access key
-    (the Python client sends the header even without credentials)."""
+    @classmethod
+    def malformed(cls, header: str, reason: str) -> Unauthorized:
+        """An `authorization` or `x-mq-date-time` header that is not RocketMQ ACL 2.0's shape."""
+        return cls(f"malformed {header!r} header: {reason}", cause="malformed", header=header, reason=reason)
 
-    def __init__(self, header: str) -> None:
-        super().__init__(f"authentication required: no credentials in {header!r} (configure an access key "
-                         "and secret key in the client)", header=header)
+    @classmethod
+    def unknown_access_key(cls, access_key: str) -> Unauthorized:
+        """Credentials (a gRPC signature, the web console's HTTP Basic) that name an access key no
+        configured user has."""
+        return cls(f"unknown access key {access_key!r}", cause="unknown_access_key", access_key=access_key)
 
+    @classmethod
+    def wrong_secret_key(cls, access_key: str) -> Unauthorized:
+        """The secret key given with an access key (the web console's HTTP Basic credentials) is not
+        the configured one."""
+        return cls(f"wrong secret key for access key {access_key!r}", cause="wrong_secret_key", access_key=access_key)
 
-class MalformedAuthorization(Unauthorized):
-    """An `authorization` or `x-mq-date-time` header that is not RocketMQ ACL 2.0's shape."""
+    @classmethod
+    def bad_signature(cls, access_key: str) -> Unauthorized:
+        """The HMAC-SHA1 of `x-mq-date-time` under the access key's secret is not the one sent: a
+        wrong secret key (or a header altered on the way)."""
+        return cls(f"signature mismatch for access key {access_key!r} (wrong secret key?)", cause="bad_signature",
+                   access_key=access_key)
 
-    def __init__(self, header: str, reason: str) -> None:
-        super().__init__(f"malformed {header!r} header: {reason}", header=header, reason=reason)
-
-
-class UnknownAccessKey(Unauthorized):
-    """Raised with auth on when a request's credentials (a gRPC signature, the web console's HTTP
-    Basic) name an access key no configured user has."""
-
-    def __init__(self, access_key: str) -> None:
-        super().__init__(f"unknown access key {access_key!r}", access_key=access_key)
-
-
-class BadSecretKey(Unauthorized):
-    """The secret key given with an access key (the web console's HTTP Basic credentials) is not
-    the configured one."""
-
-    def __init__(self, access_key: str) -> None:
-        super().__init__(f"wrong secret key for access key {access_key!r}", access_key=access_key)
-
-
-class BadSignature(Unauthorized):
-    """The HMAC-SHA1 of `x-mq-date-time` under the access key's secret is not the one sent: a wrong
-    secret key (or a header altered on the way)."""
-
-    def __init__(self, access_key: str) -> None:
-        super().__init__(f"signature mismatch for access key {access_key!r} (wrong secret key?)",
-                         access_key=access_key)
-
-
-class StaleSignature(Unauthorized):
-    """`x-mq-date-time` is further from the server's wall clock than `auth.max_time_skew_s`: a
-    replayed header, or a client clock that is badly off."""
-
-    def __init__(self, date_time: str, skew_ms: int, max_skew_ms: int) -> None:
-        super().__init__(f"x-mq-date-time {date_time!r} is {duration(abs(skew_ms))} "
-                         f"{'behind' if skew_ms < 0 else 'ahead of'} the server's clock; at most "
-                         f"{duration(max_skew_ms)} is accepted (check the client's clock)",
-                         date_time=date_time, skew_ms=skew_ms, max_skew_ms=max_skew_ms)
+    @classmethod
+    def stale_signature(cls, date_time: str, skew_ms: int, max_skew_ms: int) -> Unauthorized:
+        """`x-mq-date-time` is further from the server's wall clock than `auth.max_time_skew_s`: a
+        replayed header, or a client clock that is badly off."""
+        return cls(f"x-mq-date-time {date_time!r} is {duration(abs(skew_ms))} "
+                   f"{'behind' if skew_ms < 0 else 'ahead of'} the server's clock; at most "
+                   f"{duration(max_skew_ms)} is accepted (check the client's clock)",
+                   cause="stale_signature", date_time=date_time, skew_ms=skew_ms, max_skew_ms=max_skew_ms)
 
 
-class PermissionDenied(Forbidden):
-    """Raised when the caller is authenticated but lacks the permission the request needs, or
-    names a client id that another user's auto-renewed receive holds. Nothing changed: a batch
-    with one forbidden topic is refused whole."""
-
-    def __init__(self, access_key: str, action: str, resource: str) -> None:
-        super().__init__(f"access key {access_key!r} may not {action} {resource}",
-                         access_key=access_key, action=action, resource=resource)
+MissingCredentials = Unauthorized
+"""Deprecated alias of `Unauthorized` (every 40100 refusal is that one class; `details["cause"]`
+is "no_credentials" for this one), kept for `except` clauses; to be removed in the next release."""
+MalformedAuthorization = Unauthorized
+"""Deprecated alias of `Unauthorized` (`details["cause"] == "malformed"`); to be removed in the next release."""
+UnknownAccessKey = Unauthorized
+"""Deprecated alias of `Unauthorized` (`details["cause"] == "unknown_access_key"`); to be removed in the next
+release."""
+BadSecretKey = Unauthorized
+"""Deprecated alias of `Unauthorized` (`details["cause"] == "wrong_secret_key"`); to be removed in the next
+release."""
+BadSignature = Unauthorized
+"""Deprecated alias of `Unauthorized` (`details["cause"] == "bad_signature"`); to be removed in the next release."""
+StaleSignature = Unauthorized
+"""Deprecated alias of `Unauthorized` (`details["cause"] == "stale_signature"`); to be removed in the next
+release."""
+PermissionDenied = Forbidden
+"""Deprecated alias of `Forbidden`, the one name of a permission refusal (40300), kept for `except`
+clauses (which now also catch `TimerDisabled`, a Forbidden too); to be removed in the next release."""
 
 
 class RecallTopicMismatch(InvalidRecallHandle):

@@ -145,6 +145,9 @@ def unavailable_hint(detail: str, tls: bool) -> str | None:
     names the TLS or socket error but not the likely cause)."""
     if "Connection refused" in detail:
         return "nothing listens there: is `chronoq serve` running, on this host and port?"
+    if any(marker in detail for marker in _HTTP1_SERVER):
+        return ("is it the console/metrics port, --http-port? The gRPC port is the one `chronoq serve` prints "
+                "first, \"chronoq serving on HOST:PORT\": 8081 unless --port sets it")
     if "CERTIFICATE_VERIFY_FAILED" in detail:
         return ("the server's certificate is not trusted: give the CA certificate that signed it "
                 "(CLI: --ca-cert FILE or $CHRONOQ_CA_CERT; SDK: root_certificates=)")
@@ -161,13 +164,17 @@ def unavailable_hint(detail: str, tls: bool) -> str | None:
 _TLS_MISMATCH = ("CERTIFICATE_VERIFY_FAILED", "WRONG_VERSION_NUMBER")
 """gRPC's detail text for a TLS handshake that fails the same way every time: the server's
 certificate is not trusted, or the server does not speak TLS."""
+_HTTP1_SERVER = ("Trying to connect an http1.x server", "Expected SETTINGS frame")
+"""gRPC's detail text for a port that answered the HTTP/2 preface with HTTP/1.x (an HTTP server:
+chronoq's console and /metrics port, say). It answers the same way every time."""
+NOT_GRPC_DETAIL = "this port answers HTTP/1.1, not gRPC"
 
 
 def unavailable_retriable(detail: str) -> bool:
     """Whether an UNAVAILABLE may go away by itself. A refused or reset connection may (the server
     restarting); a TLS mismatch will not, until the client is given the CA certificate or told not
     to use TLS, so retrying it only delays the hint."""
-    return not any(marker in detail for marker in _TLS_MISMATCH)
+    return not any(marker in detail for marker in (*_TLS_MISMATCH, *_HTTP1_SERVER))
 
 
 def _json_bytes(doc: Mapping[str, Any]) -> bytes:
@@ -274,6 +281,9 @@ class Connection:
             return RequestTimedOut(method, timeout_ms)
         if code == grpc.StatusCode.UNAVAILABLE:
             detail = e.details() or "unavailable"
+            if any(marker in detail for marker in _HTTP1_SERVER):  # gRPC's own words are an HTTP/2 parse error
+                return ServerUnavailable(self.server, NOT_GRPC_DETAIL, unavailable_hint(detail, self._tls),
+                                         retriable=False)
             return ServerUnavailable(self.server, detail, unavailable_hint(detail, self._tls),
                                      retriable=unavailable_retriable(detail))
         if code == grpc.StatusCode.UNIMPLEMENTED:

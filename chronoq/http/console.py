@@ -85,13 +85,14 @@ def basic_credentials(header: str) -> tuple[str, str]:
     """(access key, secret key) of an `Authorization: Basic ...` header, or `Unauthorized`."""
     scheme, _, encoded = header.partition(" ")
     if scheme.lower() != "basic" or not encoded.strip() or len(encoded) > 4096:
-        raise Unauthorized("the console needs a user's access key and secret key (HTTP Basic)")
+        raise Unauthorized("the console needs a user's access key and secret key (HTTP Basic)", cause="no_credentials")
     try:
         access_key, sep, secret_key = base64.b64decode(encoded.strip(), validate=True).decode().partition(":")
     except (binascii.Error, ValueError):
-        raise Unauthorized("the HTTP Basic credentials are not base64 of 'access key:secret key'") from None
+        raise Unauthorized("the HTTP Basic credentials are not base64 of 'access key:secret key'",
+                           cause="malformed") from None
     if not sep or not access_key:
-        raise Unauthorized("the HTTP Basic credentials name no access key")
+        raise Unauthorized("the HTTP Basic credentials name no access key", cause="no_credentials")
     return access_key, secret_key
 
 

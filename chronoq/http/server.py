@@ -34,6 +34,11 @@ message, a refused cancel) becomes a JSON reply `{"error", "message", "details"}
 error's values) with a 4xx status, and anything else a 500 with "internal error; see the server
 log" and a log line: never a traceback in a reply.
 
+A gRPC client pointed at this port by mistake (its HTTP/2 preface, `PRI * HTTP/2.0`, is not
+HTTP/1.1) is logged as one WARNING line naming the gRPC port (`ConnectionLog`), not aiohttp's
+parse-error traceback; the client's gRPC sees a 400 from an HTTP/1.x server, which chronoq's SDK
+and CLI report as "answers HTTP/1.1, not gRPC".
+
 The server owns its one background task, the delivery-error sampler (`run`); `serve` runs it in
 its task group and stops the HTTP side before the broker closes.
 """
@@ -86,6 +91,8 @@ if TYPE_CHECKING:
     from chronoq.broker import Broker  # the type only: the broker imports the store, the servers stay light
 
 log = logging.getLogger(__name__)
+HTTP2_PREFACE_MARK = "PRI"
+"""aiohttp's parse error for a request line `PRI * HTTP/2.0` (an HTTP/2 client's preface) names it."""
 
 MAX_CANCEL_BODY_BYTES = 4096
 """A cancel request is a topic and a message id; anything larger is refused unread."""
@@ -120,6 +127,28 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return _json({"error": "InternalError", "message": "internal error; see the server log"}, 500)
 
 
+class ConnectionLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """aiohttp's connection-level logger (its `RequestHandler.logger`), with one change: a request
+    that fails to parse because it is an HTTP/2 preface (a gRPC client given the HTTP port) is one
+    WARNING line naming the gRPC port, where aiohttp logs the parse error with its traceback. Every
+    other record passes through as aiohttp wrote it."""
+
+    def __init__(self, logger: logging.Logger, grpc_port: Callable[[], int]) -> None:
+        super().__init__(logger, {})
+        self._grpc_port = grpc_port
+
+    def log(self, level: int, msg: object, *args: Any, exc_info: Any = None, **kwargs: Any) -> None:
+        exc = exc_info if isinstance(exc_info, BaseException) else None
+        if exc is not None and type(exc).__name__ == "BadHttpMessage" and HTTP2_PREFACE_MARK in str(exc):
+            port = self._grpc_port()
+            where = f"port {port}" if port else "the port `chronoq serve` prints first"
+            log.warning("a gRPC (HTTP/2) client connected to the HTTP port from %s, which serves the "
+                                "console, /metrics and /healthz over HTTP/1.1; gRPC is on %s",
+                                args[0] if args else "an unknown address", where)
+            return
+        super().log(level, msg, *args, exc_info=exc_info, **kwargs)
+
+
 class HttpServer:
     def __init__(self, broker: Broker, config: Config, admin: AdminService, access: Access | None = None) -> None:
         self.broker = broker
@@ -138,6 +167,9 @@ class HttpServer:
         say ready before a gRPC client can be answered."""
         self.stopping = False
         self.port = 0
+        self.grpc_port = config.port
+        """The gRPC port, named in the log line for a gRPC client that connects here (`serve` sets
+        the bound one once it listens)."""
         self._runner: web.AppRunner | None = None
 
     def app(self) -> web.Application:
@@ -158,7 +190,8 @@ class HttpServer:
 
     async def start(self) -> int:
         """Bind and serve; returns the bound port. A port that cannot be bound is a ConfigError."""
-        runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        runner = web.AppRunner(self.app(), access_log=None, handle_signals=False,
+                               logger=ConnectionLog(logging.getLogger("aiohttp.server"), lambda: self.grpc_port))
         await runner.setup()
         site = web.TCPSite(runner, self.config.host, self.config.http_port, reuse_address=True)
         try:

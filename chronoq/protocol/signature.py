@@ -15,11 +15,11 @@ Parsing follows RocketMQ's server (`DefaultAuthenticationContextBuilder`) so tha
 client's header is read as RocketMQ reads it: the scheme is what precedes the first space; the rest
 splits on `,`, each part on its first `=`, names trimmed; the user is `Credential` before any `/`;
 hex is decoded case-insensitively (Python and Go send lowercase, Java and Node uppercase). Where
-RocketMQ is lenient about garbage, this reader refuses with `MalformedAuthorization` naming the
+RocketMQ is lenient about garbage, this reader refuses with `Unauthorized` (cause "malformed") naming the
 fault: a header longer than `MAX_HEADER_CHARS`, no `Signature`, a signature that is not hex of
 SHA-1's length, a date that is not `%Y%m%dT%H%M%SZ`. `SignedHeaders` must name `x-mq-date-time`
 (the only header any client signs). Python sends the header even with empty credentials
-(`Credential=`): that reads as no credentials (`MissingCredentials`), not as a user named "".
+(`Credential=`): that reads as no credentials (`Unauthorized.no_credentials`), not as a user named "".
 Java's `x-mq-session-token` (temporary STS credentials) is read and ignored: chronoq has no
 session tokens, and the signature alone authenticates.
 
@@ -41,7 +41,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from chronoq.errors import MalformedAuthorization, MissingCredentials
+from chronoq.errors import Unauthorized
 
 SCHEME = "MQv2-HMAC-SHA1"
 AUTHORIZATION_HEADER = "authorization"
@@ -87,53 +87,53 @@ def sign_headers(access_key: str, secret_key: str, now_ms: int) -> tuple[tuple[s
 def parse_date_time(text: str) -> int:
     """`20261123T093000Z` -> milliseconds since the epoch, read as UTC."""
     if not _DATE_TIME.fullmatch(text):
-        raise MalformedAuthorization(DATE_TIME_HEADER, f"{text[:40]!r} is not {DATE_TIME_FORMAT}")
+        raise Unauthorized.malformed(DATE_TIME_HEADER, f"{text[:40]!r} is not {DATE_TIME_FORMAT}")
     try:
         parsed = datetime.strptime(text, DATE_TIME_FORMAT)
     except ValueError:
-        raise MalformedAuthorization(DATE_TIME_HEADER, f"{text!r} is not a real date and time") from None
+        raise Unauthorized.malformed(DATE_TIME_HEADER, f"{text!r} is not a real date and time") from None
     return calendar.timegm(parsed.timetuple()) * 1000
 
 
 def parse_authorization(header: str) -> tuple[str, str, bytes]:
     """(access key, signed headers, signature bytes) from an `authorization` value.
-    `MissingCredentials` for an empty access key; `MalformedAuthorization` for anything else amiss."""
+    `Unauthorized.no_credentials` for an empty access key; `Unauthorized.malformed` for anything else amiss."""
     if len(header) > MAX_HEADER_CHARS:
-        raise MalformedAuthorization(AUTHORIZATION_HEADER, f"{len(header)} characters, at most {MAX_HEADER_CHARS}")
+        raise Unauthorized.malformed(AUTHORIZATION_HEADER, f"{len(header)} characters, at most {MAX_HEADER_CHARS}")
     scheme, space, rest = header.strip().partition(" ")
     if scheme != SCHEME or not space:
-        raise MalformedAuthorization(AUTHORIZATION_HEADER, f"scheme {scheme[:40]!r}, expected {SCHEME!r}")
+        raise Unauthorized.malformed(AUTHORIZATION_HEADER, f"scheme {scheme[:40]!r}, expected {SCHEME!r}")
     fields: dict[str, str] = {}
     for part in rest.split(","):
         name, eq, value = part.partition("=")
         if not eq:
-            raise MalformedAuthorization(AUTHORIZATION_HEADER, f"{part.strip()[:40]!r} is not NAME=VALUE")
+            raise Unauthorized.malformed(AUTHORIZATION_HEADER, f"{part.strip()[:40]!r} is not NAME=VALUE")
         fields[name.strip()] = value.strip()
     credential = fields.get("Credential")
     if credential is None:
-        raise MalformedAuthorization(AUTHORIZATION_HEADER, "no Credential")
+        raise Unauthorized.malformed(AUTHORIZATION_HEADER, "no Credential")
     access_key = credential.split("/", 1)[0]
     if not access_key:
-        raise MissingCredentials(AUTHORIZATION_HEADER)
+        raise Unauthorized.no_credentials(AUTHORIZATION_HEADER)
     signed_headers = fields.get("SignedHeaders", "")
     if DATE_TIME_HEADER not in (h.strip().lower() for h in signed_headers.split(";")):
-        raise MalformedAuthorization(AUTHORIZATION_HEADER, f"SignedHeaders {signed_headers[:60]!r} does not name "
+        raise Unauthorized.malformed(AUTHORIZATION_HEADER, f"SignedHeaders {signed_headers[:60]!r} does not name "
                                      f"{DATE_TIME_HEADER}")
     hex_signature = fields.get("Signature")
     if not hex_signature:
-        raise MalformedAuthorization(AUTHORIZATION_HEADER, "no Signature")
+        raise Unauthorized.malformed(AUTHORIZATION_HEADER, "no Signature")
     if len(hex_signature) != 2 * SIGNATURE_BYTES:
-        raise MalformedAuthorization(AUTHORIZATION_HEADER, f"Signature has {len(hex_signature)} hex digits, "
+        raise Unauthorized.malformed(AUTHORIZATION_HEADER, f"Signature has {len(hex_signature)} hex digits, "
                                      f"HMAC-SHA1 has {2 * SIGNATURE_BYTES}")
     try:
         signature = binascii.unhexlify(hex_signature)
     except (binascii.Error, ValueError):
-        raise MalformedAuthorization(AUTHORIZATION_HEADER, "Signature is not hex") from None
+        raise Unauthorized.malformed(AUTHORIZATION_HEADER, "Signature is not hex") from None
     return access_key, signed_headers, signature
 
 
 def read_headers(metadata: Iterable[tuple[str, str | bytes]]) -> SignedRequest:
-    """The signed claim of one call's metadata; `MissingCredentials` when it has none."""
+    """The signed claim of one call's metadata; `Unauthorized.no_credentials` when it has none."""
     authorization = date_time = None
     for key, value in metadata:
         if key == AUTHORIZATION_HEADER:
@@ -141,12 +141,12 @@ def read_headers(metadata: Iterable[tuple[str, str | bytes]]) -> SignedRequest:
         elif key == DATE_TIME_HEADER:
             date_time = value
     if authorization is None:
-        raise MissingCredentials(AUTHORIZATION_HEADER)
+        raise Unauthorized.no_credentials(AUTHORIZATION_HEADER)
     if not isinstance(authorization, str) or not isinstance(date_time, str | None):
-        raise MalformedAuthorization(AUTHORIZATION_HEADER, "binary header value")
+        raise Unauthorized.malformed(AUTHORIZATION_HEADER, "binary header value")
     access_key, _, signature = parse_authorization(authorization)
     if date_time is None:
-        raise MalformedAuthorization(DATE_TIME_HEADER, "missing (it is the signed header)")
+        raise Unauthorized.malformed(DATE_TIME_HEADER, "missing (it is the signed header)")
     return SignedRequest(access_key, date_time, parse_date_time(date_time), signature)
 
 

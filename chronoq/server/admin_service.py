@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from chronoq.config import Config
-from chronoq.errors import ChronoqError, InvalidBatchSize, PermissionDenied
+from chronoq.errors import ChronoqError, Forbidden, InvalidBatchSize
 from chronoq.model import OutgoingMessage
 from chronoq.protocol import admin as codec
 from chronoq.protocol.errors import InvalidField, MalformedRequest, MissingField
@@ -237,7 +237,7 @@ class AdminService:
     async def read_messages(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
         topic = codec.arg_topic(doc, self.config)
         if not caller.may_subscribe(topic):
-            raise PermissionDenied(caller.name, "read (subscribe to)", f"topic {topic!r}")
+            raise Forbidden.permission(caller.name, "read (subscribe to)", f"topic {topic!r}")
         queue_id = codec.arg_int(doc, "queue_id") or 0
         offset = codec.arg_int(doc, "offset") or 0
         max_messages = codec.arg_int(doc, "max_messages") or 0

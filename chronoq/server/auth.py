@@ -15,6 +15,7 @@ ReceiveMessage) is authenticated once, when it opens: its metadata is sent once.
 `Principal`, which the services ask before they act (`require_publish`, `require_subscribe`,
 `require_admin`...), so a refusal changes nothing. With auth off (the default, for the embedded
 demo and tests) every call gets `ANONYMOUS`, which may do everything, and headers are ignored.
+A refused call is logged (`RefusalLog`): one WARNING line per peer, RPC and reason a minute.
 
 The replay window (`max_time_skew_s`, default one day) is chronoq's choice; RocketMQ checks none.
 The signature covers only the date, never the request, so anyone who sees one header on the wire
@@ -31,15 +32,17 @@ from __future__ import annotations
 
 import fnmatch
 import hmac
+import logging
 import re
+import time
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from chronoq.config import ConfigError, toml_text
-from chronoq.errors import BadSecretKey, BadSignature, PermissionDenied, StaleSignature, UnknownAccessKey
+from chronoq.errors import ChronoqError, Forbidden, Unauthorized
 from chronoq.protocol import signature
 
 DEFAULT_MAX_TIME_SKEW_S = 24 * 60 * 60
@@ -188,22 +191,22 @@ class Principal:
     def require_publish(self, topics: Iterable[str]) -> None:
         for topic in topics:
             if not self.may_publish(topic):
-                raise PermissionDenied(self.name, "publish to", f"topic {topic!r}")
+                raise Forbidden.permission(self.name, "publish to", f"topic {topic!r}")
 
     def require_subscribe(self, topic: str, group: str) -> None:
         if not self.may_subscribe(topic):
-            raise PermissionDenied(self.name, "subscribe to", f"topic {topic!r}")
+            raise Forbidden.permission(self.name, "subscribe to", f"topic {topic!r}")
         if not self.may_use_group(group):
-            raise PermissionDenied(self.name, "consume as", f"group {group!r}")
+            raise Forbidden.permission(self.name, "consume as", f"group {group!r}")
 
     def require_see(self, topic: str) -> None:
         """Route and description queries: publishers and subscribers of the topic both need them."""
         if not self.may_see(topic):
-            raise PermissionDenied(self.name, "publish to or subscribe to", f"topic {topic!r}")
+            raise Forbidden.permission(self.name, "publish to or subscribe to", f"topic {topic!r}")
 
     def require_admin(self, what: str) -> None:
         if not self.admin:
-            raise PermissionDenied(self.name, "call", f"{what} (admin only)")
+            raise Forbidden.permission(self.name, "call", f"{what} (admin only)")
 
 
 ANONYMOUS = Principal("", admin=True)
@@ -240,10 +243,10 @@ class Authenticator:
             return ANONYMOUS
         found = self._users.get(access_key)
         if found is None:
-            raise UnknownAccessKey(access_key)
+            raise Unauthorized.unknown_access_key(access_key)
         user, principal = found
         if not hmac.compare_digest(user.secret_key.encode(), secret_key.encode()):
-            raise BadSecretKey(access_key)
+            raise Unauthorized.wrong_secret_key(access_key)
         return principal
 
     def authenticate(self, metadata: Iterable[tuple[str, str | bytes]] | None, now_ms: int) -> Principal:
@@ -252,12 +255,47 @@ class Authenticator:
         claim = signature.read_headers(metadata or ())
         found = self._users.get(claim.access_key)
         if found is None:
-            raise UnknownAccessKey(claim.access_key)
+            raise Unauthorized.unknown_access_key(claim.access_key)
         user, principal = found
         if not signature.verify(user.secret_key, claim):
-            raise BadSignature(claim.access_key)
+            raise Unauthorized.bad_signature(claim.access_key)
         if self._max_skew_ms:
             skew_ms = claim.signed_at_ms - now_ms
             if abs(skew_ms) > self._max_skew_ms:
-                raise StaleSignature(claim.date_time, skew_ms, self._max_skew_ms)
+                raise Unauthorized.stale_signature(claim.date_time, skew_ms, self._max_skew_ms)
         return principal
+
+
+REFUSAL_LOG_INTERVAL_S = 60.0
+"""The same refusal (peer host, RPC, status message) is logged at most once in this many seconds."""
+REFUSAL_LOG_MAX_KEYS = 4096
+
+
+class RefusalLog:
+    """Logs each refused call (40100 UNAUTHORIZED, 40300 FORBIDDEN) as one WARNING line naming the
+    peer, the RPC and the reason, at most once per `interval_s` for the same peer host, RPC and
+    reason. Some clients never show the server's reason: the official Python client logs a
+    refused QueryRoute to its own file and raises only "failed to fetch topic:T route.", and its
+    route refresh and heartbeats repeat the refusal every few seconds. So the broker's log is
+    where an operator finds why a client is turned away, once a minute rather than once a call."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = REFUSAL_LOG_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._log = logger
+        self._interval_s = interval_s
+        self._clock = clock
+        self._last: dict[tuple[str, str, str], float] = {}
+
+    def note(self, rpc: str, peer: str, err: ChronoqError) -> None:
+        if err.code not in (Unauthorized.code, Forbidden.code):
+            return
+        host = peer.rsplit(":", 1)[0] if peer.count(":") > 1 else peer  # "ipv4:127.0.0.1:5001" -> "ipv4:127.0.0.1"
+        key = (host, rpc, err.message)
+        now = self._clock()
+        last = self._last.get(key)
+        if last is not None and now - last < self._interval_s:
+            return
+        if len(self._last) >= REFUSAL_LOG_MAX_KEYS:  # many peers or reasons: forget, at worst a repeat line
+            self._last.clear()
+        self._last[key] = now
+        self._log.warning("refused %s from %s: %d %s", rpc, peer, err.code, err.message)

@@ -54,7 +54,7 @@ from chronoq.protocol import requests as rq
 from chronoq.protocol import responses as rs
 from chronoq.protocol.errors import InvalidField, MalformedRequest, Unsupported
 from chronoq.protocol.v2 import SERVICE_NAME, service
-from chronoq.server.auth import AUTH_OFF, Authenticator, Principal
+from chronoq.server.auth import AUTH_OFF, Authenticator, Principal, RefusalLog
 from chronoq.server.renewals import Renewals
 from chronoq.timer.recall import decode_recall_handle
 
@@ -124,6 +124,7 @@ class MessagingService:
         self.broker = broker
         self.config = config
         self.auth = authenticator or Authenticator(AUTH_OFF)
+        self.refusals = RefusalLog(log)
         self.advertised = advertised
         self.port = port
         self.renewals = Renewals(broker, broker.clock, duration_ms=config.default_invisible_duration_ms,
@@ -140,6 +141,7 @@ class MessagingService:
                 raise MalformedRequest(rpc, request.reason)
             return await body(request, context, caller)
         except ChronoqError as err:
+            self.refusals.note(rpc, context.peer(), err)
             return rs.with_status(response_type, rs.error_status(err))
         except asyncio.CancelledError:
             raise
@@ -324,6 +326,7 @@ class MessagingService:
         try:
             return await self._receive(request, context)
         except ChronoqError as err:
+            self.refusals.note("ReceiveMessage", context.peer(), err)
             return rs.receive_error(rs.error_status(err))
         except asyncio.CancelledError:
             raise
@@ -352,6 +355,7 @@ class MessagingService:
             caller = authenticate(self.auth, context)
             client_id = client_id_of(context, self.config)
         except ChronoqError as err:
+            self.refusals.note("Telemetry", context.peer(), err)
             yield service.TelemetryCommand(status=rs.error_status(err))
             return
         async for command in requests:

@@ -31,7 +31,7 @@ A client id is the caller's word, so it is bound to the caller: the first receiv
 id hold records its principal (`owner`, the access key; "" with auth off, where all callers are
 one), and while the id holds, only that principal's calls keep it alive (`touch`), add to it
 (`admit` refuses another's receive) or end it (`drop_client` refuses another's
-NotifyClientTermination with `PermissionDenied`). Without this any signed-in user could end
+NotifyClientTermination with `Forbidden`). Without this any signed-in user could end
 another client's renewals by naming its id. The binding goes with the id's last held entry.
 
 The table is in memory: after a server restart the handles are stale anyway (the broker's
@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from chronoq.clock import Clock
-from chronoq.errors import ChronoqError, PermissionDenied, Throttled
+from chronoq.errors import ChronoqError, Forbidden, Throttled
 
 if TYPE_CHECKING:
     from chronoq.broker import Broker  # the type only: the broker imports the store, the servers stay light
@@ -115,11 +115,11 @@ class Renewals:
     def _check_owner(self, client_id: str, owner: str, action: str) -> None:
         bound = self._owners.get(client_id)
         if bound is not None and bound != owner:
-            raise PermissionDenied(owner, action, f"client id {client_id[:64]!r}, in use by another user")
+            raise Forbidden.permission(owner, action, f"client id {client_id[:64]!r}, in use by another user")
 
     def admit(self, client_id: str, owner: str = "") -> None:
         """Before an auto-renew receive: a client id held by another principal is refused
-        (`PermissionDenied`); one not yet holding may start only while fewer than `max_clients`
+        (`Forbidden`); one not yet holding may start only while fewer than `max_clients`
         do; `Throttled` (nothing received) otherwise."""
         self._check_owner(client_id, owner, "receive as")
         if client_id and client_id not in self._by_client and len(self._by_client) >= self.max_clients:
@@ -179,7 +179,7 @@ class Renewals:
 
     def drop_client(self, client_id: str, owner: str = "") -> int:
         """The client said goodbye: stop renewing everything `client_id` holds; returns how many
-        entries that was. Only the principal the id is bound to may (`PermissionDenied`)."""
+        entries that was. Only the principal the id is bound to may (`Forbidden`)."""
         self._check_owner(client_id, owner, "end the renewals of")
         return self._drop(client_id)
 

@@ -179,6 +179,7 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None,
             settle_heap(config)
         port = await listen(server, config, credentials)
         if http is not None:
+            http.grpc_port = port
             http.starting = False  # /healthz may say ready now
         if not auth.enabled and not is_loopback(config.host):
             log.warning(NO_AUTH_WARNING.format(address=bind_address(config.host, port)))

@@ -253,6 +253,27 @@ def test_tls_to_a_plain_server_is_told_so(server: str) -> None:
     assert proc.returncode == 1 and "does not seem to use TLS" in _one_line_error(proc)
 
 
+@pytest.mark.slow
+def test_the_http_port_given_as_the_server_is_named_and_logged_in_one_line(tmp_path: Path) -> None:
+    """The console/metrics port speaks HTTP/1.1: a client command given it used to print gRPC's
+    HTTP/2 parse error, and the server logged aiohttp's traceback for each connection."""
+    http_port = free_port()
+    with ServerProcess(tmp_path / "data", args=["--http-port", str(http_port)]) as proc:
+        cmd = chronoq_cmd("stats", "--server", f"127.0.0.1:{http_port}")
+        err = _one_line_error(cmd)
+        assert cmd.returncode == 1, err
+        assert err.startswith(f"error (ServerUnavailable): cannot reach chronoq server at 127.0.0.1:{http_port}: "
+                              "this port answers HTTP/1.1, not gRPC (is it the console/metrics port, --http-port? "
+                              "The gRPC port is the one `chronoq serve` prints first"), err
+        assert "retriable" not in err.split(":")[0] and "Failed parsing HTTP/2" not in err, err
+        log = proc.log()
+    lines = [line for line in log.splitlines() if "connected to the HTTP port" in line]
+    assert lines and all(f"WARNING chronoq.http.server: a gRPC (HTTP/2) client connected to the HTTP port from "
+                         f"127.0.0.1, which serves the console, /metrics and /healthz over HTTP/1.1; gRPC is on "
+                         f"port {proc.port}" in line for line in lines), log
+    assert "Traceback" not in log and "BadHttpMessage" not in log and "Error handling request" not in log, log
+
+
 # -- optional parts --------------------------------------------------------------------------------
 
 
@@ -626,11 +647,15 @@ def test_a_refusal_for_missing_or_wrong_keys_says_where_the_cli_takes_them(tmp_p
         assert serve.stdout is not None and "chronoq serving on" in serve.stdout.readline()
         env = {"CHRONOQ_SERVER": f"127.0.0.1:{port}"}
         for keys in ({}, {"CHRONOQ_ACCESS_KEY": "ops", "CHRONOQ_SECRET_KEY": "wrong"}):
-            proc = chronoq_cmd("send", "orders", "x", env={**env, **keys})
-            assert proc.returncode == 1
-            err = _one_line_error(proc)
-            assert "code 40100" in err and "the CLI takes keys as --access-key and --secret-key, or " \
-                   "$CHRONOQ_ACCESS_KEY and $CHRONOQ_SECRET_KEY" in err, err
+            # The same refusal has the same name whichever service refused it: the RocketMQ
+            # protocol's send (a code only) and the admin service's stats (which names the class).
+            for command in (["send", "orders", "x"], ["stats"]):
+                proc = chronoq_cmd(*command, env={**env, **keys})
+                assert proc.returncode == 1
+                err = _one_line_error(proc)
+                assert err.startswith("error (Unauthorized, code 40100): "), (command, err)
+                assert "the CLI takes keys as --access-key and --secret-key, or " \
+                       "$CHRONOQ_ACCESS_KEY and $CHRONOQ_SECRET_KEY" in err, err
         proc = chronoq_cmd("send", "orders", "x",
                            env={**env, "CHRONOQ_ACCESS_KEY": "ops", "CHRONOQ_SECRET_KEY": "s3cret"})
         assert proc.returncode == 0, proc.stderr

@@ -325,6 +325,20 @@ def test_tls(tmp_path: Path) -> None:
         assert "root_certificates=" in str(refused.value) and "CHRONOQ_CA_CERT" in str(refused.value)
 
 
+def test_the_http_port_is_named_not_grpcs_http2_parse_error(tmp_path: Path) -> None:
+    """The SDK given the console/metrics port: one attempt (the next meets the same HTTP/1.1
+    server), and an error that says so and where the gRPC port is named."""
+    http_port = free_port()
+    with ServerProcess(tmp_path / "data", args=["--http-port", str(http_port)]):
+        started = time.monotonic()
+        with Producer(f"127.0.0.1:{http_port}", timeout_ms=5000) as p, pytest.raises(ServerUnavailable) as e:
+            p.list_topics()
+        assert time.monotonic() - started < 4, "retried a port that answers HTTP/1.1"
+    assert not e.value.retriable
+    assert e.value.details["detail"] == "this port answers HTTP/1.1, not gRPC", e.value.details
+    assert "console/metrics port, --http-port" in str(e.value) and "chronoq serving on HOST:PORT" in str(e.value)
+
+
 @pytest.mark.parametrize("via", ["grpc", "admin"])
 def test_send_batch_splits_by_encoded_size_under_the_servers_request_limit(server: str, via: str) -> None:
     """640 messages of 16 KiB are ~10.5 MB as protobuf, ~14 MB as JSON: over the server's default

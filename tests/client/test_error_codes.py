@@ -78,3 +78,16 @@ def test_the_table_lists_only_codes_in_use() -> None:
                                                     (40014, "MessageTypeMismatch"), (42800, "TimerNotPending")])
 def test_codes_that_used_to_reach_a_rocketmq_client_as_bad_request(code: int, client_class: str) -> None:
     assert type(from_status(code, "m")).__name__ == client_class
+
+
+def test_each_refusal_has_one_name_and_the_old_names_are_aliases_of_it() -> None:
+    """40100 is `Unauthorized` and a permission refusal `Forbidden`, whichever call refused it; the
+    names each cause once had are the same class (for `except` clauses), not classes of their own."""
+    for old in ("MissingCredentials", "MalformedAuthorization", "UnknownAccessKey", "BadSecretKey", "BadSignature",
+                "StaleSignature"):
+        assert getattr(core, old) is core.Unauthorized, old
+    assert core.PermissionDenied is core.Forbidden
+    assert {c.__name__ for c in VISIBLE if c.code in (40100, 40300)} == {"Unauthorized", "Forbidden", "TimerDisabled"}
+    # A server that still names an old class is understood as the one name.
+    assert type(from_status(40100, "m", error="BadSignature")) is core.Unauthorized
+    assert type(from_status(40300, "m", error="PermissionDenied")) is core.Forbidden

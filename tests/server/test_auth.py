@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from chronoq.client import AsyncAdmin, AsyncProducer, outgoing
 from chronoq.config import Config, ConfigError
 from chronoq.protocol import batch_receive, signature
 from chronoq.protocol.v2 import definition, service
-from chronoq.server.auth import ANONYMOUS, AuthConfig, Authenticator, User, load_auth, parse_auth
+from chronoq.server.auth import ANONYMOUS, AuthConfig, Authenticator, RefusalLog, User, load_auth, parse_auth
 from chronoq.server.grpc_service import wall_ms
 from tests.support.auth_server import AUTH, SECRET, USERS, running
 
@@ -82,10 +83,12 @@ def test_credential_scope_after_a_slash_is_ignored_as_rocketmq_does() -> None:
 
 def test_python_client_without_credentials_reads_as_missing() -> None:
     # Credentials() in the Python client: ak = sk = "" and the header is sent anyway.
-    with pytest.raises(core.MissingCredentials):
+    with pytest.raises(core.Unauthorized) as e:
         signature.read_headers(python_header("", ""))
-    with pytest.raises(core.MissingCredentials):
+    assert e.value.details["cause"] == "no_credentials"
+    with pytest.raises(core.Unauthorized) as e:
         signature.read_headers([("x-mq-date-time", DATE)])
+    assert e.value.details["cause"] == "no_credentials"
 
 
 @pytest.mark.parametrize(("authorization", "date", "fault"), [
@@ -103,8 +106,9 @@ def test_python_client_without_credentials_reads_as_missing() -> None:
 ])
 def test_malformed_headers_are_named(authorization: str, date: str | None, fault: str) -> None:
     headers = [("authorization", authorization)] + ([("x-mq-date-time", date)] if date is not None else [])
-    with pytest.raises(core.MalformedAuthorization) as e:
+    with pytest.raises(core.Unauthorized) as e:
         signature.read_headers(headers)
+    assert e.value.details["cause"] == "malformed"
     assert fault in e.value.message
     assert e.value.code == 40100
 
@@ -117,12 +121,11 @@ def test_authenticator_accepts_the_right_key_and_refuses_the_others() -> None:
     principal = auth.authenticate(python_header("orders-app", SECRET), DATE_MS)
     assert principal.name == "orders-app" and not principal.admin
     assert auth.authenticate(node_header("ops", "0ps-secret"), DATE_MS).admin
-    with pytest.raises(core.BadSignature):
-        auth.authenticate(python_header("orders-app", "wrong"), DATE_MS)
-    with pytest.raises(core.UnknownAccessKey):
-        auth.authenticate(python_header("nobody", SECRET), DATE_MS)
-    with pytest.raises(core.MissingCredentials):
-        auth.authenticate([], DATE_MS)
+    for metadata, cause in ((python_header("orders-app", "wrong"), "bad_signature"),
+                            (python_header("nobody", SECRET), "unknown_access_key"), ([], "no_credentials")):
+        with pytest.raises(core.Unauthorized) as e:
+            auth.authenticate(metadata, DATE_MS)
+        assert type(e.value) is core.Unauthorized and e.value.details["cause"] == cause, e.value.details
     assert Authenticator(AuthConfig()).authenticate([], 0) is ANONYMOUS  # auth off: headers ignored
 
 
@@ -132,9 +135,9 @@ def test_replay_window_allows_local_time_zones_and_refuses_older_headers() -> No
     # Python and Go stamp local time with a literal Z: a client in UTC+14 looks 14 h ahead.
     auth.authenticate(python_header("orders-app", SECRET), DATE_MS - 14 * hour_ms)
     auth.authenticate(python_header("orders-app", SECRET), DATE_MS + 12 * hour_ms)
-    with pytest.raises(core.StaleSignature) as e:
+    with pytest.raises(core.Unauthorized) as e:
         auth.authenticate(python_header("orders-app", SECRET), DATE_MS + 25 * hour_ms)
-    assert e.value.details["skew_ms"] == -25 * hour_ms
+    assert e.value.details["cause"] == "stale_signature" and e.value.details["skew_ms"] == -25 * hour_ms
     # 0: RocketMQ's behaviour, no freshness check at all.
     Authenticator(AuthConfig(True, USERS, max_time_skew_s=0)).authenticate(python_header("ops", "0ps-secret"), 0)
 
@@ -144,10 +147,10 @@ def test_permissions_follow_names_and_globs() -> None:
     assert p.may_publish("orders") and p.may_publish("payments-eu") and not p.may_publish("payments")
     assert not p.may_publish("refunds") and p.may_subscribe("orders") and not p.may_subscribe("payments-eu")
     p.require_subscribe("orders", "billing")
-    with pytest.raises(core.PermissionDenied) as e:
+    with pytest.raises(core.Forbidden) as e:
         p.require_subscribe("orders", "audit")
-    assert e.value.code == 40300 and e.value.details == {"access_key": "orders-app", "action": "consume as",
-                                                         "resource": "group 'audit'"}
+    assert type(e.value) is core.Forbidden and e.value.code == 40300
+    assert e.value.details == {"access_key": "orders-app", "action": "consume as", "resource": "group 'audit'"}
     with pytest.raises(core.Forbidden):
         p.require_admin("Stats")
 
@@ -263,8 +266,9 @@ def test_admin_calls_need_the_admin_role(tmp_path: Path, arun: Any) -> None:
                 await a.ping()
                 await a.describe_topic("orders")
             async with AsyncAdmin(srv.address) as anonymous:
-                with pytest.raises(core.MissingCredentials):
+                with pytest.raises(core.Unauthorized) as refused:
                     await anonymous.list_topics()
+                assert refused.value.details["cause"] == "no_credentials", refused.value.details
             assert "mine" not in {t.name for t in srv.broker.list_topics()}
     arun(body())
 
@@ -396,3 +400,31 @@ def test_a_client_id_is_bound_to_the_user_whose_receive_made_it_hold(tmp_path: P
             reply = await stub.NotifyClientTermination(bye, metadata=as_user("orders-app", SECRET), timeout=10)
             assert reply.status.code == 20000 and len(srv.messaging.renewals) == 1
     arun(body())
+
+
+def test_refusals_are_logged_once_a_minute_per_peer_call_and_reason(caplog: pytest.LogCaptureFixture) -> None:
+    now = [100.0]
+    refusals = RefusalLog(logging.getLogger("chronoq.test.refusals"), interval_s=60, clock=lambda: now[0])
+    wrong = core.Unauthorized.bad_signature("orders-app")
+    with caplog.at_level(logging.WARNING, logger="chronoq.test.refusals"):
+        refusals.note("QueryRoute", "ipv4:127.0.0.1:5001", wrong)
+        refusals.note("QueryRoute", "ipv4:127.0.0.1:5002", wrong)  # the same host on another port: the same refusal
+        refusals.note("SendMessage", "ipv4:127.0.0.1:5001", wrong)  # another call
+        refusals.note("QueryRoute", "ipv4:10.0.0.9:5001", wrong)  # another host
+        refusals.note("QueryRoute", "ipv4:127.0.0.1:5001", core.TopicNotFound("orders"))  # not a refusal: not logged
+        now[0] += 59.9
+        refusals.note("QueryRoute", "ipv4:127.0.0.1:5003", wrong)
+        now[0] += 0.2
+        refusals.note("QueryRoute", "ipv4:127.0.0.1:5004", wrong)  # a minute on: logged again
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "refused QueryRoute from ipv4:127.0.0.1:5001: 40100 signature mismatch for access key 'orders-app' "
+        "(wrong secret key?)",
+        "refused SendMessage from ipv4:127.0.0.1:5001: 40100 signature mismatch for access key 'orders-app' "
+        "(wrong secret key?)",
+        "refused QueryRoute from ipv4:10.0.0.9:5001: 40100 signature mismatch for access key 'orders-app' "
+        "(wrong secret key?)",
+        "refused QueryRoute from ipv4:127.0.0.1:5004: 40100 signature mismatch for access key 'orders-app' "
+        "(wrong secret key?)",
+    ], lines
+    assert all(r.levelno == logging.WARNING for r in caplog.records)

@@ -80,7 +80,7 @@ def test_console_asks_for_credentials_and_checks_them_like_the_grpc_services(tmp
             status, _, reply = await call("GET", base + "/api/search?topic=orders&from=now&to=%2B1h", APP)
             assert status == 200 and [t["message_id"] for t in reply["timers"]] == ["o-1"], reply
             status, _, reply = await call("GET", base + "/api/search?topic=secret-plans&from=now&to=%2B1h", APP)
-            assert status == 403 and reply["error"] == "PermissionDenied", reply
+            assert status == 403 and reply["error"] == "Forbidden", reply
             # The overview is cut to the user's topics (Stats spans every topic: it is not called).
             status, _, reply = await call("GET", base + "/api/overview", APP)
             assert status == 200 and [t["name"] for t in reply["topics"]] == ["orders"], reply
@@ -88,7 +88,7 @@ def test_console_asks_for_credentials_and_checks_them_like_the_grpc_services(tmp
 
             # Cancel from the console is for admins; a refusal cancels nothing.
             status, _, reply = await call("POST", base + "/api/cancel", APP, {"topic": "orders", "message_id": "o-1"})
-            assert status == 403 and reply["error"] == "PermissionDenied", reply
+            assert status == 403 and reply["error"] == "Forbidden", reply
             assert broker.query("o-1", "orders")[0].state is TimerState.PENDING
 
             # The admin sees everything and cancels.
@@ -116,7 +116,7 @@ def test_metrics_and_the_error_chart_are_for_admins(tmp_path: Path, arun: Any) -
                 assert reply_headers["WWW-Authenticate"].startswith("Basic ")
                 assert "secret-payroll" not in str(reply) and "hr-group" not in str(reply)
                 status, _, reply = await call("GET", base + path, APP)
-                assert status == 403 and reply["error"] == "PermissionDenied", (path, reply)
+                assert status == 403 and reply["error"] == "Forbidden", (path, reply)
                 assert reply["message"] == f"access key 'orders-app' may not call GET {path} (admin only)"
                 assert "secret-payroll" not in str(reply)
                 assert (await call("GET", base + path, ADMIN))[0] == 200, path
