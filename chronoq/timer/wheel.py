@@ -58,6 +58,7 @@ taken when the files have grown by `checkpoint_bytes` since the last one, and at
 from __future__ import annotations
 
 import heapq
+import logging
 import os
 import shutil
 import tempfile
@@ -76,6 +77,7 @@ from chronoq.timer.engine import DueTimers, IndexBatch, TimerEntry
 from chronoq.timer.index_validate import check_batch
 from chronoq.timer.metrics import TimerLatencies, TimerMetricsSnapshot, pending_by_due
 
+log = logging.getLogger("chronoq.timer.wheel")
 _MAX_ROLL_HOPS = 1024
 _HOUR_S = 3600
 DEFAULT_SLOT_MS = 1000
@@ -183,7 +185,12 @@ class WheelTimerEngine:
         engine.read_slot_ms = check.read_slot_ms
         engine.timerlog = wf.AppendFile(engine._file("timerlog"), check.timerlog_end)
         engine.facts = wf.AppendFile(engine._file("timerfacts"), check.facts_end)
-        engine.wheel = wf.WheelFile(engine._file("timerwheel"), slots)
+        try:
+            engine.wheel = wf.WheelFile(engine._file("timerwheel"), slots)
+        except OSError as exc:
+            engine.timerlog.close()
+            engine.facts.close()
+            raise engine._io_error(exc, "allocating the timer wheel's slot table") from exc
         try:
             engine._load()
         except (wf.FactsDamaged, ValueError, KeyError, UnicodeDecodeError) as e:
@@ -651,9 +658,15 @@ class WheelTimerEngine:
         if batch.applied_ms is not None and added:
             self._latencies.enqueue_lag_ms.record_many([batch.applied_ms - e.accepted_ms for e in added])
         if self.timerlog.end + self.facts.end - self._checkpointed_bytes >= self.checkpoint_bytes:
+            rewritten = False
             if self._worth_rewriting():
-                self.rewrite()
-            else:
+                try:
+                    self.rewrite()
+                    rewritten = True
+                except OSError as exc:  # no room for a new generation: the old one goes on
+                    log.warning("timer wheel at %s: not rewritten (%s); its files keep growing until it can be",
+                                self.path, exc)
+            if not rewritten:
                 self.checkpoint()
 
     def _io_error(self, exc: OSError, during: str) -> Exception:

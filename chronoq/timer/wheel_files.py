@@ -358,8 +358,17 @@ class WheelFile:
         self.slots = slots
         size = slots * SLOT_SIZE
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        if os.fstat(self.fd).st_size != size:
-            os.ftruncate(self.fd, size)
+        try:
+            st = os.fstat(self.fd)
+            if st.st_size != size:
+                os.ftruncate(self.fd, size)
+            if st.st_blocks * 512 < size:
+                # Every block allocated now: a write through the map into a hole of a sparse file
+                # on a full disk is a SIGBUS, not an error a caller could handle.
+                os.posix_fallocate(self.fd, 0, size)
+        except BaseException:
+            os.close(self.fd)
+            raise
         self.map = mmap.mmap(self.fd, size)
 
     def get(self, index: int) -> tuple[int, int, int, int, int]:

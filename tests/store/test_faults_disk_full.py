@@ -627,18 +627,20 @@ def test_retention_uses_the_reserve_and_waits_out_a_full_disk(disk: Disk, caplog
     asyncio.run(body())
 
 
-def test_a_timer_index_out_of_space_holds_timer_senders_and_is_reopened(mount, tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ["rocksdb", "wheel"])
+def test_a_timer_index_out_of_space_holds_timer_senders_and_is_reopened(mount, tmp_path: Path, engine: str) -> None:
     """The timer index alone is out of space (its own small tmpfs): its RocksDB write fails and
-    RocksDB refuses every write after that until reopened. Timer senders wait (not indexed, not
-    acknowledged), other sends are refused, reads go on; with space back the index is reopened,
-    the senders return, and the timers fire."""
+    RocksDB refuses every write after that until reopened (the file wheel's write is cut back).
+    Timer senders wait (not indexed, not acknowledged), other sends are refused, reads go on;
+    with space back the index is reopened, the senders return, and the timers fire."""
     main = mount(tmp_path / "fs", 24 * MiB)
     data = main.root / "data"
-    index_disk = mount(data / files.TIMER_DIR, 4 * MiB)
+    index_disk = mount(data / (files.TIMER_DIR if engine == "rocksdb" else files.TIMER_WHEEL_DIR),
+                       4 * MiB if engine == "rocksdb" else 24 * MiB)
 
     async def body() -> None:
         clock = FakeClock(1_000_000)
-        broker = await open_broker(_config(data), clock=clock, background=False)
+        broker = await open_broker(_config(data, timer_engine=engine), clock=clock, background=False)
         await broker.send(OutgoingMessage("t", b"plain", message_id="plain"))
         due = clock.now_ms() + 60_000
         index_disk.fill()
