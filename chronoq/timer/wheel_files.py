@@ -33,6 +33,7 @@ their layouts:
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import struct
@@ -88,6 +89,7 @@ _CHECK = struct.Struct(">IIQQQQqqI")
 read_slot_ms, slot_ms, slots."""
 
 
+@functools.lru_cache(maxsize=4096)
 def topic_hash(topic: str) -> int:
     """The unit's hash of the real topic: CRC32C of its UTF-8 bytes, as a signed i32."""
     value = crc32c(topic.encode())
