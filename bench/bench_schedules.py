@@ -11,7 +11,8 @@ default settings unless `--set name=value`), measured as a user runs chronoq (th
   sent one by one (`AsyncProducer.send`, the same concurrency), due one minute apart from one
   minute after the send, as the schedule created at that moment would have them.
 
-Each run reports the create (or send) rate, the server's RSS (VmRSS of it and its children, from
+Each run reports the create rate (schedules, or timer ids, per second; `calls_per_s` counts the
+timers' sends, `--minutes` per id), the server's RSS (VmRSS of it and its children, from
 /proc: idle, after the creates, peak while delivering), and per delivered message its delivery
 error, the fired copy's store time minus its due time (the broker's clock both; `received_ms`
 minus due, on this process's clock, beside it): P50, P99, P99.9 and max; early (stored or received
@@ -138,6 +139,7 @@ async def run(address: str, pid: int, mode: str, args: argparse.Namespace) -> di
     return {
         "mode": mode, "count": args.schedules, "minutes": args.minutes, "creators": args.creators,
         "create_per_s": round(args.schedules / create_s, 1), "create_s": round(create_s, 1),
+        "calls_per_s": round(args.schedules * (1 if mode == "schedules" else args.minutes) / create_s, 1),
         "rss_idle_mb": round(rss_idle / 2**20, 1), "rss_loaded_mb": round(rss_loaded / 2**20, 1),
         "rss_peak_mb": round(rss_peak / 2**20, 1),
         "owed": len(owed), "received": len(seen),
