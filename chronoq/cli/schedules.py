@@ -47,8 +47,9 @@ def _show(s: dict[str, Any]) -> None:
                   f"catch-up {s['catch_up']}, jitter {duration(s['jitter_ms'])}, {s['count']} issued"
                   + (f" of {s['limit']}" if s.get("limit") else "")
                   + (f"; last error: {s['last_error']}" if s.get("last_error") else ""))
+    label = "next if resumed" if s["paused"] else "next"  # a paused schedule issues nothing
     for due in s.get("upcoming_ms") or []:
-        console.print(f"  next: {local_instant(due)}")
+        console.print(f"  {label}: {local_instant(due)}")
 
 
 def _cmd(call: str) -> Any:

@@ -62,13 +62,14 @@ class ServerProcess:
                  port: int | None = None, tls_root_certificates: bytes | None = None,
                  log_path: str | Path | None = None, args: Sequence[str] = (),
                  env: Mapping[str, str] | None = None, start_timeout_s: float = START_TIMEOUT_S,
-                 own_session: bool = False) -> None:
+                 own_session: bool = False, access_key: str | None = None, secret_key: str | None = None) -> None:
         """`tls_root_certificates`: the server runs TLS (certificate and key given in `settings`
         as `tls_cert_file`/`tls_key_file`); the readiness check trusts these roots. `args`: more
         `chronoq serve` flags (`--log-level WARNING`). `env`: the environment the child starts
         from (default: this process's), before `settings` are added. `own_session`: the child
         runs in a session of its own, so a Ctrl-C meant for the caller does not reach it before
-        the caller stops it."""
+        the caller stops it. `access_key`/`secret_key`: a user of the server's `[auth]` table
+        (given in `args` as `--config`), for the readiness check's admin call."""
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
@@ -78,6 +79,7 @@ class ServerProcess:
         self.env = dict(env) if env is not None else None
         self.start_timeout_s = start_timeout_s
         self.own_session = own_session
+        self.access_key, self.secret_key = access_key, secret_key
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_path = Path(log_path) if log_path is not None else \
             self.data_dir.parent / f"chronoq-serve-{self.port}.log"
@@ -119,8 +121,8 @@ class ServerProcess:
     async def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s
         tls = self.tls_root_certificates is not None
-        async with AsyncAdmin(self.address, timeout_ms=2000, tls=tls,
-                              root_certificates=self.tls_root_certificates) as admin:
+        async with AsyncAdmin(self.address, timeout_ms=2000, tls=tls, root_certificates=self.tls_root_certificates,
+                              access_key=self.access_key, secret_key=self.secret_key) as admin:
             while True:
                 assert self._proc is not None
                 if self._proc.poll() is not None:

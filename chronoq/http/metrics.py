@@ -7,13 +7,16 @@ consistent state without locks) and turns what the broker already keeps into met
 - `broker.stats()`, the dict the admin service's Stats method returns: pending timers by topic
   and by due time, the timer latencies, the commit log, the disk (and what a full disk or a lack
   of file descriptors holds back now), the delivery trace (recording, or stopped and why),
-  consumer groups, the clock (how far broker time is from the wall clock, its re-bases);
+  consumer groups, the clock (how far broker time is from the wall clock, its re-bases), the
+  recurring schedules (by state; their occurrences issued, late, skipped, withdrawn, refused);
 - the per-topic counts the broker's doors keep in plain dicts (`Broker.accepted_by_topic`,
   `timers_by_topic`, `delivered_by_topic`), the delays timers asked for
   (`timer_delays_by_topic`), and the timer side's `fired_by_topic`;
 - the timer records written and not yet indexed (`MessageStore.undispatched`), counted when scraped;
 - the timer engine's in-memory latency histograms (`timer/metrics.py`), re-bucketed here into
-  Prometheus's cumulative `le` buckets; the commit log's fsync durations (`FsyncTimes`).
+  Prometheus's cumulative `le` buckets; the commit log's fsync durations (`FsyncTimes`); the
+  schedules' issue lag (`Schedules.lateness`). A schedule's occurrence is an ordinary timer, so
+  how late it was delivered is in `chronoq_timer_delivery_error_ms` with every other timer.
 
 So a scrape costs the hot path nothing: the per-message work is the dict updates at the doors
 (measured in docs/design.md, "Metrics and the web console"), and the collector's own work
@@ -108,6 +111,7 @@ class BrokerCollector(Collector):
             family.add_metric([], histogram_buckets(hist, LATENCY_BUCKETS_MS), sum_value=float(hist.sum))
             yield family
         yield from self._commitlog(stats)
+        yield from self._schedules(stats["schedules"])
         yield from self._groups(stats["groups"])
         yield from self._clock(stats["clock"])
 
@@ -212,6 +216,40 @@ class BrokerCollector(Collector):
         if trace["stopped_reason"] is not None:
             stopped.add_metric([trace["stopped_reason"]], 1)
         yield stopped
+
+    def _schedules(self, schedules: Mapping[str, Any]) -> Iterator[Metric]:
+        """Recurring schedules (`chronoq/recurring/`): how many in each state, what became of
+        their occurrences since start, and how long after an occurrence's due time the next one
+        was issued. An occurrence is a timer: how late it was delivered is counted in
+        `chronoq_timer_delivery_error_ms` with every other timer."""
+        states = GaugeMetricFamily("chronoq_schedules",
+                                   "Recurring schedules by state: active (occurrences to come), paused, finished "
+                                   "(end passed or limit reached; kept until deleted); sum() is every schedule",
+                                   labels=["state"])
+        for state in ("active", "paused", "finished"):
+            states.add_metric([state], schedules[state])
+        yield states
+        for key, name, doc in (
+            ("issued", "chronoq_schedule_occurrences_issued",
+             "Schedule occurrences issued as timer messages since start (a repeat after a crash not counted)"),
+            ("late", "chronoq_schedule_occurrences_late",
+             "Occurrences issued after their due time, so delivered at once: catch-up after an outage or a pause"),
+            ("skipped", "chronoq_schedule_occurrences_skipped",
+             "Occurrences missed (the broker down, the schedule paused) that the catch-up policy did not deliver"),
+            ("withdrawn", "chronoq_schedule_occurrences_withdrawn",
+             "Issued occurrences cancelled before they fired: by an update, pause or delete, or at start-up"),
+            ("failed", "chronoq_schedule_issue_failures",
+             "Occurrence sends the broker refused (topic gone, disk full); each is retried"),
+        ):
+            yield CounterMetricFamily(name, doc, value=schedules[key])
+        lag = self.broker.schedules.lateness
+        family = HistogramMetricFamily("chronoq_schedule_issue_lag_ms",
+                                       "Per occurrence, ms from its due time to the step that saw it due and issued "
+                                       "the schedule's next one")
+        cumulative = list(itertools.accumulate(lag.counts))
+        buckets = [(str(edge), float(n)) for edge, n in zip(lag.edges_ms, cumulative, strict=False)]
+        family.add_metric([], [*buckets, ("+Inf", float(cumulative[-1]))], sum_value=float(lag.sum_ms))
+        yield family
 
     @staticmethod
     def _clock(clock: Mapping[str, Any]) -> Iterator[Metric]:

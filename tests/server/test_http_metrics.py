@@ -32,6 +32,7 @@ from chronoq.http.console import MAX_EPOCH_MS, Access, ErrorHistory, Forbidden, 
 from chronoq.http.metrics import histogram_buckets
 from chronoq.http.server import HttpServer
 from chronoq.model import OutgoingMessage
+from chronoq.recurring.records import ScheduleChange
 from chronoq.server.admin_service import AdminService
 from chronoq.server.auth import ANONYMOUS, Principal
 from chronoq.timer.metrics import LatencyHistogram
@@ -165,6 +166,60 @@ def test_pending_gauges_read_zero_for_a_known_topic_and_the_total_is_not_named_a
             types = {f.name: f.type for f in text_string_to_metric_families(text)}
             assert types["chronoq_timer_pending_all_topics"] == "gauge"
             assert "# HELP chronoq_timer_pending_total Deprecated: chronoq_timer_pending_all_topics" in text
+    arun(main())
+
+
+def test_schedule_metrics_count_states_occurrences_and_their_lateness(tmp_path: Path) -> None:
+    """`chronoq_schedules{state}`, the occurrence counters and the issue lag, scraped over HTTP; an
+    occurrence's delivery is a timer's, in `chronoq_timer_delivery_error_ms`."""
+    async def main() -> None:
+        async with http_broker(tmp_path) as (broker, clock, base):
+            await broker.create_topic(TOPIC)
+            m = samples((await get(base + "/metrics"))[2])
+            assert [m[("chronoq_schedules", (("state", s),))] for s in ("active", "paused", "finished")] == [0, 0, 0]
+            assert m[("chronoq_schedule_occurrences_issued_total", ())] == 0
+            await broker.create_schedule("every-minute", TOPIC, b"x", every_ms=60_000)
+            await broker.create_schedule("once", TOPIC, b"x", every_ms=60_000, limit=1)
+            await broker.create_schedule("held", TOPIC, b"x", every_ms=60_000)
+            await broker.pause_schedule("held")  # withdraws its first occurrence
+            clock.advance(60_030)  # the first occurrences fire 30 ms late
+            await broker.run_due()
+            status, _, text = await get(base + "/metrics")
+            assert status == 200
+            m = samples(text)
+            states = {s: m[("chronoq_schedules", (("state", s),))] for s in ("active", "paused", "finished")}
+            assert states == {"active": 1, "paused": 1, "finished": 1}, states
+            # every-minute's first two, once's one, held's first (withdrawn by the pause).
+            assert m[("chronoq_schedule_occurrences_issued_total", ())] == 4
+            assert m[("chronoq_schedule_occurrences_withdrawn_total", ())] == 1
+            assert m[("chronoq_schedule_occurrences_late_total", ())] == 0
+            assert m[("chronoq_schedule_occurrences_skipped_total", ())] == 0
+            assert m[("chronoq_schedule_issue_failures_total", ())] == 0
+            # The step that issued every-minute's second occurrence saw its first 30 ms after its time
+            # (once, finished, had no next to issue); both first occurrences were delivered 30 ms late.
+            assert m[("chronoq_schedule_issue_lag_ms_count", ())] == 1
+            assert m[("chronoq_schedule_issue_lag_ms_sum", ())] == 30
+            assert m[("chronoq_schedule_issue_lag_ms_bucket", (("le", "10"),))] == 0
+            assert m[("chronoq_schedule_issue_lag_ms_bucket", (("le", "50"),))] == 1
+            assert m[("chronoq_timer_delivery_error_ms_count", ())] == 2
+            assert m[("chronoq_timer_delivery_error_ms_sum", ())] == 60
+            types = {f.name: f.type for f in text_string_to_metric_families(text)}
+            assert types["chronoq_schedules"] == "gauge" and types["chronoq_schedule_issue_lag_ms"] == "histogram"
+            assert types["chronoq_schedule_occurrences_issued"] == "counter"
+            # Resumed after four of its occurrences passed (60, 120, 180, 240 s), catch-up skip (the
+            # default): each is skipped, its next issued; a catch-up `latest` delivers one of four, late.
+            clock.advance(180_000)
+            await broker.resume_schedule("held")
+            await broker.update_schedule("every-minute", ScheduleChange(catch_up="latest"))
+            await broker.pause_schedule("every-minute")
+            clock.advance(300_000)
+            await broker.resume_schedule("every-minute")
+            await broker.delete_schedule("once")
+            m = samples((await get(base + "/metrics"))[2])
+            states = {s: m[("chronoq_schedules", (("state", s),))] for s in ("active", "paused", "finished")}
+            assert states == {"active": 2, "paused": 0, "finished": 0}, states
+            assert m[("chronoq_schedule_occurrences_skipped_total", ())] == 4 + 4
+            assert m[("chronoq_schedule_occurrences_late_total", ())] == 1
     arun(main())
 
 

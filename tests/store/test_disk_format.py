@@ -26,6 +26,9 @@ import chronoq
 from chronoq import trace
 from chronoq.errors import CorruptRecord, InvalidRecallHandle, InvalidReceiptHandle
 from chronoq.model import MessageType, TopicConfig
+from chronoq.recurring import records as schedule_records
+from chronoq.recurring.records import Schedule
+from chronoq.recurring.spec import Recurrence, jitter_offset_ms
 from chronoq.store import commitlog, consumequeue, files, groups, links, meta, record
 from chronoq.timer import index_codec, recall
 
@@ -116,8 +119,36 @@ def test_every_name_in_the_data_directory_has_its_section() -> None:
         assert name in tree, f"{name!r} (store/files.py) is missing from the directory tree in docs/disk-format.md"
     for heading in ("(`commitlog/*.log`)", "(`queues/<topic>/<qid>/*.cq`)", "(`checkpoint`)", "(`topics`)",
                     "(`groups/`", "(`timer/`", "(`timerwheel/`", "(`trace/*.trace`", "## Recall handle",
-                    "### Link record"):
+                    "### Link record", "### Schedule record"):
         assert heading in text, f"docs/disk-format.md has no section {heading}"
+
+
+def test_schedule_records_as_the_document_states() -> None:
+    """The three schedule records docs/disk-format.md shows are what the encoder writes for the
+    schedule it describes, and replay reads them as it says: put, then progress, then delete."""
+    text = DOC.read_text()
+    section = text[text.index("### Schedule record"):]
+    block = section[section.index("```\n") + 4:section.index("\n```", section.index("```\n"))]
+    put, progress, delete = (line.encode() for line in block.splitlines())
+    made, first = 1_795_824_000_000, 1_795_899_600_000  # 2026-11-28T00:00Z; 05:00 in Shanghai that day
+    s = Schedule(name="wake", topic="alarms", body=b"hi",
+                 recurrence=Recurrence(cron="0 0 5 * * *", zone="Asia/Shanghai"), catch_up="latest",
+                 jitter_ms=30_000, tag="morning", properties={"k": "v"}, created_ms=made, updated_ms=made,
+                 after_ms=made)
+    assert s.recurrence.next_after(made) == first
+    assert schedule_records.put_record(s) == put
+    due = first + jitter_offset_ms("wake", first, 30_000)
+    s.after_ms, s.count, s.pending = first, 1, (first, due, 1)
+    assert due == first + 8_292
+    assert schedule_records.progress_record(s) == progress
+    assert schedule_records.delete_record(s) == delete
+    replayed = schedule_records.replay([(10, put), (20, progress)])
+    assert replayed.schedules["wake"] == s and replayed.positions == {"wake": 10}
+    replayed = schedule_records.replay([(30, delete)], replayed)
+    assert replayed.schedules == {} and replayed.deleted == {"wake": ("alarms", (first, due, 1))}
+    for bad in (put.replace(b'"v":1', b'"v":2'), progress.replace(b'"op":"progress"', b'"op":"grow"')):
+        with pytest.raises(ValueError, match="schedule record at position 5"):
+            schedule_records.replay([(5, bad)])
 
 
 def _journal(data_dir: Path, *, segment_size_bytes: int = 64 * 1024,
