@@ -34,7 +34,10 @@ SCREENSHOT_DIR = "CHRONOQ_SCREENSHOT_DIR"
 """tests/e2e/test_console_browser.py: also save the console's screenshots there."""
 PROP_EXAMPLES = "CHRONOQ_PROP_EXAMPLES"
 """tests/timer/test_timer_properties.py: hypothesis examples per property."""
+TEST_TIMER_ENGINE = "CHRONOQ_TEST_TIMER_ENGINE"
+"""tests/support/brokers.py: the timer engine a test's child process gives its brokers (a test that
+runs on several engines sets it for the child it starts)."""
 
 NOT_SETTINGS: frozenset[str] = frozenset({SERVER, ACCESS_KEY, SECRET_KEY, TLS, CA_CERT, TLS_SERVER_NAME,
-                                          SCREENSHOT_DIR, PROP_EXAMPLES})
+                                          SCREENSHOT_DIR, PROP_EXAMPLES, TEST_TIMER_ENGINE})
 """The `CHRONOQ_*` names a broker lets pass without reading them."""

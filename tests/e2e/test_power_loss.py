@@ -35,6 +35,7 @@ from pathlib import Path
 
 import pytest
 
+from chronoq import envvars
 from chronoq.clock import FakeClock
 from chronoq.config import DAY_MS
 from chronoq.model import SYS_TIMER_OUT_MS, OutgoingMessage, TimerState
@@ -160,7 +161,7 @@ def test_worlds_assembled_from_snapshots_lose_nothing_and_fire_nothing_twice(
     marks: list[int] = []
     with open(tmp_path / "driver.log", "wb") as log:
         child = subprocess.Popen(module_argv(DRIVER, data, journal, seed), stdout=subprocess.PIPE, stderr=log,
-                                 env=child_env(CHRONOQ_TEST_TIMER_ENGINE=engine))
+                                 env=child_env(**{envvars.TEST_TIMER_ENGINE: engine}))
         try:
             assert child.stdout is not None and child.stdout.readline() == b"READY\n", "driver did not start"
             for n in range(SNAPSHOTS):

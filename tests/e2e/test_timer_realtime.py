@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from chronoq import envvars
 from tests.support.children import ROOT, child_env, module_argv
 
 DRIVER = "tests.e2e.timer_driver"
@@ -91,7 +92,7 @@ def _percentile(values: list[int], p: float) -> int:
 @pytest.mark.parametrize("engine", ["rocksdb", "wheel"])
 def test_sigkill_midway_all_delivered_none_early(tmp_path: Path, engine: str) -> None:
     data = str(tmp_path / "data")
-    env = {"CHRONOQ_TEST_TIMER_ENGINE": engine}
+    env = {envvars.TEST_TIMER_ENGINE: engine}
     first = Child(["--data", data, "--count", str(COUNT), "--run", "0", "--seed", "7"], env)
     try:
         first.wait_for(lambda ev: any(e["ev"] == "open" for e in ev), 30)

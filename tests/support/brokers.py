@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
+from chronoq import envvars
 from chronoq.broker import Broker
 from chronoq.clock import Clock, FakeClock
 from chronoq.config import Config
@@ -39,7 +40,7 @@ T = TypeVar("T")
 TIMER_ENGINES: tuple[str, ...] = typing.get_args(typing.get_type_hints(Config)["timer_engine"])
 """Every timer index a broker runs on (`chronoq/timer/engines.py`)."""
 DEFAULT_TIMER_ENGINE: str = next(f.default for f in dataclasses.fields(Config) if f.name == "timer_engine")
-TIMER_ENGINE = os.environ.get("CHRONOQ_TEST_TIMER_ENGINE", DEFAULT_TIMER_ENGINE)
+TIMER_ENGINE = os.environ.get(envvars.TEST_TIMER_ENGINE, DEFAULT_TIMER_ENGINE)
 """The index `open_broker` gives a broker: the default, or the one `each_timer_engine` is running
 (a child process started by a test that runs on several engines reads it from
 CHRONOQ_TEST_TIMER_ENGINE)."""
