@@ -70,10 +70,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def each_timer_engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run the test once per timer index a broker runs on (`timer_engine`), given to every broker
     the test opens through `tests.support.brokers.open_broker`. A test marked `rocksdb_index` reads
-    or damages that index's files, and runs on it alone."""
+    or damages that index's files, and runs on it alone; one marked `durable_index` reads an index
+    on disk (`chronoq check`), and runs on the durable ones."""
     marker = request.node.get_closest_marker("rocksdb_index")
     if marker is not None and request.param != "rocksdb":
         pytest.skip(f"reads or damages the RocksDB index's files ({marker.args[0]})")
+    durable = request.node.get_closest_marker("durable_index")
+    if durable is not None and request.param == "memory":
+        pytest.skip(f"reads a timer index on disk ({durable.args[0]})")
     monkeypatch.setattr(support_brokers, "TIMER_ENGINE", request.param)
     return str(request.param)
 

@@ -34,13 +34,12 @@ from rocksdict import AccessType, Options, Rdict
 from chronoq.errors import CorruptRecord
 from chronoq.model import is_system_topic
 from chronoq.store import check_queues, files
-from chronoq.store.check_damage import IndexView
+from chronoq.store.check_damage import EngineView, IndexView
 from chronoq.store.check_log import check_log
 from chronoq.store.check_queues import Queue, QueueEntries, check_queue_ends, load_queues
 from chronoq.store.check_report import CheckReport, format_report, plural
 from chronoq.store.diskspace import resource_problem
 from chronoq.store.meta import CHECKPOINT_VERSION, decode_checkpoint_versioned, decode_topics
-from chronoq.timer import wheel_files as wf
 from chronoq.timer.index import FORMAT_VERSION as TIMER_INDEX_FORMAT_VERSION
 from chronoq.timer.index_codec import CF_META, META_FORMAT_VERSION, U32
 from chronoq.timer.wheel import WheelTimerEngine
@@ -68,15 +67,19 @@ def check_data_dir(data_dir: str | Path) -> CheckReport:
     topics = _check_topics(data_dir, report)
     _check_rocksdb(data_dir / files.GROUPS_DIR, "consumer-group store", report, derived=False)
     wheel_dir = data_dir / files.TIMER_WHEEL_DIR
-    if wheel_dir.exists():
-        _check_wheel(data_dir, wheel_dir, report)
+    wheel = _check_wheel(wheel_dir, report) if wheel_dir.exists() else None
     if (data_dir / files.TIMER_DIR).exists() or not wheel_dir.exists():
         _check_rocksdb(data_dir / files.TIMER_DIR, "timer index", report, derived=True,
                        format_version=(CF_META, META_FORMAT_VERSION, TIMER_INDEX_FORMAT_VERSION))
     checkpoint, checkpoint_version = _check_checkpoint(data_dir, report)
     queues = load_queues(data_dir, report, topics)
     entries = QueueEntries(report)
-    index = IndexView.open(data_dir / files.TIMER_DIR, TIMER_INDEX_FORMAT_VERSION)
+    index: IndexView | EngineView | None = IndexView.open(data_dir / files.TIMER_DIR, TIMER_INDEX_FORMAT_VERSION)
+    if wheel is not None:
+        if index is None:
+            index = EngineView(wheel)
+        else:
+            wheel.close()
     try:
         report.live_links_from = None if index is None else index.live_links_from
         check_log(data_dir, report, queues, entries, checkpoint,
@@ -95,7 +98,7 @@ def check_data_dir(data_dir: str | Path) -> CheckReport:
 
 
 def _cost_damage(data_dir: Path, report: CheckReport, queues: dict[tuple[str, int], Queue], entries: QueueEntries,
-                 index: IndexView | None) -> None:
+                 index: IndexView | EngineView | None) -> None:
     """Add to each damaged range's finding what it costs: one more pass over the consume queues
     (in chunks), finding the entries that name records inside it (`check_damage.py`)."""
     damage = report.damage
@@ -108,19 +111,14 @@ def _cost_damage(data_dir: Path, report: CheckReport, queues: dict[tuple[str, in
         report.problems[problem] += ". " + cost
 
 
-def _check_wheel(data_dir: Path, path: Path, report: CheckReport) -> None:
-    """The file wheel (`timer_engine = "wheel"`), read as a start would read it but without
-    writing: damage is a repair (a start rebuilds it from the log). `chronoq check` is given no
-    settings: a wheel sized other than by the defaults is read at its own size, not reported."""
-    from chronoq.config import Config  # the settings' defaults: the wheel's slot width and count
-
-    defaults = Config(data_dir=data_dir)
-    reason = WheelTimerEngine.verify(path, slot_ms=defaults.timer_wheel_slot_ms, slots=defaults.timer_wheel_slots)
-    if reason is not None and "the settings ask for" in reason:
-        check = wf.Checkpoint.decode((path / "timercheck").read_bytes())
-        reason = WheelTimerEngine.verify(path, slot_ms=check.slot_ms, slots=check.slots)
+def _check_wheel(path: Path, report: CheckReport) -> WheelTimerEngine | None:
+    """The file wheel (`timer_engine = "wheel"`), opened from a copy as a start would read it,
+    writing nothing at `path`: damage is a repair (a start rebuilds it from the log). The opened
+    copy, for the costs of damage in the log (link copies, pending timers), or None."""
+    engine, reason = WheelTimerEngine.open_copy(path)
     if reason is not None:
         report.repairs.append(f"{path}: the file wheel cannot be used ({reason}); a restart rebuilds it from the log")
+    return engine
 
 
 def _check_rocksdb(path: Path, what: str, report: CheckReport, *, derived: bool,

@@ -25,6 +25,7 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rocksdict import AccessType, Options, Rdict
 
@@ -36,6 +37,9 @@ from chronoq.store.consumequeue import LINKED
 from chronoq.store.links import decode_links
 from chronoq.store.record import decode_record
 from chronoq.timefmt import instant
+
+if TYPE_CHECKING:
+    from chronoq.timer.engine import TimerEngine
 from chronoq.timer.index_codec import (
     CF_LINKS,
     CF_META,
@@ -117,6 +121,29 @@ class IndexView:
                 continue
             out.append((message_id, topic, due))
         return out
+
+
+class EngineView:
+    """A timer engine read as `IndexView` is (the file wheel, opened from a copy by
+    `WheelTimerEngine.open_copy`): the same three answers, from the engine's own calls."""
+
+    def __init__(self, engine: TimerEngine) -> None:
+        self._engine = engine
+        self.live_links_from = engine.live_links_from()
+
+    def close(self) -> None:
+        self._engine.close()
+
+    def link_copies(self, start: int, end: int) -> list[tuple[int, bytes]]:
+        out = []
+        for position in self._engine.link_copies_in(start, end):
+            copy = self._engine.link_copy(position)
+            if copy is not None:
+                out.append((position, copy[0]))
+        return out
+
+    def pending_timers(self, start: int, end: int) -> list[tuple[str, str, int]]:
+        return [(e.message_id, e.topic, e.deliver_at_ms) for e in self._engine.pending_in(start, end)]
 
 
 class _Records:
@@ -204,7 +231,7 @@ class DamageCosts:
             seen[1] = min(seen[1], queue_offset)
             seen[2] = max(seen[2], queue_offset)
 
-    def costs(self, data_dir: Path, index: IndexView | None) -> list[str]:
+    def costs(self, data_dir: Path, index: IndexView | EngineView | None) -> list[str]:
         """Per range, what it costs, in words."""
         records = _Records(data_dir)
         try:
@@ -212,7 +239,7 @@ class DamageCosts:
         finally:
             records.close()
 
-    def _cost(self, i: int, records: _Records, index: IndexView | None) -> str:
+    def _cost(self, i: int, records: _Records, index: IndexView | EngineView | None) -> str:
         start, end = self.ranges[i]
         parts: list[str] = []
         copies = dict(index.link_copies(start, end)) if index is not None else {}

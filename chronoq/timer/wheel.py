@@ -142,6 +142,8 @@ class WheelTimerEngine:
         self.generation = 0
         self._indexed_position = 0
         self._checkpointed_bytes = 0
+        self._scratch: Path | None = None
+        """A copy opened by `open_copy`: removed at close."""
         self.timerlog: wf.AppendFile
         self.facts: wf.AppendFile
         self.wheel: wf.WheelFile
@@ -203,34 +205,52 @@ class WheelTimerEngine:
         return engine
 
     @staticmethod
-    def verify(path: str | Path, *, slot_ms: int, slots: int) -> str | None:
-        """Why the wheel at `path` cannot be used as it is (None: it can), read without writing
-        anything: what `chronoq check` asks (the broker would rebuild it from the log)."""
+    def open_copy(path: str | Path) -> tuple[WheelTimerEngine | None, str | None]:
+        """The wheel at `path` opened from a copy of what its checkpoint covers (in a temporary
+        directory removed at its `close`), so that nothing at `path` is written: what `chronoq
+        check` reads, a running broker's wheel included. (None, why) when it cannot be used (the
+        broker would rebuild it from the log)."""
         path = Path(path)
         try:
             check = wf.Checkpoint.decode((path / "timercheck").read_bytes())
         except (OSError, ValueError) as e:
-            return f"its checkpoint cannot be read ({e})"
-        if (check.slot_ms, check.slots) != (slot_ms, slots):
-            return (f"its wheel has {check.slots} slots of {check.slot_ms} ms; the settings ask for {slots} of "
-                    f"{slot_ms} ms")
+            return None, f"its checkpoint cannot be read ({e})"
         scratch = Path(tempfile.mkdtemp(prefix="chronoq-check-wheel-"))
         try:
             for name, end in (("timerlog", check.timerlog_end), ("timerfacts", check.facts_end)):
                 source = path / f"{name}.{check.generation}"
                 size = source.stat().st_size if source.exists() else 0
                 if size < end:
-                    return f"{source.name} holds {size} bytes, its checkpoint covers {end}"
+                    return None, f"{source.name} holds {size} bytes, its checkpoint covers {end}"
                 with open(source, "rb") as src, open(scratch / source.name, "wb") as dst:
                     dst.write(src.read(end))
             (scratch / "timercheck").write_bytes(check.encode())
             try:
-                WheelTimerEngine.open(scratch, slot_ms=slot_ms, slots=slots).close()
+                engine = WheelTimerEngine.open(scratch, slot_ms=check.slot_ms, slots=check.slots)
             except TimerIndexCorrupt as e:
-                return str(e.details.get("reason", e.message))
-            return None
+                return None, str(e.details.get("reason", e.message))
+            engine._scratch = scratch
+            scratch = None  # type: ignore[assignment]
+            return engine, None
         finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
+
+    @staticmethod
+    def verify(path: str | Path, *, slot_ms: int, slots: int) -> str | None:
+        """Why the wheel at `path` cannot be used as it is by a broker whose settings ask for
+        `slots` slots of `slot_ms` (None: it can), read without writing anything."""
+        try:
+            check = wf.Checkpoint.decode((Path(path) / "timercheck").read_bytes())
+        except (OSError, ValueError) as e:
+            return f"its checkpoint cannot be read ({e})"
+        if (check.slot_ms, check.slots) != (slot_ms, slots):
+            return (f"its wheel has {check.slots} slots of {check.slot_ms} ms; the settings ask for {slots} of "
+                    f"{slot_ms} ms")
+        engine, reason = WheelTimerEngine.open_copy(path)
+        if engine is not None:
+            engine.close()
+        return reason
 
     @staticmethod
     def destroy(path: str | Path) -> None:
@@ -251,6 +271,8 @@ class WheelTimerEngine:
             self.timerlog.close()
             self.facts.close()
             self.wheel.close()
+            if self._scratch is not None:
+                shutil.rmtree(self._scratch, ignore_errors=True)
 
     def _check_open(self) -> None:
         if self._closed:

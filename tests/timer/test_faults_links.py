@@ -98,7 +98,7 @@ async def _fired_then_pushed_out(data: Path, clock: FakeClock) -> tuple[list[int
     return links, ids
 
 
-@pytest.mark.rocksdb_index("`chronoq check` reads the link copies from the index on disk")
+@pytest.mark.durable_index("`chronoq check` reads the link copies from the index on disk")
 def test_a_damaged_link_record_costs_no_message_its_links_are_read_from_the_index_copy(tmp_path: Path) -> None:
     """Before: the range was quarantined and a group received 0 of the 200 timers (`chronoq
     check` also said every queue held "entries past the last record")."""

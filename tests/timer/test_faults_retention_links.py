@@ -140,7 +140,7 @@ def _fill_at_roll_chunk(b: Broker, disk: Disk, chunk: int, leave_bytes: int) -> 
     b.dispatch.long_polls = FillAfterLongPolls()
 
 
-@pytest.mark.rocksdb_index("`chronoq check` reads the retention horizon from the index on disk")
+@pytest.mark.durable_index("`chronoq check` reads the retention horizon from the index on disk")
 @pytest.mark.parametrize("meets", ["the roll's first append", "the roll's second append", "the checkpoint"])
 def test_a_retention_step_that_meets_a_full_disk_keeps_every_timer_and_goes_on_when_space_returns(
         mount: Callable[[Path, int], Disk], tmp_path: Path, meets: str) -> None:
@@ -378,7 +378,7 @@ async def _next_for(b: Broker, clock: FakeClock) -> tuple[list[str], list[tuple[
     return new, back, fresh
 
 
-@pytest.mark.rocksdb_index("`chronoq check` reads the retention horizon from the index on disk")
+@pytest.mark.durable_index("`chronoq check` reads the retention horizon from the index on disk")
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["its directory removed", "a middle file removed", "an entry flipped",
                                  "every queue removed"])
@@ -438,7 +438,7 @@ async def _retained_then_closed(data: Path, clock: FakeClock) -> None:
         await b.close()
 
 
-@pytest.mark.rocksdb_index("`chronoq check` reads the retention horizon from the index on disk")
+@pytest.mark.durable_index("`chronoq check` reads the retention horizon from the index on disk")
 def test_a_queue_missing_the_file_at_its_start_is_a_problem_check_names_with_its_remedy(tmp_path: Path) -> None:
     """The fault: after hours of retention, the oldest file of a consume queue is removed while
     the log still holds records whose entries were in it. Retention removes a queue's files only
