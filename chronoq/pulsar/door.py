@@ -98,6 +98,10 @@ NAMESPACE_PREFIXES = ("persistent://public/default/", "public/default/")
 SubType = api.CommandSubscribe.SubType
 
 
+class Hangup(Exception):
+    """Close this connection; the reason was logged where it was found."""
+
+
 class Refused(Exception):
     """A request the door answers with a Pulsar error: `error` (a ServerError) and a message."""
 
@@ -382,6 +386,8 @@ class Connection:
                     await self.handle(frame)
         except FrameError as exc:
             log.warning("pulsar door: closing the connection from %s: malformed frame: %s", self.peer, exc.reason)
+        except Hangup:
+            pass
         except TimeoutError:
             log.info("pulsar door: closing the connection from %s: nothing heard for %.0f s", self.peer, KEEPALIVE_S)
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -435,7 +441,7 @@ class Connection:
                         "no authentication", self.peer)
             self.error(0, ServerError.AuthenticationError,
                        "chronoq's auth is on; its Pulsar door serves only with auth off")
-            raise FrameError("refused: auth is on")
+            raise Hangup()
         self.connected = True
         version = min(connect.protocol_version, PROTOCOL_VERSION)
         self.send(Type.CONNECTED, connected=api.CommandConnected(

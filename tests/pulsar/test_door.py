@@ -228,3 +228,48 @@ def test_a_latest_subscription_starts_after_what_is_already_there(tmp_path: Path
             assert (await c.next()).payload == b"new"
 
     arun(run())
+
+
+def test_failover_feeds_one_consumer_and_the_next_takes_over_with_what_it_held(tmp_path: Path) -> None:
+    async def run() -> None:
+        async with door(tmp_path) as (_, port):
+            a, b = await Client.connect(port), await Client.connect(port)
+            failover = api.CommandSubscribe.Failover
+            assert (await a.subscribe("fo", sub_type=failover)).command.type == Type.SUCCESS
+            assert (await b.subscribe("fo", sub_type=failover)).command.type == Type.SUCCESS
+            await a.producer()
+            a.publish(0, b"m0")
+            await a.next()
+            a.flow(10)
+            b.flow(10)
+            assert (await a.next()).payload == b"m0"
+            try:
+                early = await b.next(timeout=1.0)
+            except TimeoutError:
+                early = None
+            assert early is None, "the standby consumer received while the active one was there"
+            a.send(Type.CLOSE_CONSUMER, close_consumer=api.CommandCloseConsumer(consumer_id=0, request_id=a.rid()))
+            assert (await a.next()).command.type == Type.SUCCESS
+            taken = await b.next(timeout=5)
+            assert taken.payload == b"m0" and taken.command.message.redelivery_count == 1
+
+    arun(run())
+
+
+def test_with_auth_on_the_door_refuses_to_connect(tmp_path: Path) -> None:
+    async def run() -> None:
+        config = Config(data_dir=tmp_path / "data")
+        broker = await Broker.open(config)
+        the_door = PulsarDoor(broker, config, auth_enabled=lambda: True)
+        port = await the_door.start("127.0.0.1", 0)
+        try:
+            c = Client(*await asyncio.open_connection("127.0.0.1", port))
+            c.send(Type.CONNECT, connect=api.CommandConnect(client_version="test", protocol_version=20))
+            reply = await c.next()
+            assert reply.command.error.error == ServerError.AuthenticationError
+            assert await c.closed()
+        finally:
+            await the_door.stop()
+            await broker.close()
+
+    arun(run())
