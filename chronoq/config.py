@@ -286,6 +286,9 @@ class Config:
     # -- HTTP: metrics, health, web console (chronoq/http/) -------------------------------------
     http_port: int = limit(0, minimum=0, maximum=65535)
     """Port for GET /metrics (Prometheus), /healthz and the web console, on `host`; 0 = off."""
+    pulsar_port: int = limit(0, minimum=0, maximum=65535)
+    """Port for Apache Pulsar's binary protocol (chronoq/pulsar/door.py: Pulsar's official clients
+    produce and consume there), on `host`; 0 = off."""
     timer_search_max_range_ms: int = limit(31 * DAY_MS)
     """Widest due-time range one search of pending timers (admin SearchTimers, the console) may cover."""
     timer_search_max_rows: int = limit(500)
@@ -336,6 +339,10 @@ class Config:
         if self.http_port == self.port:
             raise ConfigError(f"http_port = {self.http_port} is also the gRPC port (port); the console and /metrics "
                               "need a port of their own (--http-port)")
+        if self.pulsar_port and self.pulsar_port in (self.port, self.http_port):
+            raise ConfigError(f"pulsar_port = {self.pulsar_port} is also the "
+                              f"{'gRPC port (port)' if self.pulsar_port == self.port else 'HTTP port (http_port)'}; "
+                              "the Pulsar door needs a port of its own (--pulsar-port)")
         parse_delay_levels(self.delay_levels)
 
     def replace(self, **changes: Any) -> Config:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything chronoq needs on a fresh machine (idempotent): a virtualenv in .venv with
 # chronoq and its pinned dependencies. Extra parts install with flags:
-#   --test    test tools (pytest, hypothesis, ruff, grimp)
+#   --test    test tools (pytest, hypothesis, ruff, grimp) and Apache Pulsar's Python client
 #   --node    the official Node.js RocketMQ client for the interop tests
 #   --spark   PySpark and friends (Java 17 must be present)
 #   --peers   the benchmark peers (Redis, RabbitMQ, beanstalkd, NATS)

@@ -4,7 +4,8 @@ Theory of operation: configuration layers as `Config.load` defines them: default
 (`--config`) < `CHRONOQ_*` environment variables < the flags given here. One line,
 "chronoq serving on HOST:PORT", goes to stdout (flushed) once the port accepts calls, so scripts
 and tests can wait for it; the next says whether auth is on ("chronoq auth on: N users" /
-"chronoq auth off: ..."), and with --http-port a third names the console's URL; logs go to
+"chronoq auth off: ..."), with --http-port another names the console's URL, and with --pulsar-port
+another the Pulsar door's ("chronoq pulsar door on pulsar://HOST:PORT"); logs go to
 stderr (gRPC's own C-core log only with GRPC_VERBOSITY set:
 `chronoq.cli.main`). Exit code 0 after a clean shutdown, 1 when the broker fails (or cannot open its
 data directory), 2 when the start cannot go on as configured (a setting, an unknown `CHRONOQ_*`
@@ -35,6 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "\"chronoq serving on HOST:PORT\" once it accepts calls.",
         ["chronoq serve --data-dir data", "chronoq serve --data-dir data --host 0.0.0.0 --port 9876",
          "chronoq serve --data-dir data --http-port 8090   # console on http://127.0.0.1:8090/",
+         "chronoq serve --data-dir data --pulsar-port 6650   # Pulsar clients: pulsar://127.0.0.1:6650",
          "chronoq serve --data-dir data --tls-cert server.pem --tls-key server.key",
          "chronoq serve --data-dir data --config chronoq.toml   # [auth] enabled = true, [[auth.users]] ...",
          "CHRONOQ_TIMER_MAX_DELAY_MS=7776000000 chronoq serve --data-dir data   # 90 days"])
@@ -43,6 +45,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--http-port", type=int, metavar="PORT",
                    help="also serve the web console, /metrics (Prometheus) and /healthz on this port (default: off)")
+    p.add_argument("--pulsar-port", type=int, metavar="PORT",
+                   help="also serve Apache Pulsar's binary protocol on this port, for Pulsar's clients (default: off)")
     p.add_argument("--config", metavar="FILE", help="TOML configuration file ([chronoq] table or top level)")
     p.add_argument("--tls-cert", metavar="FILE",
                    help="PEM certificate chain; enables TLS with --tls-key (clients then need --ca-cert or --tls)")
@@ -59,6 +63,7 @@ def load_auth_config(args: argparse.Namespace) -> AuthConfig:
 def load_config(args: argparse.Namespace) -> Config:
     return Config.load(args.config, env=os.environ, data_dir=args.data_dir, port=args.port, host=args.host,
                        http_port=getattr(args, "http_port", None),  # callers may build args without it
+                       pulsar_port=getattr(args, "pulsar_port", None),
                        tls_cert_file=args.tls_cert, tls_key_file=args.tls_key)
 
 

@@ -5,16 +5,19 @@ Theory of operation: `serve(config)` opens the broker and builds a gRPC server w
 same receive with the messages in one response, `chronoq.protocol.batch_receive`; chronoq's SDK),
 `chronoq.admin.v1.Admin` (JSON admin), and the standard `grpc.health.v1.Health` (SERVING while
 the broker is open). With `http_port` set it then starts the HTTP side on the same loop
-(`chronoq/http/`: /metrics, /healthz, the web console). Only then does it bind the gRPC port (TLS
-when a certificate and key are configured) and serve on it, in one step (`listen`). The order is
-for readiness probes: gRPC core listens from `add_*_port` on, so from the bind the kernel accepts
-connections and a probe that only connects (Kubernetes `tcpSocket`) says ready; whatever ran
-between the bind and `start` (an import, an await, a collection) would leave a client that
-connected at once unanswered, a quarter of a second for importing and starting the HTTP side.
+(`chronoq/http/`: /metrics, /healthz, the web console), and with `pulsar_port` the Pulsar door
+(`chronoq/pulsar/door.py`: Apache Pulsar's binary protocol, its own asyncio server). Only then
+does it bind the gRPC port (TLS when a certificate and key are configured) and serve on it, in
+one step (`listen`). The order is for readiness probes: gRPC core listens from `add_*_port` on,
+so from the bind the kernel accepts connections and a probe that only connects (Kubernetes
+`tcpSocket`) says ready; whatever ran between the bind and `start` (an import, an await, a
+collection) would leave a client that connected at once unanswered, a quarter of a second for
+importing and starting the HTTP side.
 So the port opens when it serves: health says SERVING before it opens, and /healthz says
 "starting" (503) until it does, so no probe says ready early. It prints "chronoq serving on
 HOST:PORT" and a line saying whether auth is on ("chronoq auth on: N users" / "chronoq auth off: ...";
-with the HTTP side, a third line naming its URL) once both serve, then waits for
+with the HTTP side, a line naming its URL; with `pulsar_port`, one naming the Pulsar door's,
+"chronoq pulsar door on pulsar://HOST:PORT") once all serve, then waits for
 `stop` (SIGTERM or SIGINT when run from the CLI). Shutdown runs in the reverse order of start:
 health says NOT_SERVING, the server refuses new calls and gives running ones `SHUTDOWN_GRACE_S`
 (long polls are cancelled; their messages stay unreceived), the auto-renew loop stops, and the
@@ -64,6 +67,7 @@ from chronoq.server.net import bind_address, bind_failure, max_request_bytes
 
 if TYPE_CHECKING:
     from chronoq.broker import Broker
+    from chronoq.pulsar.door import PulsarDoor
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +161,7 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None,
     broker = await Broker.open(config)
     server: grpc.aio.Server | None = None
     http = None
+    pulsar = None
     try:
         advertised = None if config.host in WILDCARD_HOSTS else Endpoint(config.host, config.port)
         authenticator = Authenticator(auth)
@@ -175,6 +180,11 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None,
 
             http = HttpServer(broker, config, admin)
             http_port = await http.start()  # its /healthz says "starting" until gRPC serves
+        if config.pulsar_port:
+            from chronoq.pulsar.door import PulsarDoor  # the Pulsar protocol's modules: only when asked for
+
+            pulsar = PulsarDoor(broker, config, auth_enabled=lambda: authenticator.enabled)
+            pulsar_port = await start_pulsar(pulsar, config)
         if own_process:
             settle_heap(config)
         port = await listen(server, config, credentials)
@@ -192,6 +202,8 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None,
             on_ready(auth_line(auth))
             if http is not None:
                 on_ready(f"chronoq console, /metrics and /healthz on {http_url(config.host, http_port)}")
+            if pulsar is not None:
+                on_ready(f"chronoq pulsar door on pulsar://{bind_address(shown_host(config.host), pulsar_port)}")
         async with asyncio.TaskGroup() as tasks:
             renewals = tasks.create_task(messaging.renewals.run(), name="auto-renew")
             watchdog = tasks.create_task(_watch_broker(broker, stop), name="broker-watchdog")
@@ -201,6 +213,8 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None,
             if http is not None:
                 http.stopping = True  # /healthz says so while gRPC drains
             await health_servicer.enter_graceful_shutdown()
+            if pulsar is not None:
+                await pulsar.stop()
             await server.stop(SHUTDOWN_GRACE_S)
             renewals.cancel()
             watchdog.cancel()
@@ -208,6 +222,8 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None,
                 sampler.cancel()
         return 1 if broker.fatal is not None else 0
     finally:
+        if pulsar is not None:
+            await pulsar.stop()  # no-op after a clean stop
         if http is not None:
             await http.stop()
         if server is not None:
@@ -229,6 +245,16 @@ async def listen(server: grpc.aio.Server, config: Config, credentials: grpc.Serv
         raise ConfigError(f"cannot bind {address}: {bind_failure(config.host, config.port)}")
     await server.start()
     return port
+
+
+async def start_pulsar(door: PulsarDoor, config: Config) -> int:
+    """Bind the Pulsar door's port (before the gRPC port, like the HTTP side: a port in use stops
+    the start before anything serves); returns the bound port."""
+    try:
+        return await door.start(config.host, config.pulsar_port)
+    except OSError:
+        raise ConfigError(f"cannot bind {bind_address(config.host, config.pulsar_port)} for the Pulsar door "
+                          f"(--pulsar-port): {bind_failure(config.host, config.pulsar_port)}") from None
 
 
 def reload_auth(authenticator: Authenticator, auth_file: str | Path, host: str, port: int) -> bool:
@@ -273,8 +299,12 @@ def settle_heap(config: Config) -> None:
 
 def http_url(host: str, port: int) -> str:
     """The console's address as a person would open it (a wildcard host: this machine's loopback)."""
-    shown = "127.0.0.1" if host in WILDCARD_HOSTS else host
-    return f"http://{bind_address(shown, port)}/"
+    return f"http://{bind_address(shown_host(host), port)}/"
+
+
+def shown_host(host: str) -> str:
+    """A host to name in an address a person or client opens (a wildcard: this machine's loopback)."""
+    return "127.0.0.1" if host in WILDCARD_HOSTS else host
 
 
 async def _watch_broker(broker: Broker, stop: asyncio.Event) -> None:

@@ -1,0 +1,275 @@
+"""The Pulsar door (chronoq/pulsar/door.py) in process: a broker on a temp directory, the door on a
+free port, and a client made of the codec speaking the frames Pulsar's C++ client sends. The
+official client's own run is tests/interop/test_pulsar_interop.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from chronoq.broker import Broker
+from chronoq.config import Config
+from chronoq.pulsar import codec
+from chronoq.pulsar import pulsar_api_pb2 as api
+from chronoq.pulsar.codec import Frame, ServerError, Type
+from chronoq.pulsar.door import PulsarDoor
+from tests.support.brokers import arun
+
+TOPIC = "persistent://public/default/orders"
+
+
+class Client:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.frames = codec.FrameReader()
+        self.pending: list[Frame] = []
+        self.request_id = 0
+
+    @classmethod
+    async def connect(cls, port: int) -> Client:
+        client = cls(*await asyncio.open_connection("127.0.0.1", port))
+        client.send(Type.CONNECT, connect=api.CommandConnect(client_version="test", protocol_version=20,
+                                                             auth_method_name="none"))
+        assert (await client.next()).command.type == Type.CONNECTED
+        return client
+
+    def send(self, kind: int, **sub: object) -> None:
+        self.writer.write(codec.encode_command(codec.make_command(kind, **sub)))
+
+    def rid(self) -> int:
+        self.request_id += 1
+        return self.request_id
+
+    async def next(self, timeout: float = 5) -> Frame:
+        while not self.pending:
+            data = await asyncio.wait_for(self.reader.read(65536), timeout)
+            if not data:
+                raise ConnectionError("closed by the door")
+            self.pending += self.frames.feed(data)
+        return self.pending.pop(0)
+
+    async def closed(self) -> bool:
+        try:
+            return await asyncio.wait_for(self.reader.read(1), 5) == b""
+        except ConnectionError:
+            return True
+
+    async def producer(self, producer_id: int = 0) -> str:
+        self.send(Type.PRODUCER, producer=api.CommandProducer(topic=TOPIC, producer_id=producer_id,
+                                                              request_id=self.rid()))
+        reply = await self.next()
+        assert reply.command.type == Type.PRODUCER_SUCCESS, reply.command
+        return reply.command.producer_success.producer_name
+
+    def publish(self, seq: int, payload: bytes, producer_id: int = 0, **meta: object) -> None:
+        cmd = codec.make_command(Type.SEND, send=api.CommandSend(producer_id=producer_id, sequence_id=seq))
+        md = api.MessageMetadata(producer_name="p", sequence_id=seq, publish_time=int(time.time() * 1000), **meta)
+        self.writer.write(codec.encode_payload_command(cmd, md, payload))
+
+    async def subscribe(self, name: str, sub_type: int = api.CommandSubscribe.Shared, consumer_id: int = 0,
+                        initial: int = api.CommandSubscribe.Earliest) -> Frame:
+        self.send(Type.SUBSCRIBE, subscribe=api.CommandSubscribe(
+            topic=TOPIC, subscription=name, subType=sub_type, consumer_id=consumer_id, request_id=self.rid(),
+            initialPosition=initial))
+        return await self.next()
+
+    def flow(self, permits: int, consumer_id: int = 0) -> None:
+        self.send(Type.FLOW, flow=api.CommandFlow(consumer_id=consumer_id, messagePermits=permits))
+
+    def ack(self, *ids: api.MessageIdData, consumer_id: int = 0) -> None:
+        self.send(Type.ACK, ack=api.CommandAck(consumer_id=consumer_id, ack_type=api.CommandAck.Individual,
+                                               message_id=list(ids)))
+
+
+@asynccontextmanager
+async def door(tmp_path: Path, **settings: object) -> AsyncIterator[tuple[Broker, int]]:
+    config = Config(data_dir=tmp_path / "data", **settings)
+    broker = await Broker.open(config)
+    the_door = PulsarDoor(broker, config)
+    port = await the_door.start("127.0.0.1", 0)
+    try:
+        yield broker, port
+    finally:
+        await the_door.stop()
+        await broker.close()
+
+
+def test_lookup_answers_this_door_and_topics_outside_public_default_are_refused(tmp_path: Path) -> None:
+    async def run() -> None:
+        async with door(tmp_path) as (_, port):
+            c = await Client.connect(port)
+            c.send(Type.PARTITIONED_METADATA, partitionMetadata=api.CommandPartitionedTopicMetadata(
+                topic=TOPIC, request_id=c.rid()))
+            meta = (await c.next()).command.partitionMetadataResponse
+            assert (meta.partitions, meta.response) == (0, meta.Success)
+            c.send(Type.LOOKUP, lookupTopic=api.CommandLookupTopic(topic=TOPIC, request_id=c.rid()))
+            lookup = (await c.next()).command.lookupTopicResponse
+            assert lookup.brokerServiceUrl == f"pulsar://127.0.0.1:{port}"
+            assert lookup.response == lookup.Connect and lookup.authoritative
+            c.send(Type.LOOKUP, lookupTopic=api.CommandLookupTopic(topic="persistent://acme/ns/t", request_id=9))
+            refused = (await c.next()).command.lookupTopicResponse
+            assert (refused.response, refused.error) == (refused.Failed, ServerError.InvalidTopicName)
+            assert "public/default" in refused.message
+
+    arun(run())
+
+
+def test_sends_are_receipted_in_order_and_a_delayed_message_waits_for_its_time(tmp_path: Path) -> None:
+    async def run() -> None:
+        async with door(tmp_path) as (_, port):
+            c = await Client.connect(port)
+            assert (await c.subscribe("sub")).command.type == Type.SUCCESS
+            await c.producer()
+            due = int(time.time() * 1000) + 400
+            c.publish(0, b"delayed", deliver_at_time=due)
+            batch = codec.join_batch([(api.SingleMessageMetadata(sequence_id=1), b"b-1"),
+                                      (api.SingleMessageMetadata(sequence_id=2), b"b-2")])
+            c.publish(1, batch, num_messages_in_batch=2)
+            c.publish(3, b"plain", properties=[api.KeyValue(key="color", value="red")])
+            receipts = [(await c.next()).command for _ in range(3)]
+            assert [r.type for r in receipts] == [Type.SEND_RECEIPT] * 3
+            assert [r.send_receipt.sequence_id for r in receipts] == [0, 1, 3]
+            c.flow(10)
+            got = {}
+            for _ in range(4):
+                frame = await c.next()
+                assert frame.command.type == Type.MESSAGE
+                got[frame.payload] = (int(time.time() * 1000), frame)
+            assert set(got) == {b"delayed", b"b-1", b"b-2", b"plain"}
+            assert got[b"delayed"][0] >= due
+            plain = got[b"plain"][1]
+            assert codec.properties_of(plain.metadata.properties) == {"color": "red"}
+            assert plain.command.message.redelivery_count == 0 and plain.metadata.producer_name == "p"
+
+    arun(run())
+
+
+def test_redelivery_on_request_counts_and_an_ack_sticks(tmp_path: Path) -> None:
+    async def run() -> None:
+        async with door(tmp_path) as (_, port):
+            c = await Client.connect(port)
+            await c.subscribe("sub")
+            await c.producer()
+            c.publish(0, b"one")
+            await c.next()
+            c.flow(10)
+            first = await c.next()
+            mid = first.command.message.message_id
+            c.send(Type.REDELIVER_UNACKNOWLEDGED_MESSAGES, redeliverUnacknowledgedMessages=(
+                api.CommandRedeliverUnacknowledgedMessages(consumer_id=0, message_ids=[mid])))
+            again = await c.next()
+            assert again.payload == b"one" and again.command.message.redelivery_count == 1
+            c.ack(again.command.message.message_id)
+            c.send(Type.REDELIVER_UNACKNOWLEDGED_MESSAGES, redeliverUnacknowledgedMessages=(
+                api.CommandRedeliverUnacknowledgedMessages(consumer_id=0)))
+            c.send(Type.PING, ping=api.CommandPing())
+            assert (await c.next()).command.type == Type.PONG  # nothing redelivered ahead of it
+            try:
+                extra = await c.next(timeout=1.5)
+            except TimeoutError:
+                extra = None
+            assert extra is None, extra.command
+
+    arun(run())
+
+
+def test_unserved_requests_get_error_and_a_malformed_frame_closes_only_its_connection(tmp_path: Path) -> None:
+    async def run() -> None:
+        async with door(tmp_path) as (_, port):
+            c = await Client.connect(port)
+            other = await Client.connect(port)
+            c.send(Type.SEEK, seek=api.RequestAt2(request_id=41))
+            err = (await c.next()).command.error
+            assert (err.request_id, err.error) == (41, ServerError.NotAllowedError) and "SEEK" in err.message
+            key_shared = await c.subscribe("ks", sub_type=api.CommandSubscribe.Key_Shared)
+            assert key_shared.command.error.error == ServerError.NotAllowedError
+            assert (await c.subscribe("ex", sub_type=api.CommandSubscribe.Exclusive)).command.type == Type.SUCCESS
+            busy = await c.subscribe("ex", sub_type=api.CommandSubscribe.Exclusive, consumer_id=1)
+            assert busy.command.error.error == ServerError.ConsumerBusy
+            c.writer.write(b"\x00\x00\x00\x08\x00\x00\x00\x09garbage!")
+            assert await c.closed()
+            other.send(Type.PING, ping=api.CommandPing())
+            assert (await other.next()).command.type == Type.PONG
+
+    arun(run())
+
+
+def test_a_message_chronoq_refuses_fails_that_send_alone(tmp_path: Path) -> None:
+    async def run() -> None:
+        async with door(tmp_path) as (_, port):
+            c = await Client.connect(port)
+            await c.producer()
+            c.publish(0, b"")  # chronoq stores no empty body
+            c.publish(1, b"x", compression=api.ZLIB)
+            c.publish(2, b"fine")
+            replies = [(await c.next()).command for _ in range(3)]
+            assert [r.type for r in replies] == [Type.SEND_ERROR, Type.SEND_ERROR, Type.SEND_RECEIPT]
+            assert replies[0].send_error.error == ServerError.ChecksumError
+            assert "MessageBodyEmpty" in replies[0].send_error.message
+            assert "compression ZLIB" in replies[1].send_error.message
+
+    arun(run())
+
+
+def test_a_latest_subscription_starts_after_what_is_already_there(tmp_path: Path) -> None:
+    async def run() -> None:
+        async with door(tmp_path) as (_, port):
+            c = await Client.connect(port)
+            await c.producer()
+            c.publish(0, b"old")
+            await c.next()
+            await c.subscribe("late", initial=api.CommandSubscribe.Latest)
+            c.publish(1, b"new")
+            await c.next()
+            c.flow(10)
+            assert (await c.next()).payload == b"new"
+
+    arun(run())
+
+
+def test_failover_feeds_one_consumer_and_the_next_takes_over_with_what_it_held(tmp_path: Path) -> None:
+    async def run() -> None:
+        async with door(tmp_path) as (_, port):
+            a, b = await Client.connect(port), await Client.connect(port)
+            failover = api.CommandSubscribe.Failover
+            assert (await a.subscribe("fo", sub_type=failover)).command.type == Type.SUCCESS
+            assert (await b.subscribe("fo", sub_type=failover)).command.type == Type.SUCCESS
+            await a.producer()
+            a.publish(0, b"m0")
+            await a.next()
+            a.flow(10)
+            b.flow(10)
+            assert (await a.next()).payload == b"m0"
+            try:
+                early = await b.next(timeout=1.0)
+            except TimeoutError:
+                early = None
+            assert early is None, "the standby consumer received while the active one was there"
+            a.send(Type.CLOSE_CONSUMER, close_consumer=api.CommandCloseConsumer(consumer_id=0, request_id=a.rid()))
+            assert (await a.next()).command.type == Type.SUCCESS
+            taken = await b.next(timeout=5)
+            assert taken.payload == b"m0" and taken.command.message.redelivery_count == 1
+
+    arun(run())
+
+
+def test_with_auth_on_the_door_refuses_to_connect(tmp_path: Path) -> None:
+    async def run() -> None:
+        config = Config(data_dir=tmp_path / "data")
+        broker = await Broker.open(config)
+        the_door = PulsarDoor(broker, config, auth_enabled=lambda: True)
+        port = await the_door.start("127.0.0.1", 0)
+        try:
+            c = Client(*await asyncio.open_connection("127.0.0.1", port))
+            c.send(Type.CONNECT, connect=api.CommandConnect(client_version="test", protocol_version=20))
+            reply = await c.next()
+            assert reply.command.error.error == ServerError.AuthenticationError
+            assert await c.closed()
+        finally:
+            await the_door.stop()
+            await broker.close()
+
+    arun(run())
