@@ -21,7 +21,10 @@ consumer of a missing topic, and any lookup that finds none, is told the near to
 The rule (`near_names`), on case-folded names: two different names are near when
 - they differ only in case (`Orders`, `orders`); or
 - their numbers are the same (the runs of digits, in order: `shard-1` and `shard-2` are a series,
-  not a typo, and neither are `orders` and `orders2`), and their Damerau-Levenshtein distance
+  not a typo, and neither are `orders` and `orders2`), they are not siblings (names alike but
+  for one whole segment of one or two characters between separators: `orders-eu` and
+  `orders-us`, `topic-a` and `topic-b` name a set, as regions or shards do), and their
+  Damerau-Levenshtein distance
   (optimal string alignment: an insertion, deletion, substitution or swap of two neighbours
   counts one) is at most 2 when the shorter name has 5 characters or more, at most 1 when it has
   3 or 4; a name of 1 or 2 characters is near only another spelling of itself in other case
@@ -52,6 +55,9 @@ from chronoq.validate import check_topic_name
 MAX_NEAR_NAMES = 5
 """Most near topics an error names: enough to choose from, and a refusal stays one line."""
 _DIGITS = re.compile(r"[0-9]+")
+_SEPARATORS = re.compile(r"([^0-9a-z]+)")
+SIBLING_SEGMENT_CHARS = 2
+"""A segment this short that alone tells two names apart marks siblings (`orders-eu`, `orders-us`)."""
 
 
 def max_distance(length: int) -> int:
@@ -92,6 +98,19 @@ def edit_distance(a: str, b: str, limit: int) -> int | None:
     return prev[m] if prev[m] <= limit else None
 
 
+def siblings(a: str, b: str) -> bool:
+    """Whether case-folded `a` and `b` are alike but for one whole segment (text between
+    separators, characters other than letters and digits) of at most `SIBLING_SEGMENT_CHARS`."""
+    parts_a, parts_b = _SEPARATORS.split(a), _SEPARATORS.split(b)
+    if len(parts_a) != len(parts_b):
+        return False
+    differ = [i for i, (x, y) in enumerate(zip(parts_a, parts_b, strict=True)) if x != y]
+    if len(differ) != 1 or differ[0] % 2:  # split() puts the separators at odd places
+        return False
+    x, y = parts_a[differ[0]], parts_b[differ[0]]
+    return 0 < len(x) <= SIBLING_SEGMENT_CHARS and 0 < len(y) <= SIBLING_SEGMENT_CHARS
+
+
 def near_names(name: str, names: Iterable[str]) -> list[str]:
     """The names among `names` near `name` (the module's rule), nearest first, then by name; at
     most `MAX_NEAR_NAMES`. `name` itself and system topics are never among them."""
@@ -105,7 +124,7 @@ def near_names(name: str, names: Iterable[str]) -> list[str]:
         if other_folded == folded:
             found.append((0, other))
             continue
-        if _DIGITS.findall(other_folded) != numbers:
+        if _DIGITS.findall(other_folded) != numbers or siblings(folded, other_folded):
             continue
         d = edit_distance(folded, other_folded, max_distance(min(len(folded), len(other_folded))))
         if d is not None:

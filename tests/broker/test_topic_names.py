@@ -25,7 +25,7 @@ from chronoq.clock import FakeClock
 from chronoq.config import Config
 from chronoq.model import SCHEDULE_TOPIC, SYSTEM_TOPICS, TIMER_TOPIC, OutgoingMessage
 from chronoq.protocol.v2 import definition, service
-from chronoq.topics import MAX_NEAR_NAMES, edit_distance, max_distance, near_names
+from chronoq.topics import MAX_NEAR_NAMES, edit_distance, max_distance, near_names, siblings
 from tests.support.brokers import open_broker
 from tests.support.grpc_server import running
 
@@ -88,7 +88,7 @@ def test_max_distance_by_length() -> None:
 # -- the rule ----------------------------------------------------------------------------------------
 
 
-EXISTING = ["orders", "payments", "events", "orders-eu", "shard-1", "t1", "ab", "job", "Invoices"]
+EXISTING = ["orders", "payments", "events", "orders-eu", "shard-1", "t1", "ab", "job", "Invoices", "t-a"]
 
 
 @pytest.mark.parametrize(("name", "near"), [
@@ -100,7 +100,7 @@ EXISTING = ["orders", "payments", "events", "orders-eu", "shard-1", "t1", "ab", 
     ("invoices", ["Invoices"]),
     ("Ab", ["ab"]),                  # a short name: case alone still counts
     ("jbo", ["job"]),                # 3-4 characters: one edit
-    ("orders-us", ["orders-eu"]),    # two edits: near (a deliberate sibling is created on request)
+    ("ordres-eu", ["orders-eu"]),    # a typo beside a short segment
 ])
 def test_near_names(name: str, near: list[str]) -> None:
     assert near_names(name, EXISTING) == near
@@ -116,6 +116,10 @@ def test_near_names(name: str, near: list[str]) -> None:
     ("orders2", "a number added"),
     ("shard-01", "numbers differ (01 is not 1)"),
     ("refunds", "nothing alike"),
+    ("orders-us", "siblings: one short segment tells them apart (regions)"),
+    ("orders-uk", "siblings"),
+    ("orders-ue", "siblings: the price of the sibling rule, a typo inside a short segment is not caught"),
+    ("t-b", "siblings"),
 ])
 def test_not_near(name: str, why: str) -> None:
     assert near_names(name, EXISTING) == [], why
@@ -124,6 +128,15 @@ def test_not_near(name: str, why: str) -> None:
 def test_same_numbers_still_allow_typos_around_them() -> None:
     assert near_names("shrad-1", EXISTING) == ["shard-1"]
     assert near_names("ordres-v2", ["orders-v2", "orders-v3"]) == ["orders-v2"]
+
+
+def test_siblings() -> None:
+    assert siblings("orders-eu", "orders-us") and siblings("topic-a", "topic-b") and siblings("a.x.b", "a.yy.b")
+    assert not siblings("orders-eu", "orders_eu")  # a separator is not a segment
+    assert not siblings("orders-eu", "orders-usa")  # three characters: a typo can hide there
+    assert not siblings("orders-eu-x", "orders-us-y")  # two segments differ
+    assert not siblings("ordres", "orders")  # one segment, longer than two
+    assert near_names("orders-usa", ["orders-us"]) == ["orders-us"]
 
 
 def test_the_name_itself_is_not_a_candidate() -> None:
