@@ -22,8 +22,9 @@ The rule (`near_names`), on case-folded names: two different names are near when
 - they differ only in case (`Orders`, `orders`); or
 - their numbers are the same (the runs of digits, in order: `shard-1` and `shard-2` are a series,
   not a typo, and neither are `orders` and `orders2`), they are not siblings (names alike but
-  for one whole segment of one or two characters between separators: `orders-eu` and
-  `orders-us`, `topic-a` and `topic-b` name a set, as regions or shards do), and their
+  for one whole segment of one or two characters, a segment ending at a separator or where
+  lower case turns upper: `orders-eu` and `orders-us`, `topic-a` and `topic-b`, `topicA` and
+  `topicB` name a set, as regions or shards do), and their
   Damerau-Levenshtein distance
   (optimal string alignment: an insertion, deletion, substitution or swap of two neighbours
   counts one) is at most 2 when the shorter name has 5 characters or more, at most 1 when it has
@@ -56,6 +57,7 @@ MAX_NEAR_NAMES = 5
 """Most near topics an error names: enough to choose from, and a refusal stays one line."""
 _DIGITS = re.compile(r"[0-9]+")
 _SEPARATORS = re.compile(r"([^0-9a-z]+)")
+_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 SIBLING_SEGMENT_CHARS = 2
 """A segment this short that alone tells two names apart marks siblings (`orders-eu`, `orders-us`)."""
 
@@ -98,10 +100,17 @@ def edit_distance(a: str, b: str, limit: int) -> int | None:
     return prev[m] if prev[m] <= limit else None
 
 
+def segments(name: str) -> list[str]:
+    """`name` case-folded and cut into words and the separators between them (characters other
+    than letters and digits; a change from lower case to upper case cuts too): words at even
+    places, separators at odd ones."""
+    return _SEPARATORS.split(_CAMEL.sub("-", name).casefold())
+
+
 def siblings(a: str, b: str) -> bool:
-    """Whether case-folded `a` and `b` are alike but for one whole segment (text between
-    separators, characters other than letters and digits) of at most `SIBLING_SEGMENT_CHARS`."""
-    parts_a, parts_b = _SEPARATORS.split(a), _SEPARATORS.split(b)
+    """Whether `a` and `b` are alike but for one whole word (`segments`) of at most
+    `SIBLING_SEGMENT_CHARS` characters."""
+    parts_a, parts_b = segments(a), segments(b)
     if len(parts_a) != len(parts_b):
         return False
     differ = [i for i, (x, y) in enumerate(zip(parts_a, parts_b, strict=True)) if x != y]
@@ -124,7 +133,7 @@ def near_names(name: str, names: Iterable[str]) -> list[str]:
         if other_folded == folded:
             found.append((0, other))
             continue
-        if _DIGITS.findall(other_folded) != numbers or siblings(folded, other_folded):
+        if _DIGITS.findall(other_folded) != numbers or siblings(name, other):
             continue
         d = edit_distance(folded, other_folded, max_distance(min(len(folded), len(other_folded))))
         if d is not None:

@@ -136,6 +136,9 @@ def test_siblings() -> None:
     assert not siblings("orders-eu", "orders-usa")  # three characters: a typo can hide there
     assert not siblings("orders-eu-x", "orders-us-y")  # two segments differ
     assert not siblings("ordres", "orders")  # one segment, longer than two
+    assert siblings("topicA", "topicB") and siblings("ordersEU", "ordersUS")  # a capital starts a word
+    assert not siblings("topica", "topicb")  # one word of six characters
+    assert near_names("topicB", ["topicA"]) == [] and near_names("topicb", ["topica"]) == ["topica"]
     assert near_names("orders-usa", ["orders-us"]) == ["orders-us"]
 
 
