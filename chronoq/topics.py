@@ -21,18 +21,18 @@ consumer of a missing topic, and any lookup that finds none, is told the near to
 The rule (`near_names`), on case-folded names: two different names are near when
 - they differ only in case (`Orders`, `orders`); or
 - their numbers are the same (the runs of digits, in order: `shard-1` and `shard-2` are a series,
-  not a typo, and neither are `orders` and `orders2`), they are not siblings (names alike but
-  for one whole segment of one or two characters, a segment ending at a separator or where
-  lower case turns upper: `orders-eu` and `orders-us`, `topic-a` and `topic-b`, `topicA` and
-  `topicB` name a set, as regions or shards do), and their
-  Damerau-Levenshtein distance
-  (optimal string alignment: an insertion, deletion, substitution or swap of two neighbours
-  counts one) is at most 2 when the shorter name has 5 characters or more, at most 1 when it has
-  3 or 4; a name of 1 or 2 characters is near only another spelling of itself in other case
-  (one edit turns one into dozens of others: a suggestion would be noise).
+  not a typo, and neither are `orders` and `orders2`), they are not siblings (alike but for one
+  whole word of one or two characters, words ending at a separator or where lower case turns
+  upper: `orders-eu` and `orders-us`, `topic-a` and `topic-b`, `topicA` and `topicB` name a set,
+  as regions or shards do), and their Damerau-Levenshtein distance (optimal string alignment:
+  an insertion, deletion, substitution or swap of two neighbours counts one) is at most 2 when
+  the shorter name has 5 characters or more, at most 1 when it has 3 or 4; a name of 1 or 2
+  characters is near only another spelling of itself in other case (one edit turns one into
+  dozens of others: a suggestion would be noise).
 System topics are never suggested. Candidates come sorted by distance, then name, at most
-`MAX_NEAR_NAMES`. The distance is computed here (a few lines) rather than with a library: it runs
-only for a name that is not a topic, over the user's topics, banded by the limit.
+`MAX_NEAR_NAMES`. The distance is computed here, in a few lines, rather than by a library
+(rapidfuzz would be a compiled dependency for one function): it runs only for a name that is not
+a topic, over the user's topics, only within the limit of the diagonal.
 """
 
 from __future__ import annotations
