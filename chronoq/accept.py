@@ -46,10 +46,11 @@ class Accept:
         self._finishing: set[asyncio.Future[None]] = set()
         """Batches whose senders went away after the write, waiting for durability to finish."""
 
-    async def send_batch(self, msgs: Sequence[OutgoingMessage], *, partial: bool = False) -> list[Any]:
+    async def send_batch(self, msgs: Sequence[OutgoingMessage], *, partial: bool = False,
+                         create_near_topics: bool = False) -> list[Any]:
         """Store `msgs` durably. All-or-nothing validation by default (the first bad message is
         raised and nothing is stored); with `partial=True` each bad message yields its error in
-        its slot and the good ones are stored."""
+        its slot and the good ones are stored. `create_near_topics`: see `Topics.for_send`."""
         if len(msgs) > self.config.max_send_batch:
             raise InvalidBatchSize(len(msgs), self.config.max_send_batch)
         # One statvfs per call, not per message: below the send reserve nothing is written
@@ -67,7 +68,7 @@ class Accept:
             for i, msg in enumerate(msgs):
                 try:
                     prepared, timer = prepare(msg, self.config, now, self.timer.levels)
-                    topic = self.topics.for_send(prepared.topic)
+                    topic = self.topics.for_send(prepared.topic, create_near=create_near_topics)
                     _check_queue_id(prepared, topic)
                     if prepared.message_type not in topic.message_types:
                         raise MessageTypeNotAccepted(topic.name, prepared.message_type.name,

@@ -114,7 +114,7 @@ class Broker:
         self.consumers = self.deliver.consumers
         self.timer_loop = TimerLoop(config, clock, store, timer, engines)
         self.schedules = Schedules(config, clock, store, self.accept, timer,
-                                   send=functools.partial(self.send_batch, partial=True))
+                                   send=functools.partial(self.send_batch, partial=True, create_near_topics=True))
         self.retention = Retention(config, store, groups, timer, roll_schedules=self.schedules.roll_before)
         # The path of every durable record, in one place (`chronoq/dispatch.py`): its queues,
         # the timer index (where a link record tells the timer room its fire is durable), the
@@ -339,26 +339,30 @@ class Broker:
 
     def topic_for_send(self, name: str) -> TopicConfig:
         """The topic, or for a new one with auto-create on, the route its first send will give it
-        (creating nothing)."""
-        return self.topics.for_send(name)
+        (creating nothing). A name near an existing topic's gets its route too: consumers ask for
+        routes as well, and the send or receive that follows is refused naming the near topic."""
+        return self.topics.for_send(name, create_near=True)
 
     def list_topics(self) -> list[TopicConfig]:
         return self.topics.list()
 
     # -- accept -----------------------------------------------------------------------------
 
-    async def send(self, msg: OutgoingMessage) -> SendResult:
-        outcome = (await self.send_batch([msg], partial=True))[0]
+    async def send(self, msg: OutgoingMessage, *, create_near_topics: bool = False) -> SendResult:
+        outcome = (await self.send_batch([msg], partial=True, create_near_topics=create_near_topics))[0]
         if isinstance(outcome, ChronoqError):
             raise outcome
         return outcome
 
-    async def send_batch(self, msgs: Sequence[OutgoingMessage], *, partial: bool = False) -> list[Any]:
+    async def send_batch(self, msgs: Sequence[OutgoingMessage], *, partial: bool = False,
+                         create_near_topics: bool = False) -> list[Any]:
         """Store `msgs` durably (see `accept.py`). All-or-nothing validation by default; with
-        `partial=True` each bad message yields its error in its slot and the good ones are stored."""
+        `partial=True` each bad message yields its error in its slot and the good ones are stored.
+        `create_near_topics`: the sender asked for its topics, so a missing one whose name is near
+        an existing topic's is auto-created rather than refused (`chronoq/topics.py`)."""
         self._check_open()
         now = self.clock.now_ms()
-        outcomes = await self.accept.send_batch(msgs, partial=partial)
+        outcomes = await self.accept.send_batch(msgs, partial=partial, create_near_topics=create_near_topics)
         accepted, timers, delays = self.accepted_by_topic, self.timers_by_topic, self.timer_delays_by_topic
         for outcome in outcomes:
             if type(outcome) is SendResult and not outcome.duplicate:

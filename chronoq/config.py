@@ -113,6 +113,13 @@ class Config:
 
     # -- topics and consumers ----------------------------------------------------------------
     auto_create_topics: bool = True
+    auto_create_topic_near_names: bool = False
+    """With auto-create on, whether a send may create a topic whose name is near an existing
+    topic's (`chronoq.topics`: `ordres` beside `orders`, `Orders`). Off (the default): such a
+    send is refused with `TopicNameTooNear`, naming the near topics, and creates nothing; the
+    sender may still ask for the topic (`send --create-topic`, the SDK's `create_topics=True`)
+    or create it (`chronoq topics create`). On: for programs that create topics by sending, with
+    names that may be near each other; every new name is auto-created, as without this check."""
     default_queue_count: int = limit(4)
     max_queue_count: int = limit(256, maximum=MAX_QUEUE_COUNT_CEILING)
     """Most queues a topic may have (at most `MAX_QUEUE_COUNT_CEILING`, 256: a topic's creation

@@ -59,7 +59,7 @@ RocketMQ broker's flush timeout:
     40100 UNAUTHORIZED                         Unauthorized (every cause: `details["cause"]`)
     40300 FORBIDDEN                            Forbidden (a permission; TimerDisabled)
     40401 MESSAGE_NOT_FOUND                    TimerNotFound
-    40402 TOPIC_NOT_FOUND                      TopicNotFound
+    40402 TOPIC_NOT_FOUND                      TopicNotFound (TopicNameTooNear)
     41301 MESSAGE_BODY_TOO_LARGE               MessageTooLarge
     41302 MESSAGE_BODY_EMPTY                   MessageBodyEmpty
     42800 PRECONDITION_FAILED                  TimerNotPending (TimerAlreadyFired, TimerAlreadyCancelled)
@@ -277,17 +277,45 @@ class MessageTypeNotAccepted(MessageTypeMismatch):
 class TopicNotFound(BadRequest):
     """No such topic. `auto_create` is the broker's `auto_create_topics` when the refusing code
     knows it (None: it does not), so the message never claims a setting that is not so: with
-    auto-create on, a send creates a topic but a consumer or an admin call never does."""
+    auto-create on, a send creates a topic but a consumer or an admin call never does.
+    `candidates` are the existing topics whose names are near (`chronoq.topics.near_names`): the
+    message then asks "did you mean" them rather than suggest creating a mistyped name."""
 
     code = 40402
 
-    def __init__(self, topic: str, auto_create: bool | None = None) -> None:
-        hint = f"create it with `chronoq topics create {topic}`"
-        if auto_create:
-            hint += " or send to it"
-        elif auto_create is False:
-            hint = f"auto-create is off; {hint}"
-        super().__init__(f"topic {topic!r} does not exist; {hint}", topic=topic, auto_create=auto_create)
+    def __init__(self, topic: str, auto_create: bool | None = None, candidates: list[str] | tuple[str, ...] = ()
+                 ) -> None:
+        if candidates:
+            hint = f"did you mean {_either(candidates)}?"
+        else:
+            hint = f"create it with `chronoq topics create {topic}`"
+            if auto_create:
+                hint += " or send to it"
+            elif auto_create is False:
+                hint = f"auto-create is off; {hint}"
+        super().__init__(f"topic {topic!r} does not exist; {hint}", topic=topic, auto_create=auto_create,
+                         candidates=list(candidates))
+
+
+class TopicNameTooNear(TopicNotFound):
+    """Raised when a send (any door) names a topic that does not exist, with auto-create on, and
+    the name is near an existing topic's (`chronoq.topics`: a typo would otherwise become a
+    topic nobody consumes). Nothing is created or stored. `candidates` are the near topics,
+    nearest first. A code-only client sees TopicNotFound (40402, TOPIC_NOT_FOUND)."""
+
+    def __init__(self, topic: str, candidates: list[str] | tuple[str, ...]) -> None:
+        BadRequest.__init__(
+            self,
+            f"topic {topic!r} does not exist; did you mean {_either(candidates)}? (to create {topic!r}, send "
+            f"with --create-topic (SDK: create_topics=True), create it with `chronoq topics create {topic}`, or "
+            "set auto_create_topic_near_names = true on the server)",
+            topic=topic, auto_create=True, candidates=list(candidates))
+
+
+def _either(names: list[str] | tuple[str, ...]) -> str:
+    """'a', 'a' or 'b', 'a', 'b' or 'c': names a person chooses among."""
+    quoted = [repr(n) for n in names]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
 
 
 class TopicExists(BadRequest):

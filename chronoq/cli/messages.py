@@ -115,7 +115,7 @@ def _cmd_send(args: argparse.Namespace) -> int:
     body = sys.stdin.buffer.read() if args.body == "-" else args.body.encode()
 
     async def go() -> int:
-        async with AsyncProducer(**connection_of(args).client_kwargs()) as p:
+        async with AsyncProducer(**connection_of(args).client_kwargs(), create_topics=args.create_topic) as p:
             r = await p.send(args.topic, body, deliver_at=args.at, delay=args.delay_ms, delay_level=args.level,
                              tag=args.tag, keys=args.key or (), properties=dict(args.prop or []))
             due_ms = r.deliver_at_ms
@@ -269,7 +269,7 @@ def register(subparsers: Any) -> None:
         "`chronoq cancel --handle` takes.",
         ["chronoq send orders 'ship it'", "chronoq send orders 'cancel if unpaid' --in 30m --key order-7",
          f"chronoq send reminders 'stand-up' --at {_nine_tomorrow()}",
-         "chronoq send orders 'retry' --level 3",
+         "chronoq send orders 'retry' --level 3", "chronoq send orders-eu 'hello' --create-topic",
          "echo '{\"id\": 7}' | chronoq send orders - --tag created"])
     send.add_argument("topic")
     send.add_argument("body", help="message body; '-' reads it from stdin")
@@ -286,6 +286,10 @@ def register(subparsers: Any) -> None:
     send.add_argument("--tag", help="message tag (consumers can filter on it)")
     send.add_argument("--key", action="append", metavar="KEY", help="message key (repeatable)")
     send.add_argument("--prop", action="append", type=parse_prop, metavar="K=V", help="user property (repeatable)")
+    send.add_argument("--create-topic", action="store_true",
+                      help="create the topic even if its name is near an existing one's (without it, a send to a "
+                           "missing topic named like an existing one, 'ordres' beside 'orders', is refused as a "
+                           "likely typo); needs the server's auto-create on")
     add_connection_arguments(send)
     send.set_defaults(func=_cmd_send)
 

@@ -128,6 +128,16 @@ def arg_int(doc: Mapping[str, Any], name: str, *, required: bool = True) -> int 
     return value
 
 
+def arg_bool(doc: Mapping[str, Any], name: str) -> bool:
+    """An optional true/false field: absent or null is false; anything but a JSON boolean is refused."""
+    value = doc.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise InvalidField(name, f"must be true or false, not {type(value).__name__}")
+    return value
+
+
 MAX_STORED_INT = 2**63 - 1
 """The largest time or position the broker stores (a signed 64-bit field on disk and in the index)."""
 

@@ -34,7 +34,10 @@ ListSchedules lists the schedules of the topics the caller may see.
 
 SendBatch reports per message: messages that fail to decode get their own error entry and the
 rest go to `Broker.send_batch(partial=True)` in one durable write, which reports each message's
-outcome in its slot (one bad message does not fail the others).
+outcome in its slot (one bad message does not fail the others). Its optional `"create_topic":
+true` asks for the batch's topics: a missing one whose name is near an existing topic's is
+auto-created rather than refused (`chronoq/topics.py`; it needs no more than publish, as any
+auto-create, and does nothing with auto-create off).
 """
 
 from __future__ import annotations
@@ -332,6 +335,7 @@ class AdminService:
             raise MalformedRequest("SendBatch", "'messages' must be a list")
         if not 1 <= len(entries) <= self.config.max_send_batch:
             raise InvalidBatchSize(len(entries), self.config.max_send_batch)
+        create_near_topics = codec.arg_bool(doc, "create_topic")
         results: list[dict[str, Any] | None] = [None] * len(entries)
         decoded: list[tuple[int, OutgoingMessage]] = []
         for i, entry in enumerate(entries):
@@ -341,7 +345,8 @@ class AdminService:
                 results[i] = {"error": codec.error_json(err)}
         caller.require_publish({m.topic for _, m in decoded})
         if decoded:
-            outcomes = await self.broker.send_batch([m for _, m in decoded], partial=True)
+            outcomes = await self.broker.send_batch([m for _, m in decoded], partial=True,
+                                                    create_near_topics=create_near_topics)
             for (i, _), outcome in zip(decoded, outcomes, strict=True):
                 results[i] = ({"error": codec.error_json(outcome)} if isinstance(outcome, ChronoqError)
                               else codec.send_result_json(outcome))

@@ -359,6 +359,44 @@ def test_consume_of_a_mistyped_topic_creates_nothing_and_says_what_to_do(server:
     assert described.returncode == 1 and "auto-create is off" not in described.stderr
 
 
+# -- topic names that forgive typos -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_send_to_a_mistyped_topic_is_refused_naming_the_topic_and_create_topic_creates_it(server: str) -> None:
+    env = {"CHRONOQ_SERVER": server}
+    topic = fresh("orders")
+    typo = topic.replace("orders", "ordres", 1)
+    assert chronoq_cmd("send", topic, "first", env=env).returncode == 0
+    refused = chronoq_cmd("send", typo, "lost?", env=env)
+    assert refused.returncode == 1
+    err = _one_line_error(refused)
+    assert f"topic '{typo}' does not exist; did you mean '{topic}'?" in err, err
+    assert "code 40402" in err  # TOPIC_NOT_FOUND: all the RocketMQ protocol's status carries beside the text
+    assert "--create-topic" in err and f"chronoq topics create {typo}" in err
+    assert typo not in chronoq_cmd("topics", "list", env=env).stdout
+    created = chronoq_cmd("send", typo, "on purpose", "--create-topic", env=env)
+    assert created.returncode == 0, created.stderr
+    assert "sent " in created.stdout and typo in created.stdout
+    assert typo in chronoq_cmd("topics", "list", env=env).stdout
+    got = chronoq_cmd("consume", typo, "--group", "g", env=env)
+    assert got.returncode == 0 and "on purpose" in got.stdout
+
+
+@pytest.mark.slow
+def test_consume_of_a_mistyped_topic_points_at_the_near_topic(server: str) -> None:
+    env = {"CHRONOQ_SERVER": server}
+    topic = fresh("orders")
+    typo = topic.replace("orders", "ordrs", 1)
+    assert chronoq_cmd("send", topic, "x", env=env).returncode == 0
+    proc = chronoq_cmd("consume", typo, "--group", "g", env=env)
+    assert proc.returncode == 1
+    err = _one_line_error(proc)
+    assert f"topic '{typo}' does not exist; did you mean '{topic}'?" in err, err
+    assert "chronoq topics create" not in err  # not a suggestion to create the typo
+    assert typo not in chronoq_cmd("topics", "list", env=env).stdout
+
+
 # -- delay levels -----------------------------------------------------------------------------------
 
 

@@ -126,3 +126,17 @@ def test_node_producer_and_simple_consumer(server: str) -> None:
     # before the call and after it returned.
     _check_simple_flow(report, server, topic, report["timer_sent_before_ms"] + 3000,
                        report["timer_sent_after_ms"] + 3000)
+
+
+def test_python_producer_send_to_a_mistyped_topic_is_refused_naming_the_topic(server: str) -> None:
+    """The official client's send to a missing topic whose name is near an existing one's gets
+    TOPIC_NOT_FOUND (its NotFoundException) with chronoq's words naming the near topic, and
+    nothing is created (`chronoq/topics.py`)."""
+    topic, typo = "py_invoices", "py_invocies"
+    report = _run_flow([sys.executable, str(HERE / "python_near_topic_flow.py"), server, topic, typo])
+    assert report["sent_id"] and "typo_sent_id" not in report, report
+    refused = report["refused"]
+    assert (refused["class"], refused["code"]) == ("NotFoundException", 40402), refused
+    assert f"topic '{typo}' does not exist; did you mean '{topic}'?" in refused["text"], refused
+    names = {t["name"] for t in _admin(server, "ListTopics", {})["topics"]}
+    assert topic in names and typo not in names
