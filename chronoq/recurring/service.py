@@ -100,6 +100,9 @@ class Schedules:
         self._wake: dict[str, int] = {}
         self._lock = asyncio.Lock()
         self._changed = asyncio.Event()
+        self._creating: list[tuple[Schedule, int, asyncio.Future[Schedule]]] = []
+        """Creates waiting for the next batch (`_create_batch`)."""
+        self._tasks: set[asyncio.Future[None]] = set()
         self.lateness = DelayHistogram(LATENESS_EDGES_MS)
         """Per occurrence, ms from its due time to the step that saw it due and issued the next
         (the timer engine fires the occurrence itself: its own delivery error is the timer's)."""
@@ -178,17 +181,52 @@ class Schedules:
         s = Schedule(name=name, topic=topic, body=body, recurrence=rec, catch_up=catch_up, jitter_ms=jitter_ms,
                      limit=limit, tag=tag, properties=dict(properties or {}), created_ms=now, updated_ms=now,
                      after_ms=now)
+        # Creates that arrive together are made together (one put record append and one issue
+        # for all of them, so they share group commits), each refused or made on its own.
+        done: asyncio.Future[Schedule] = asyncio.get_running_loop().create_future()
+        self._creating.append((s, now, done))
+        if len(self._creating) == 1:
+            self._tasks.add(task := asyncio.ensure_future(self._create_batch()))
+            task.add_done_callback(self._tasks.discard)
+        return await done
+
+    async def _create_batch(self) -> None:
         async with self._lock:
-            if name in self.table:
-                raise ScheduleExists(name)
-            if len(self.table) >= self.config.schedule_max_count:
-                raise TooManySchedules(len(self.table), self.config.schedule_max_count)
-            self._check(s, now)
-            await self._append([records.put_record(s)], [s])
-            self.table[name] = s
-            await self._issue([s], self.clock.fire_horizon_ms())
+            batch, self._creating = self._creating, []
+            made: list[tuple[Schedule, asyncio.Future[Schedule]]] = []
+            names: set[str] = set()
+            for s, now, done in batch:
+                try:
+                    if s.name in self.table or s.name in names:
+                        raise ScheduleExists(s.name)
+                    if len(self.table) + len(made) >= self.config.schedule_max_count:
+                        raise TooManySchedules(len(self.table) + len(made), self.config.schedule_max_count)
+                    self._check(s, now)
+                except ChronoqError as e:
+                    if not done.done():
+                        done.set_exception(e)
+                    continue
+                names.add(s.name)
+                made.append((s, done))
+            if not made:
+                return
+            schedules = [s for s, _ in made]
+            try:
+                await self._append([records.put_record(s) for s in schedules], schedules)
+                for s in schedules:
+                    self.table[s.name] = s
+                await self._issue(schedules, self.clock.fire_horizon_ms())
+            except BaseException as e:
+                for _, done in made:
+                    if not done.done():
+                        done.set_exception(e if isinstance(e, Exception) else asyncio.CancelledError())
+                if not isinstance(e, Exception):
+                    raise
+                return
         self._changed.set()
-        return s
+        for s, done in made:
+            if not done.done():
+                done.set_result(s)
 
     async def update(self, name: str, change: ScheduleChange) -> Schedule:
         """Change a schedule; it applies from its next occurrence (the pending one is withdrawn

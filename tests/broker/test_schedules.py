@@ -3,6 +3,7 @@ changes racing an occurrence, restarts, and every refusal (`chronoq/recurring/`)
 
 from __future__ import annotations
 
+import asyncio
 from datetime import datetime
 from zoneinfo import ZoneInfo
 
@@ -408,3 +409,30 @@ def test_stats_count_schedules(brokers: SimulatedBrokers, clock: FakeClock, arun
 
 
 
+
+
+def test_creates_arriving_together_are_made_together_each_refused_or_made_on_its_own(
+        brokers: SimulatedBrokers, clock: FakeClock, arun) -> None:
+    """Twenty creates at once (two of them a name twice, one with a zone that does not exist):
+    each refused one gets its own error, every other is made, and they share the log's group
+    commits (a put append, an occurrence send and a progress append for the batch, not each)."""
+    async def body() -> None:
+        async with brokers() as broker:
+            await broker.create_schedule("first", "jobs", b"x", every_ms=60_000)  # the topic exists
+            fsyncs_before = broker.stats()["commitlog"]["fsyncs"]
+            names = [f"s{i}" for i in range(18)] + ["s3", "bad-zone"]
+            calls = [broker.create_schedule(n, "jobs", b"x", every_ms=60_000,
+                                            **({"zone": "Mars/Olympus"} if n == "bad-zone" else {}))
+                     for n in names]
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            made = [r.name for r in results if not isinstance(r, BaseException)]
+            refused = [type(r).__name__ for r in results if isinstance(r, BaseException)]
+            assert sorted(made) == sorted(f"s{i}" for i in range(18))
+            assert sorted(refused) == ["ScheduleExists", "UnknownTimeZone"]
+            assert len(broker.list_schedules()) == 19
+            # One by one: three durable appends a create (put, occurrence, progress), 54 fsyncs.
+            assert broker.stats()["commitlog"]["fsyncs"] - fsyncs_before <= 8
+        async with brokers() as broker:  # all of them durable
+            assert sorted(s.name for s in broker.list_schedules()) == sorted(["first", *(f"s{i}" for i in range(18))])
+
+    arun(body())

@@ -197,10 +197,10 @@ def test_cli_refusals_of_names_topics_and_rights(run: Run) -> None:
         code, _, err = run(action, "nobody-has-this")
         assert code == 1 and "no schedule 'nobody-has-this'" in err, (action, err)
     code, _, err = run("create", fresh("theirs"), *BASE, "--every", "1h", user="reader")
-    assert code == 1 and one_line(err) == ("error (PermissionDenied, code 40300): access key 'reader' may not "
+    assert code == 1 and one_line(err) == ("error (Forbidden, code 40300): access key 'reader' may not "
                                            "publish to topic 'jobs'"), err
     code, _, err = run("pause", name, user="outsider")
-    assert code == 1 and "PermissionDenied" in err and "'outsider' may not publish to topic 'jobs'" in err
+    assert code == 1 and "Forbidden" in err and "'outsider' may not publish to topic 'jobs'" in err
     assert run("delete", name)[0] == 0
 
 
@@ -229,7 +229,7 @@ def test_who_may_call_each_schedule_method(server: str) -> None:
         async with admin("app") as app, admin("reader") as reader, admin("outsider") as outsider:
             s = await app.create_schedule(name, "jobs", b"x", every_ms=3_600_000)
             assert s["name"] == name and s["topic"] == "jobs"
-            with pytest.raises(errors.PermissionDenied) as denied:
+            with pytest.raises(errors.Forbidden) as denied:
                 await app.create_schedule(fresh("their"), "elsewhere", b"x", every_ms=3_600_000)
             assert denied.value.details["action"] == "publish to"
             assert denied.value.details["resource"] == "topic 'elsewhere'"
@@ -239,13 +239,13 @@ def test_who_may_call_each_schedule_method(server: str) -> None:
             for call in (reader.pause_schedule(name), reader.resume_schedule(name), reader.delete_schedule(name),
                          reader.update_schedule(name, every_ms=7_200_000),
                          reader.create_schedule(fresh("r"), "jobs", b"x", every_ms=3_600_000)):
-                with pytest.raises(errors.PermissionDenied, match="'reader' may not publish to topic 'jobs'"):
+                with pytest.raises(errors.Forbidden, match="'reader' may not publish to topic 'jobs'"):
                     await call
             # A user with no right on the topic neither sees nor changes it.
             assert name not in [x["name"] for x in await outsider.list_schedules()]
-            with pytest.raises(errors.PermissionDenied, match="may not publish to or subscribe to topic 'jobs'"):
+            with pytest.raises(errors.Forbidden, match="may not publish to or subscribe to topic 'jobs'"):
                 await outsider.describe_schedule(name)
-            with pytest.raises(errors.PermissionDenied):
+            with pytest.raises(errors.Forbidden):
                 await outsider.delete_schedule(name)
             assert (await app.describe_schedule(name))["paused"] is False  # refused calls changed nothing
         async with AsyncAdmin(server, access_key="app", secret_key="wrong", timeout_ms=5000, attempts=1) as bad:
