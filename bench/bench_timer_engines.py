@@ -355,7 +355,8 @@ def print_tables(results: dict[str, Any]) -> None:
             rows.append((label, "-" if a is None else format(a, fmt), "-" if b is None else format(b, fmt), ratio))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         for r in rows:
-            print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))))
+            cells = zip(r, widths, strict=True)
+            print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(cells)))
 
 
 def build_parser() -> argparse.ArgumentParser:
