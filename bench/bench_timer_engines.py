@@ -16,6 +16,8 @@ The workloads (`--scenarios`, all by default):
   stay comparable with it. Adds/s and CPU µs an add; RSS growth a pending timer (RSS after the
   adds less RSS of the open empty engine); bytes on disk a pending timer after close; close and
   reopen with N pending (until `open` returns and metrics count all N); then every timer fired.
+  Also the objects Python's cyclic collector tracks with N pending, and what one full collection
+  of them costs (a pause of the broker's one event loop).
 - `burst`: 100,000 timers (`--burst-n`) due in the same millisecond. From that millisecond on,
   fire steps run back to back; each timer's lateness is when the `apply` that marked it fired
   returned, less its due time. All fired after how long, and how many within 1 s.
@@ -42,6 +44,7 @@ host the CPU figures are the ones to compare. Results go to `timer_engines.json`
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -169,6 +172,10 @@ def scenario_pending(name: str, path: Path, args: argparse.Namespace) -> dict[st
     out.update(add_all(engine, log, generator, args.n, args.batch))
     out["rss_after_adds_mb"] = proc.memory_info().rss / 2**20
     out["rss_per_timer_b"] = (out["rss_after_adds_mb"] - out["rss_empty_mb"]) * 2**20 / args.n
+    out["gc_tracked_objects"] = len(gc.get_objects())
+    started = time.perf_counter()
+    gc.collect()  # what a full collection of the broker's collector costs with N pending
+    out["full_gc_ms"] = (time.perf_counter() - started) * 1000
     started = time.perf_counter()
     engine.close()
     out["close_s"] = time.perf_counter() - started
@@ -323,6 +330,8 @@ ROWS: dict[str, list[tuple[str, str, str]]] = {
                 ("add batch p50 ms", "add_batch_ms_p50", ".1f"), ("add batch p99 ms", "add_batch_ms_p99", ".1f"),
                 ("RSS empty MB", "rss_empty_mb", ".0f"), ("RSS with N pending MB", "rss_after_adds_mb", ".0f"),
                 ("RSS growth B a pending timer", "rss_per_timer_b", ".0f"),
+                ("objects the collector tracks", "gc_tracked_objects", ",d"),
+                ("a full gc.collect() with N pending, ms", "full_gc_ms", ",.0f"),
                 ("disk MB with N pending (after close)", "disk_mb", ".0f"),
                 ("disk B a pending timer", "disk_per_timer_b", ".0f"), ("close s", "close_s", ".2f"),
                 ("reopen s (until ready)", "open_s", ".2f"), ("reopen CPU s", "open_cpu_s", ".2f"),
