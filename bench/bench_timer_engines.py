@@ -31,6 +31,10 @@ The workloads (`--scenarios`, all by default):
   `--spread-step-s` (600 s), each step firing what is due: CPU per step (mean, max: the wheel
   links again, at the end of its 7-day window, the timers it chained there with ROLL), and the
   cost of a `due` that finds nothing.
+- `steady`: `--steady-rate` (5,000) timers a second for 10 s, due 5-30 s later (the shape of
+  `python -m bench`'s precision phase), added and fired as the clock runs, a step every 5 ms:
+  the engine's fire lag (its own histogram), its slowest add, due and fire calls in CPU ms, and
+  the longest collector pauses (each holds the broker's one event loop).
 
 Rates are per wall second and per CPU second of the calling thread (RocksDB's background
 flushes and compactions run on threads of their own and are not in the CPU figures): on a shared
@@ -69,7 +73,7 @@ from chronoq.config import Config
 from chronoq.timer.engine import IndexBatch, TimerEngine, TimerEntry
 
 ENGINES = ("rocksdb", "wheel")
-SCENARIOS = ("pending", "burst", "second", "spread")
+SCENARIOS = ("pending", "burst", "second", "spread", "steady")
 DAY_MS = 86_400_000
 LINK_BYTES = 30
 """About what one link costs in a link record's body (128 links: ~3.9 KB)."""
@@ -298,8 +302,64 @@ def scenario_spread(name: str, path: Path, args: argparse.Namespace) -> dict[str
     return out
 
 
+def scenario_steady(name: str, path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """`--steady-rate` timers a second for 10 s, due 5-30 s after they are added (the broker-level
+    precision phase's shape), added and fired as the clock runs, a step every 5 ms: the engine's
+    own fire lag, and its slowest calls (what holds the broker's loop)."""
+    engine = open_engine(name, path)
+    log = Log()
+    rng = random.Random(5)
+    n = int(args.steady_rate * 10)
+    limit = Config().timer_fire_batch
+    slowest = {"add": 0.0, "due": 0.0, "fire": 0.0}
+    collections: list[tuple[int, float]] = []
+    started_at = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started_at[0] = time.perf_counter()
+        else:
+            collections.append((info["generation"], (time.perf_counter() - started_at[0]) * 1000))
+
+    def timed(kind: str, call: Callable[..., Any], *call_args: Any) -> Any:
+        started_cpu = time.thread_time()
+        result = call(*call_args)
+        slowest[kind] = max(slowest[kind], (time.thread_time() - started_cpu) * 1000)
+        return result
+
+    gc.callbacks.append(on_gc)
+    sent = fired = 0
+    t0 = time.perf_counter()
+    while fired < n:
+        now_ms = T0_MS + int((time.perf_counter() - t0) * 1000)
+        want = min(n, int((now_ms - T0_MS) * args.steady_rate / 1000))
+        if want > sent:
+            count = want - sent
+            first = log.take(count) // RECORD_BYTES
+            entries = [TimerEntry(now_ms + rng.randrange(5000, 30000), i * RECORD_BYTES, RECORD_BYTES,
+                                  f"01{0x5EED:04X}{rng.getrandbits(48):012X}{i:016X}", f"topic-{i % 16}", now_ms,
+                                  (f"order-{i}",)) for i in range(first, first + count)]
+            timed("add", engine.apply, IndexBatch(adds=entries, indexed_position=log.end, applied_ms=now_ms))
+            sent = want
+        due = timed("due", engine.due_timers, now_ms, limit)
+        if due.rows:
+            timed("fire", engine.apply, fire_batch(log, due.positions, now_ms))
+            fired += len(due)
+        time.sleep(0.005)
+    gc.callbacks.remove(on_gc)
+    lag = engine.metrics(now_ms).latencies["fire_lag_ms"]
+    engine.close()
+    return {"n": n, "rate": args.steady_rate, "lag_p50_ms": lag["p50"], "lag_p99_ms": lag["p99"],
+            "lag_p999_ms": lag["p999"], "lag_max_ms": lag["max"], "slowest_add_ms": slowest["add"],
+            "slowest_due_ms": slowest["due"], "slowest_fire_ms": slowest["fire"],
+            "gc_young_max_ms": max([t for g, t in collections if g == 0] or [0.0]),
+            "gc_middle_max_ms": max([t for g, t in collections if g == 1] or [0.0]),
+            "gc_full_count": sum(g == 2 for g, _ in collections)}
+
+
 RUNNERS: dict[str, Callable[[str, Path, argparse.Namespace], dict[str, Any]]] = {
-    "pending": scenario_pending, "burst": scenario_burst, "second": scenario_second, "spread": scenario_spread}
+    "pending": scenario_pending, "burst": scenario_burst, "second": scenario_second, "spread": scenario_spread,
+    "steady": scenario_steady}
 
 
 def child(args: argparse.Namespace) -> int:
@@ -351,6 +411,14 @@ ROWS: dict[str, list[tuple[str, str, str]]] = {
                ("CPU ms a step, mean", "step_cpu_ms_mean", ".2f"), ("CPU ms a step, P99", "step_cpu_ms_p99", ".2f"),
                ("CPU ms a step, max", "step_cpu_ms_max", ",.1f"), ("slowest step, day", "step_max_at_day", ".1f"),
                ("CPU µs a due() finding nothing", "empty_due_us", ".1f"), ("RSS peak MB", "rss_peak_mb", ".0f")],
+    "steady": [("fire lag P50 ms", "lag_p50_ms", ",.0f"), ("fire lag P99 ms", "lag_p99_ms", ",.0f"),
+               ("fire lag P999 ms", "lag_p999_ms", ",.0f"), ("fire lag max ms", "lag_max_ms", ",.0f"),
+               ("slowest add apply, CPU ms", "slowest_add_ms", ".1f"),
+               ("slowest due(), CPU ms", "slowest_due_ms", ".1f"),
+               ("slowest fire apply, CPU ms", "slowest_fire_ms", ".1f"),
+               ("longest young collection ms", "gc_young_max_ms", ".1f"),
+               ("longest middle collection ms", "gc_middle_max_ms", ".1f"),
+               ("full collections", "gc_full_count", ",d")],
 }
 
 
@@ -376,6 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--second-n", type=int, default=500_000, help="timers due within one second in `second`")
     p.add_argument("--spread-n", type=int, default=0, help="timers in `spread` (default: --n)")
     p.add_argument("--spread-step-s", type=int, default=600, help="clock step in `spread`, seconds")
+    p.add_argument("--steady-rate", type=float, default=5000.0, help="timers a second in `steady` (for 10 s)")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma list from {','.join(SCENARIOS)}")
     p.add_argument("--engines", default=",".join(ENGINES), help=f"comma list from {','.join(ENGINES)}")
     p.add_argument("--out", type=Path, default=None, help="JSON results (default: timer_engines.json under "
