@@ -9,6 +9,8 @@ not skipped. The floor (a stub server that only speaks the protocol) comes first
 figure after it can be read against it. Results go to `--out`, else to a new directory named
 for the start time under `bench.results_dir()` (`$BENCH_RESULTS_DIR`, else the git-ignored
 `bench/results/`).
+`python -m bench timer-engines` runs the engine-level comparison instead (`bench/bench_timer_engines.py`:
+the RocksDB index and the file wheel side by side, no servers).
 """
 
 from __future__ import annotations
@@ -123,6 +125,11 @@ def _rates(text: str) -> tuple[float, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    given = sys.argv[1:] if argv is None else argv
+    if given[:1] == ["timer-engines"]:  # the engine-level comparison: no servers, its own options
+        from bench.bench_timer_engines import main as timer_engines
+
+        return timer_engines(given[1:])
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)
     started = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())

@@ -120,6 +120,7 @@ SYSTEMS = {
     "chronoq": "bench.peers.chronoq_peer:PEER",
     "chronoq-async": "bench.peers.chronoq_peer:ASYNC_PEER",
     "chronoq-stream": "bench.peers.chronoq_peer:STREAM_PEER",
+    "chronoq-wheel": "bench.peers.chronoq_peer:WHEEL_PEER",
     "redis": "bench.peers.redis_zset:PEER",
     "nats": "bench.peers.nats_schedules:PEER",
     "rabbitmq": "bench.peers.rabbitmq_ttl:PEER",

@@ -23,6 +23,11 @@ the batched call saves both processes.
 is fsynced in the background, not before the ack): beside `chronoq` it shows the price of
 fsync-before-ack, chiefly in the one-message-per-request row. Any `CHRONOQ_FLUSH` in the harness's
 own environment is removed before `chronoq` starts, so that one runs the project's default.
+
+`chronoq-wheel` is the same server with `CHRONOQ_TIMER_ENGINE=wheel`: its timers indexed by the
+file wheel (RocketMQ 5's TimerLog + TimerWheel, `timer/wheel.py`) instead of the RocksDB index;
+beside `chronoq` it shows what the timer engine changes end to end. `CHRONOQ_TIMER_ENGINE` is
+removed from the harness's environment for the others the same way.
 """
 
 from __future__ import annotations
@@ -184,14 +189,18 @@ class Chronoq(Peer):
     batch_label = "send_batch"
     flush: str | None = None
     """`CHRONOQ_FLUSH` for the server (None: the project's default)."""
+    timer_engine: str | None = None
+    """`CHRONOQ_TIMER_ENGINE` for the server (None: the project's default, the RocksDB index)."""
     batch_receive = True
     """The consumer's `batch_receive`: chronoq's batched receive (the SDK's default), or False for
     RocketMQ's ReceiveMessage, one streamed response per message, as the official clients call it."""
 
     def server_env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k != "CHRONOQ_FLUSH"}
+        env = {k: v for k, v in os.environ.items() if k not in ("CHRONOQ_FLUSH", "CHRONOQ_TIMER_ENGINE")}
         if self.flush is not None:
             env["CHRONOQ_FLUSH"] = self.flush
+        if self.timer_engine is not None:
+            env["CHRONOQ_TIMER_ENGINE"] = self.timer_engine
         return env
 
     @property
@@ -285,6 +294,13 @@ class ChronoqStream(Chronoq):
     batch_receive = False
 
 
+class ChronoqWheel(Chronoq):
+    name = "chronoq-wheel"
+    design = "SendMessage with delivery_timestamp (ms); file wheel (RIP-43 TimerLog + TimerWheel) + timing wheel"
+    timer_engine = "wheel"
+
+
 PEER = Chronoq()
 ASYNC_PEER = ChronoqAsync()
 STREAM_PEER = ChronoqStream()
+WHEEL_PEER = ChronoqWheel()
