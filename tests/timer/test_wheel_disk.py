@@ -51,3 +51,31 @@ def test_files_level_off_while_timers_keep_firing(tmp_path: Path) -> None:
         assert reopened.lookup("orders", f"id-{position - 200}") is not None  # fired, not yet pruned
     finally:
         reopened.close()
+
+
+def test_rolls_move_on_a_chunk_a_step_and_fire_in_order(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Far timers (beyond a 10 s window) wait in the window's last slot with ROLL and are linked
+    again a chunk (here 3) per `due()`; whatever the chunking, `due()` hands timers out in due
+    order, none early, and a step with rolls left returns only what precedes them."""
+    from chronoq.timer import wheel as wheel_module
+
+    monkeypatch.setattr(wheel_module, "_RELINK_CHUNK", 3)
+    engine = WheelTimerEngine.open(tmp_path / "w", slot_ms=1000, slots=10)
+    try:
+        dues = [T0 + 500 + 7_919 * i % 40_000 for i in range(25)]
+        adds = [TimerEntry(d, 100 * (i + 1), 100, f"id-{i}", "orders", T0) for i, d in enumerate(dues)]
+        engine.apply(IndexBatch(adds=adds, indexed_position=100 * 30))
+        got: list[int] = []
+        now, position = T0, 100 * 30
+        while len(got) < len(dues):
+            due = engine.due(now, 4)
+            assert all(e.deliver_at_ms <= now for e in due)
+            if due:
+                got.extend(e.deliver_at_ms for e in due)
+                position += 100
+                engine.apply(IndexBatch(fired=[(e.position, now) for e in due], indexed_position=position))
+            else:
+                now += 250
+        assert got == sorted(dues)
+    finally:
+        engine.close()
