@@ -8,9 +8,10 @@ order; what it serves is what Pulsar's official clients send (C++ 4.x, and the P
 
 - CONNECT -> CONNECTED. With `[auth] enabled`, the client's `AuthenticationBasic(access_key,
   secret_key)` (method `basic`, data `access_key:secret_key`) is checked against chronoq's
-  users (`Authenticator.password`); anything else is AuthenticationError and the connection
-  closes. The user's permissions (`Principal`) then decide each PRODUCER (publish) and
-  SUBSCRIBE (subscribe to the topic, consume as the group): AuthorizationError.
+  users (`Authenticator.password`); anything else is ERROR AuthenticationError, logged, and the
+  connection closes (the C++ client reports its operation's TimeOut: `NO_REQUEST`). The user's
+  permissions (`Principal`) then decide each PRODUCER (publish) and SUBSCRIBE (subscribe to
+  the topic, consume as the group): AuthorizationError.
 - PARTITIONED_METADATA -> 0 partitions (every topic is non-partitioned); LOOKUP -> `Connect`
   to this door's own address, authoritative (there is one broker).
 - PRODUCER -> PRODUCER_SUCCESS (a broker-chosen name unless the client gives one). Each SEND
@@ -46,6 +47,9 @@ to it), SENDs waiting for receipts per connection (past it the door stops readin
 connection), and the outgoing buffer (`pulsar_max_write_buffer_bytes`: above it the door stops
 pushing MESSAGEs and reading requests there until the client reads), so a client that never
 reads holds at most that much of the broker's memory.
+
+Delayed delivery follows Pulsar (held on Shared and Key_Shared, at once on Exclusive and
+Failover); the design, a timer plus an immediate copy, and why: `messages.py`.
 
 Pulsar holds an unacked message for its consumer for as long as the consumer is connected.
 chronoq's in-flight messages become visible again when their invisible duration ends, so the
@@ -106,6 +110,10 @@ READ_CHUNK = 256 * 1024
 EARLIEST = (1 << 64) - 1
 """A MessageIdData field of -1 as the client writes it (uint64): `MessageId.earliest` is (-1, -1)."""
 LATEST = (1 << 63) - 1
+NO_REQUEST = (1 << 64) - 1
+"""The request id (-1) Pulsar's broker gives an ERROR that answers no request: a refused CONNECT.
+The C++ client (4.2.0) does not surface it: it sees the connection close, retries, and its
+operation ends in TimeOut; the server's log says why."""
 """`MessageId.latest` is (Long.MAX, Long.MAX)."""
 
 
@@ -357,7 +365,7 @@ class Connection:
                 self.principal = self._authenticate(authenticator, connect)
             except ChronoqError as exc:
                 log.warning("pulsar door: refused a connection from %s: %s", self.peer, exc)
-                self.error(0, ServerError.AuthenticationError, str(exc))
+                self.error(NO_REQUEST, ServerError.AuthenticationError, str(exc))
                 raise Hangup() from None
         self.connected = True
         version = min(connect.protocol_version, PROTOCOL_VERSION)
