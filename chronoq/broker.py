@@ -59,7 +59,15 @@ from chronoq.clock import Clock, SystemClock
 from chronoq.config import Config, ConfigError
 from chronoq.deliver import Deliver
 from chronoq.dispatch import Dispatch
-from chronoq.errors import BrokerClosed, ChronoqError, DiskFull, FlushFailed, InvalidRecallHandle, RecallTopicMismatch
+from chronoq.errors import (
+    BrokerClosed,
+    ChronoqError,
+    DiskFull,
+    FlushFailed,
+    InvalidQueueId,
+    InvalidRecallHandle,
+    RecallTopicMismatch,
+)
 from chronoq.model import (
     ALL_MESSAGE_TYPES,
     LINKS_TOPIC,
@@ -453,6 +461,71 @@ class Broker:
 
     def queue_offsets(self, topic: str, queue_id: int) -> tuple[int, int]:
         return self.deliver.queue_offsets(topic, queue_id)
+
+    def inflight_handle(self, group: str, topic: str, queue_id: int, offset: int) -> str | None:
+        """The current receipt handle of the group's in-flight message at (queue, offset), or
+        None when the group holds none there (acked, dead-lettered, never received)."""
+        entry = self.groups.get(group, topic, queue_id, offset)
+        return None if entry is None else entry.receipt_handle
+
+    async def make_visible(self, group: str, topic: str, receipt_handle: str) -> str:
+        """An in-flight message receivable again at once (its attempt stays: the next delivery
+        counts it), below `min_invisible_duration_ms`, which bounds what a consumer may ask.
+        Returns the new receipt handle."""
+        self._check_open()
+        return self.consumers.postpone(group, topic, receipt_handle, 0, self.clock.now_ms()).receipt_handle
+
+    async def start_group_at_end(self, group: str, topic: str) -> bool:
+        """A group new to the topic starts at its queues' ends (receives only what comes next);
+        one that has received on it goes on where it is. True when the offsets were set."""
+        self._check_open()
+        config = self.topics.get(topic)
+        if any(self.groups.offset(group, topic, qid) is not None for qid in range(config.queue_count)):
+            return False
+        ends = [(group, topic, qid, self.queue_offsets(topic, qid)[1]) for qid in range(config.queue_count)]
+        self.groups.commit(offsets=ends)
+        return True
+
+    async def reset_group(self, group: str, topic: str, offsets: Mapping[int, int] | None) -> int:
+        """Move the group on the topic: every message it holds in flight is dropped (receivable
+        again if its offset is at or before it) and each queue's next offset set as `offsets`
+        says, clamped to what the queue holds; None forgets the group on the topic (a later
+        receive starts at the queues' starts). Returns the in-flight messages dropped."""
+        self._check_open()
+        config = self.topics.get(topic)
+        clamped = None
+        if offsets is not None:
+            clamped = {}
+            for qid, offset in offsets.items():
+                if not 0 <= qid < config.queue_count:
+                    raise InvalidQueueId(topic, qid, config.queue_count)
+                low, high = self.queue_offsets(topic, qid)
+                clamped[qid] = min(max(offset, low), high)
+        return self.groups.reset(group, topic, clamped)
+
+    async def offset_at_time(self, topic: str, queue_id: int, at_ms: int) -> int:
+        """The first offset of the queue whose message entered it at or after `at_ms` (its store
+        time; a fired timer's, its due time), found by bisection (the queue's order is that of
+        entry); the queue's end if none did."""
+        self._check_open()
+        low, high = self.queue_offsets(topic, queue_id)
+        lo, hi = low, high
+        while lo < hi:
+            mid = (lo + hi) // 2
+            entered = self._entered_ms(topic, queue_id, mid, high)
+            if entered is None or entered >= at_ms:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def _entered_ms(self, topic: str, queue_id: int, offset: int, end: int) -> int | None:
+        """When the first readable message at or after `offset` entered the queue (None: none)."""
+        found = self.deliver.read(topic, queue_id, offset, 1)
+        if not found or found[0].queue_offset >= end:
+            return None
+        msg = found[0]
+        return max(msg.store_ms, msg.deliver_at_ms or 0)
 
     # -- timers -----------------------------------------------------------------------------
 

@@ -296,6 +296,29 @@ class Config:
     pulsar_port: int = limit(0, minimum=0, maximum=65535)
     """Port for Apache Pulsar's binary protocol (chronoq/pulsar/door.py: Pulsar's official clients
     produce and consume there), on `host`; 0 = off."""
+    pulsar_delay_all_subscriptions_topics: str = ""
+    """Topics (names or shell-style globs, separated by commas) on whose Pulsar subscriptions
+    `deliver_at_time` holds for every subscription type. Elsewhere it holds, as in Pulsar, on
+    Shared and Key_Shared subscriptions only, and Exclusive and Failover ones receive a delayed
+    message at once (chronoq/pulsar/messages.py). Read when a message is sent."""
+    pulsar_max_delivery_delay_ms: int = limit(0, minimum=0)
+    """A Pulsar SEND whose `deliver_at_time` is more than this past its `publish_time` is
+    refused with NotAllowedError (Pulsar's `delayedDeliveryMaxDelayInMillis`); 0 = no limit
+    beyond `timer_max_delay_ms`."""
+    pulsar_max_producers_per_connection: int = limit(1000)
+    """Producers one Pulsar connection may hold; one more is refused with NotAllowedError."""
+    pulsar_max_consumers_per_connection: int = limit(1000)
+    """Consumers one Pulsar connection may hold; one more is refused with NotAllowedError."""
+    pulsar_max_permits_per_consumer: int = limit(100_000)
+    """Most FLOW permits a Pulsar consumer may hold; a FLOW past it is cut to it, with a log line
+    (the client's default receiver queue is 1000)."""
+    pulsar_max_pending_sends_per_connection: int = limit(10_000)
+    """SENDs a Pulsar connection may have waiting for their receipts; past it the door stops
+    reading that connection until receipts go out (back-pressure on the socket, not an error)."""
+    pulsar_max_write_buffer_bytes: int = limit(4 * MiB, minimum=64 * KiB)
+    """Bytes a Pulsar connection's outgoing buffer may hold: above it the door stops pushing
+    MESSAGEs and reading requests on that connection until the client reads, so a client that
+    never reads cannot grow the broker's memory."""
     timer_search_max_range_ms: int = limit(31 * DAY_MS)
     """Widest due-time range one search of pending timers (admin SearchTimers, the console) may cover."""
     timer_search_max_rows: int = limit(500)

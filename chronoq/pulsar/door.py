@@ -1,38 +1,55 @@
 """chronoq's Pulsar door: Apache Pulsar's binary protocol served over the broker, on its loop.
 
 Theory of operation: `chronoq serve --pulsar-port PORT` (setting `pulsar_port`) starts an
-asyncio TCP server beside the gRPC one, on the broker's event loop. Each connection reads frames
-with `codec.FrameReader` and answers them in order; what it serves is the round trip Pulsar's
-official clients make (C++ 4.x, and the Python `pulsar-client` built on it):
+asyncio TCP server beside the gRPC one, on the broker's event loop (with `--tls-cert/--tls-key`,
+TLS: `pulsar+ssl://`). Each connection reads frames with `codec.FrameReader` and answers them in
+order; what it serves is what Pulsar's official clients send (C++ 4.x, and the Python
+`pulsar-client` built on it):
 
-- CONNECT -> CONNECTED; PARTITIONED_METADATA -> 0 partitions (every topic is non-partitioned);
-  LOOKUP -> `Connect` to this door's own address, authoritative (there is one broker).
+- CONNECT -> CONNECTED. With `[auth] enabled`, the client's `AuthenticationBasic(access_key,
+  secret_key)` (method `basic`, data `access_key:secret_key`) is checked against chronoq's
+  users (`Authenticator.password`); anything else is ERROR AuthenticationError, logged, and the
+  connection closes (the C++ client reports its operation's TimeOut: `NO_REQUEST`). The user's
+  permissions (`Principal`) then decide each PRODUCER (publish) and SUBSCRIBE (subscribe to
+  the topic, consume as the group): AuthorizationError.
+- PARTITIONED_METADATA -> 0 partitions (every topic is non-partitioned); LOOKUP -> `Connect`
+  to this door's own address, authoritative (there is one broker).
 - PRODUCER -> PRODUCER_SUCCESS (a broker-chosen name unless the client gives one). Each SEND
-  becomes chronoq messages (a batch: one per entry) stored through `Broker.send_batch`, and
-  SEND_RECEIPTs go back in the order of the SENDs, as the client requires. A producer's queued
-  SENDs are stored together, one group commit for all of them. `deliver_at_time` (ms since the
-  epoch, which the client computes from `deliver_after` with its own clock) becomes the
-  message's chronoq timer (`deliver_at_ms`): durable in the timer index, fired never before
-  its time, at ms precision; one already due is stored as a plain message.
+  becomes chronoq messages (`messages.messages_of`: a batch is one per entry; a delayed one is
+  a timer plus, for Exclusive and Failover subscriptions, an immediate copy) stored through
+  `Broker.send_batch`, and SEND_RECEIPTs go back in the order of the SENDs, as the client
+  requires. A producer's queued SENDs are stored together, one group commit for all of them.
 - SUBSCRIBE -> SUCCESS. A subscription is a chronoq consumer group of the same name on the
-  topic; Shared, Exclusive and Failover are served (Key_Shared is refused: chronoq keeps no
-  per-key consumer affinity). Exclusive admits one consumer; Failover admits several and feeds
-  the first, the next taking over when it leaves. A new subscription with
-  `initialPosition=Latest` (the Python client's default) starts at the queues' ends;
-  `Earliest`, or an existing group, where the group is.
-- FLOW grants permits; a consumer's pump receives up to its permits from the group
-  (`Broker.receive`, a long poll) and pushes one MESSAGE each, `redelivery_count` being the
-  delivery attempt less one (durable in the group store, so it survives a restart, unlike
-  Pulsar's in-memory counter). A message id is (ledgerId = queue id, entryId = queue offset).
-- ACK (individual; cumulative too: every message this consumer holds from that queue up to
-  the offset) acks the group's in-flight entry by its queue and offset (`GroupStore.get`), so
-  an ack from before a door restart still lands. REDELIVER_UNACKNOWLEDGED_MESSAGES makes the
-  named messages (none named: all the consumer holds) visible again at once; so does closing
-  the consumer or losing its connection.
+  topic; Shared, Key_Shared (AUTO_SPLIT), Exclusive and Failover are served as
+  `subscriptions.py` says. A new subscription with `initialPosition=Latest` (the Python
+  client's default) starts at the queues' ends; `Earliest`, or an existing group, where it is.
+- FLOW grants permits; MESSAGE carries `redelivery_count`, the delivery attempt less one (durable
+  in the group store, so it survives a restart, unlike Pulsar's in-memory counter).
+- ACK (individual; cumulative: every message this consumer holds from that queue up to the
+  offset) acks the group's in-flight entry by its queue and offset, so an ack from before a
+  door restart still lands. REDELIVER_UNACKNOWLEDGED_MESSAGES (the client's negative acks and
+  ack timeouts) makes the named messages (none named: all the consumer holds) visible again
+  at once; so does closing the consumer or losing its connection: another consumer gets them.
+- UNSUBSCRIBE (by the subscription's only consumer) forgets the group on the topic.
+  GET_LAST_MESSAGE_ID answers the id of the message that entered the topic's queues last.
+  SEEK (to a message id, or a publish time) moves the group (`Broker.reset_group`: what it
+  held is dropped; by id, that queue to that offset and the others to the message's time) and
+  then closes the subscription's consumers, which the client resubscribes, as Pulsar does.
 - PING -> PONG; CLOSE_PRODUCER / CLOSE_CONSUMER -> SUCCESS.
 Every other command that carries a request id gets ERROR (NotAllowedError) naming it; one
-without is logged and ignored. A malformed frame (`codec.FrameError`) closes that connection
-only, with one log line; so does a connection silent for `KEEPALIVE_S` (clients ping every 30 s).
+without is logged and ignored. A malformed frame (`codec.FrameError`, a frame above the
+largest message size plus room) closes that connection only, with one log line; so does a
+connection silent for `KEEPALIVE_S` (clients ping every 30 s).
+
+Named limits (config.py, `pulsar_*`): producers and consumers per connection (one more is
+refused with NotAllowedError naming the setting), permits per consumer (a FLOW past it is cut
+to it), SENDs waiting for receipts per connection (past it the door stops reading that
+connection), and the outgoing buffer (`pulsar_max_write_buffer_bytes`: above it the door stops
+pushing MESSAGEs and reading requests there until the client reads), so a client that never
+reads holds at most that much of the broker's memory.
+
+Delayed delivery follows Pulsar (held on Shared and Key_Shared, at once on Exclusive and
+Failover); the design, a timer plus an immediate copy, and why: `messages.py`.
 
 Pulsar holds an unacked message for its consumer for as long as the consumer is connected.
 chronoq's in-flight messages become visible again when their invisible duration ends, so the
@@ -40,18 +57,14 @@ door receives with `default_invisible_duration_ms` and renews what its consumers
 (`Broker.change_invisible_duration`) while they are connected. After a crash of the server the
 held messages come back when that duration ends; acks that reached the group store stay.
 
-Delayed delivery holds on every subscription type: the timer is the message's, kept before
-any subscription sees it, where Pulsar delays only on Shared and Key_Shared and hands
-delayed messages to Exclusive and Failover subscriptions at once. Strict, never early, is the
-only mode (Pulsar's `isDelayedDeliveryDeliverAtTimeStrict`), with no tick to round to.
-
 Topics: `persistent://public/default/NAME` (or a bare `NAME`) is chronoq's topic `NAME`; other
 tenants and namespaces, and `non-persistent://`, are refused with InvalidTopicName. A SEND
 refused for its content (no payload, a property name chronoq reserves, compression,
 encryption, chunking, a due time beyond `timer_max_delay_ms`) is answered with SEND_ERROR
 `ChecksumError`, the one error the client fails that single send for (others make it reconnect
-and send again); the message text and the server log say why. A broker failure a retry can
-outlive answers `PersistenceError`, and the client resends.
+and send again); the message text and the server log say why. A delay beyond
+`pulsar_max_delivery_delay_ms` is NotAllowedError, as Pulsar answers it. A broker failure a
+retry can outlive answers `PersistenceError`, and the client resends.
 """
 
 from __future__ import annotations
@@ -61,17 +74,27 @@ import contextlib
 import itertools
 import logging
 import os
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from chronoq.config import Config
-from chronoq.errors import ChronoqError, TopicNotFound
-from chronoq.model import OutgoingMessage, ReceivedMessage
+from chronoq.errors import ChronoqError, TopicNotFound, Unauthorized
+from chronoq.model import OutgoingMessage
 from chronoq.pulsar import codec
 from chronoq.pulsar import pulsar_api_pb2 as api
 from chronoq.pulsar.codec import FrameError, ServerError, Type
-from chronoq.validate import check_group_name, check_topic_name
+from chronoq.pulsar.messages import (
+    IMMEDIATE_LEDGER,
+    Refused,
+    chronoq_topic,
+    immediate_name,
+    messages_of,
+)
+from chronoq.pulsar.subscriptions import Consumer, Subscription, SubType
+from chronoq.server.auth import ANONYMOUS, Authenticator, Principal
+from chronoq.validate import check_group_name
 
 if TYPE_CHECKING:
     from chronoq.broker import Broker
@@ -83,152 +106,32 @@ PROTOCOL_VERSION = 20
 """The newest protocol version the door speaks (that of the C++ client 4.x)."""
 KEEPALIVE_S = 90.0
 """A connection with nothing from the client for this long is closed (clients ping every 30 s)."""
-POLL_MS = 500
-"""A consumer's long poll; a message made visible again by a redelivery request or another
-consumer's leaving is picked up within this."""
 READ_CHUNK = 256 * 1024
-PROP_PRODUCER = "PULSAR_PRODUCER"
-"""The Pulsar producer's name, kept as a property of the chronoq message and given back in its
-metadata; like the two below it is not shown to Pulsar consumers as a property."""
-PROP_SEQUENCE_ID = "PULSAR_SEQUENCE_ID"
-PROP_EVENT_TIME = "PULSAR_EVENT_TIME"
-DOOR_PROPERTIES = frozenset({PROP_PRODUCER, PROP_SEQUENCE_ID, PROP_EVENT_TIME})
-NAMESPACE_PREFIXES = ("persistent://public/default/", "public/default/")
-
-SubType = api.CommandSubscribe.SubType
+EARLIEST = (1 << 64) - 1
+"""A MessageIdData field of -1 as the client writes it (uint64): `MessageId.earliest` is (-1, -1)."""
+LATEST = (1 << 63) - 1
+NO_REQUEST = (1 << 64) - 1
+"""The request id (-1) Pulsar's broker gives an ERROR that answers no request: a refused CONNECT.
+The C++ client (4.2.0) does not surface it: it sees the connection close, retries, and its
+operation ends in TimeOut; the server's log says why."""
+"""`MessageId.latest` is (Long.MAX, Long.MAX)."""
 
 
 class Hangup(Exception):
     """Close this connection; the reason was logged where it was found."""
 
 
-class Refused(Exception):
-    """A request the door answers with a Pulsar error: `error` (a ServerError) and a message."""
-
-    def __init__(self, error: int, message: str) -> None:
-        super().__init__(message)
-        self.error = error
-        self.message = message
-
-
-def chronoq_topic(pulsar_topic: str, config: Config) -> str:
-    """The chronoq topic a Pulsar topic name maps to, or `Refused(InvalidTopicName)`."""
-    name = pulsar_topic
-    for prefix in NAMESPACE_PREFIXES:
-        if name.startswith(prefix):
-            name = name[len(prefix):]
-            break
-    else:
-        if "/" in name:
-            raise Refused(ServerError.InvalidTopicName,
-                          f"chronoq serves persistent://public/default/<topic> only, not {pulsar_topic!r}")
-    try:
-        check_topic_name(name, config)
-    except ChronoqError as exc:
-        raise Refused(ServerError.InvalidTopicName, str(exc)) from None
-    return name
-
-
 def _error_for_send(exc: ChronoqError) -> int:
     return ServerError.PersistenceError if exc.retriable else ServerError.ChecksumError
 
 
-def messages_of(frame: codec.Frame, topic: str, producer_name: str, now_ms: int) -> list[OutgoingMessage]:
-    """The chronoq messages of one SEND, or `Refused(ChecksumError)` saying why there are none."""
-    send, meta = frame.command.send, frame.metadata
-    assert meta is not None
-    what = f"SEND sequence_id {send.sequence_id}"
-    if meta.compression != api.NONE:
-        raise Refused(ServerError.ChecksumError,
-                      f"{what}: compression {api.CompressionType.Name(meta.compression)} is not supported; "
-                      "send uncompressed (compression_type=None)")
-    if meta.encryption_keys or send.is_chunk or meta.num_chunks_from_msg > 1 or meta.HasField("uuid"):
-        raise Refused(ServerError.ChecksumError, f"{what}: encrypted and chunked messages are not supported")
-    if send.txnid_most_bits or send.txnid_least_bits or send.marker:
-        raise Refused(ServerError.ChecksumError, f"{what}: transactions and markers are not supported")
-    deliver_at: int | None = None
-    if meta.HasField("deliver_at_time") and meta.deliver_at_time > now_ms:
-        deliver_at = meta.deliver_at_time  # one due already is a plain message: due means deliverable
-    born = meta.publish_time if meta.publish_time > 0 else None
-    base = {PROP_PRODUCER: meta.producer_name or producer_name}
-    if meta.HasField("num_messages_in_batch"):
-        try:
-            singles = codec.split_batch(meta, frame.payload)
-        except FrameError as exc:
-            raise Refused(ServerError.ChecksumError, f"{what}: {exc.reason}") from None
-        out = []
-        for single in singles:
-            md = single.metadata
-            if md.null_value:
-                raise Refused(ServerError.ChecksumError, f"{what}: a null value has no chronoq form")
-            props = {**codec.properties_of(md.properties), **base}
-            if md.HasField("sequence_id"):
-                props[PROP_SEQUENCE_ID] = str(md.sequence_id)
-            if md.event_time:
-                props[PROP_EVENT_TIME] = str(md.event_time)
-            out.append(OutgoingMessage(topic, single.payload, keys=(md.partition_key,) if md.partition_key else (),
-                                       properties=props, born_ms=born, deliver_at_ms=deliver_at))
-        return out
-    if meta.null_value:
-        raise Refused(ServerError.ChecksumError, f"{what}: a null value has no chronoq form")
-    props = {**codec.properties_of(meta.properties), **base, PROP_SEQUENCE_ID: str(meta.sequence_id)}
-    if meta.event_time:
-        props[PROP_EVENT_TIME] = str(meta.event_time)
-    return [OutgoingMessage(topic, frame.payload, keys=(meta.partition_key,) if meta.partition_key else (),
-                            properties=props, born_ms=born, deliver_at_ms=deliver_at)]
-
-
-def message_frame(consumer_id: int, rm: ReceivedMessage) -> bytes:
-    """The MESSAGE frame for one received chronoq message."""
-    msg = rm.message
-    props = msg.properties
-    meta = api.MessageMetadata(producer_name=props.get(PROP_PRODUCER) or "chronoq",
-                               sequence_id=_int_or(props.get(PROP_SEQUENCE_ID), msg.queue_offset),
-                               publish_time=msg.born_ms)
-    meta.properties.extend(codec.key_values({k: v for k, v in props.items() if k not in DOOR_PROPERTIES}))
-    if msg.keys:
-        meta.partition_key = msg.keys[0]
-    event_time = _int_or(props.get(PROP_EVENT_TIME), 0)
-    if event_time:
-        meta.event_time = event_time
-    cmd = codec.make_command(Type.MESSAGE, message=api.CommandMessage(
-        consumer_id=consumer_id, message_id=api.MessageIdData(ledgerId=msg.queue_id, entryId=msg.queue_offset),
-        redelivery_count=max(0, rm.delivery_attempt - 1)))
-    return codec.encode_payload_command(cmd, meta, msg.body)
-
-
-def _int_or(text: str | None, default: int) -> int:
-    if text is not None and text.isascii() and text.isdigit() and len(text) <= 19:
-        return int(text)
-    return default
-
-
-@dataclass(slots=True)
-class Held:
-    """A message a consumer of the door holds: its current receipt handle and visible time."""
-
-    consumer: Consumer
-    handle: str
-    visible_ms: int
-
-
-@dataclass(slots=True, eq=False)
-class Subscription:
-    topic: str
-    name: str
-    sub_type: int
-    consumers: list[Consumer] = field(default_factory=list)
-    held: dict[tuple[int, int], Held] = field(default_factory=dict)
-
-
-@dataclass(slots=True, eq=False)
-class Consumer:
-    conn: Connection
-    consumer_id: int
-    sub: Subscription
-    permits: int = 0
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    task: asyncio.Task[None] | None = None
+def server_ssl(config: Config) -> ssl.SSLContext | None:
+    """The door's TLS context from `tls_cert_file` / `tls_key_file` (those of the gRPC port)."""
+    if not config.tls_cert_file or not config.tls_key_file:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(config.tls_cert_file, config.tls_key_file)
+    return context
 
 
 @dataclass(slots=True, eq=False)
@@ -241,21 +144,23 @@ class Producer:
 
 
 class PulsarDoor:
-    def __init__(self, broker: Broker, config: Config, *, auth_enabled: Callable[[], bool] = lambda: False) -> None:
+    def __init__(self, broker: Broker, config: Config, *, authenticator: Authenticator | None = None) -> None:
         self.broker = broker
         self.config = config
-        self.auth_enabled = auth_enabled
+        self.authenticator = authenticator
         self.subscriptions: dict[tuple[str, str], Subscription] = {}
         self.connections: set[Connection] = set()
+        self.tls = server_ssl(config)
         self._server: asyncio.Server | None = None
         self._renewals: asyncio.Task[None] | None = None
         self._names = itertools.count()
         self._name_prefix = os.urandom(3).hex()
+        self._made_topics: set[str] = set()
         self.invisible_ms = config.default_invisible_duration_ms
 
     async def start(self, host: str, port: int) -> int:
         """Bind and serve; returns the bound port."""
-        self._server = await asyncio.start_server(self._accept, host or None, port, reuse_address=True)
+        self._server = await asyncio.start_server(self._accept, host or None, port, reuse_address=True, ssl=self.tls)
         self._renewals = asyncio.create_task(self._renew_loop(), name="chronoq-pulsar-renewals")
         return int(self._server.sockets[0].getsockname()[1])
 
@@ -283,6 +188,17 @@ class PulsarDoor:
     def producer_name(self) -> str:
         return f"chronoq-{self._name_prefix}-{next(self._names)}"
 
+    async def ensure_topic(self, topic: str, queue_count: int | None = None) -> None:
+        """Create a topic the door needs (an immediate-copy topic) unless it exists."""
+        if topic in self._made_topics:
+            return
+        try:
+            self.broker.get_topic(topic)
+        except TopicNotFound:
+            with contextlib.suppress(ChronoqError):
+                await self.broker.create_topic(topic, queue_count)
+        self._made_topics.add(topic)
+
     # -- holding messages for connected consumers ------------------------------------------
 
     async def _renew_loop(self) -> None:
@@ -303,47 +219,40 @@ class PulsarDoor:
                 if held.visible_ms - now >= self.invisible_ms // 2:
                     continue
                 try:
-                    held.handle = await self.broker.change_invisible_duration(sub.name, sub.topic, held.handle,
+                    held.handle = await self.broker.change_invisible_duration(sub.name, held.topic, held.handle,
                                                                               self.invisible_ms)
                     held.visible_ms = now + self.invisible_ms
                 except ChronoqError:
                     sub.held.pop(key, None)  # acked elsewhere, dead-lettered, or expired by retention
 
-    def release(self, sub: Subscription, keys: list[tuple[int, int]]) -> None:
+    async def release(self, sub: Subscription, keys: list[tuple[int, int]]) -> None:
         """Make held messages visible again now (their attempt stays; the next delivery counts it)."""
-        now = self.broker.now_ms()
         for key in keys:
             held = sub.held.pop(key, None)
-            if held is None:
-                continue
-            with contextlib.suppress(ChronoqError):
-                # Visible at once: the group's own postpone with no delay (a change of invisible
-                # duration may not go below min_invisible_duration_ms).
-                self.broker.consumers.postpone(sub.name, sub.topic, held.handle, 0, now)
+            if held is not None:
+                with contextlib.suppress(ChronoqError):
+                    await self.broker.make_visible(sub.name, held.topic, held.handle)
+        sub.wake.set()
 
     async def ack(self, sub: Subscription, keys: list[tuple[int, int]]) -> int:
-        """Ack the group's in-flight entries at these (queue, offset) keys; returns how many."""
-        handles = []
-        groups = self.broker.groups
-        for qid, offset in keys:
-            sub.held.pop((qid, offset), None)
-            entry = groups.get(sub.name, sub.topic, qid, offset)
-            if entry is not None:
-                handles.append(entry.receipt_handle)
-        if not handles:
-            return 0
-        outcomes = await self.broker.ack_many(sub.name, sub.topic, handles)
-        return sum(1 for o in outcomes if o is None)
+        """Ack the group's in-flight entries at these (ledger, entry) keys; returns how many."""
+        handles: dict[str, list[str]] = {}
+        for ledger, entry in keys:
+            sub.held.pop((ledger, entry), None)
+            topic = sub.topic_of(ledger)
+            qid = ledger - IMMEDIATE_LEDGER if ledger >= IMMEDIATE_LEDGER else ledger
+            handle = self.broker.inflight_handle(sub.name, topic, qid, entry)
+            if handle is not None:
+                handles.setdefault(topic, []).append(handle)
+        done = 0
+        for topic, some in handles.items():
+            outcomes = await self.broker.ack_many(sub.name, topic, some)
+            done += sum(1 for o in outcomes if o is None)
+        return done
 
-    def start_at_end(self, group: str, topic: str) -> None:
-        """A new subscription at `Latest`: the group's offsets at the queues' ends, unless the
-        group already has an offset on the topic (then it goes on from there)."""
-        config = self.broker.get_topic(topic)
-        groups = self.broker.groups
-        if any(groups.offset(group, topic, qid) is not None for qid in range(config.queue_count)):
-            return
-        offsets = [(group, topic, qid, self.broker.queue_offsets(topic, qid)[1]) for qid in range(config.queue_count)]
-        groups.commit(offsets=offsets)
+    def subscription(self, topic: str, name: str, sub_type: int) -> Subscription:
+        return Subscription(self.broker, self.config.max_receive_batch, self.invisible_ms, topic, name, sub_type,
+                            immediate_name(topic, self.config))
 
 
 class Connection:
@@ -356,12 +265,17 @@ class Connection:
         peer = writer.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self.connected = False
+        self.principal: Principal = ANONYMOUS
         self.producers: dict[int, Producer] = {}
         self.consumers: dict[int, Consumer] = {}
+        self.pending_sends = 0
+        self.sends_room = asyncio.Event()
         self._ignored: set[int] = set()
+        self._permits_cut_logged = False
         self.max_message_size = min(self.config.max_message_size_bytes, codec.MAX_FRAME_BYTES)
         self.frames = codec.FrameReader(max_frame_bytes=max(codec.MAX_FRAME_BYTES,
                                                             self.max_message_size + codec.FRAME_OVERHEAD_BYTES))
+        writer.transport.set_write_buffer_limits(high=self.config.pulsar_max_write_buffer_bytes)
 
     def abort(self) -> None:
         self.writer.transport.abort()
@@ -369,6 +283,11 @@ class Connection:
     def write(self, data: bytes) -> None:
         if not self.writer.is_closing():
             self.writer.write(data)
+
+    async def drain(self) -> None:
+        """Wait while the outgoing buffer is above `pulsar_max_write_buffer_bytes`."""
+        if not self.writer.is_closing():
+            await self.writer.drain()
 
     def send(self, kind: int, **sub: object) -> None:
         self.write(codec.encode_command(codec.make_command(kind, **sub)))
@@ -379,18 +298,22 @@ class Connection:
     async def run(self) -> None:
         try:
             while True:
+                await self.drain()  # a client that does not read its replies is not read either
                 data = await asyncio.wait_for(self.reader.read(READ_CHUNK), KEEPALIVE_S)
                 if not data:
                     break
                 for frame in self.frames.feed(data):
                     await self.handle(frame)
+                while self.pending_sends >= self.config.pulsar_max_pending_sends_per_connection:
+                    self.sends_room.clear()
+                    await self.sends_room.wait()
         except FrameError as exc:
             log.warning("pulsar door: closing the connection from %s: malformed frame: %s", self.peer, exc.reason)
         except Hangup:
             pass
         except TimeoutError:
             log.info("pulsar door: closing the connection from %s: nothing heard for %.0f s", self.peer, KEEPALIVE_S)
-        except (ConnectionError, asyncio.IncompleteReadError):
+        except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
             pass
         finally:
             await self.close()
@@ -436,16 +359,30 @@ class Connection:
             log.warning("pulsar door: %s from %s ignored: the door does not serve it", codec.type_name(kind), self.peer)
 
     def on_connect(self, connect: api.CommandConnect) -> None:
-        if self.door.auth_enabled():
-            log.warning("pulsar door: refused a connection from %s: chronoq's auth is on and the Pulsar door has "
-                        "no authentication", self.peer)
-            self.error(0, ServerError.AuthenticationError,
-                       "chronoq's auth is on; its Pulsar door serves only with auth off")
-            raise Hangup()
+        authenticator = self.door.authenticator
+        if authenticator is not None and authenticator.enabled:
+            try:
+                self.principal = self._authenticate(authenticator, connect)
+            except ChronoqError as exc:
+                log.warning("pulsar door: refused a connection from %s: %s", self.peer, exc)
+                self.error(NO_REQUEST, ServerError.AuthenticationError, str(exc))
+                raise Hangup() from None
         self.connected = True
         version = min(connect.protocol_version, PROTOCOL_VERSION)
         self.send(Type.CONNECTED, connected=api.CommandConnected(
             server_version=SERVER_VERSION, protocol_version=version, max_message_size=self.max_message_size))
+
+    @staticmethod
+    def _authenticate(authenticator: Authenticator, connect: api.CommandConnect) -> Principal:
+        """The user of `AuthenticationBasic`: method `basic`, data `access_key:secret_key`."""
+        method = connect.auth_method_name or "none"
+        if method != "basic":
+            raise Unauthorized(f"auth method {method!r}: chronoq's auth is on and its Pulsar door accepts "
+                               "'basic' (pulsar.AuthenticationBasic(access_key, secret_key))", cause="malformed")
+        access_key, colon, secret_key = connect.auth_data.decode("utf-8", "replace").partition(":")
+        if not colon:
+            raise Unauthorized("basic auth data is not 'access_key:secret_key'", cause="malformed")
+        return authenticator.password(access_key, secret_key)
 
     async def on_ping(self, frame: codec.Frame) -> None:
         self.send(Type.PONG, pong=api.CommandPong())
@@ -474,15 +411,19 @@ class Connection:
             self.send(Type.LOOKUP_RESPONSE, lookupTopicResponse=Response(
                 request_id=req.request_id, response=Response.Failed, error=exc.error, message=exc.message))
             return
-        self.send(Type.LOOKUP_RESPONSE, lookupTopicResponse=Response(
-            request_id=req.request_id, brokerServiceUrl=self.own_url(), response=Response.Connect,
-            authoritative=True, proxy_through_service_url=False))
+        url = self.own_url()
+        reply = Response(request_id=req.request_id, brokerServiceUrl=url, response=Response.Connect,
+                         authoritative=True, proxy_through_service_url=False)
+        if self.door.tls is not None:
+            reply.brokerServiceUrlTls = url
+        self.send(Type.LOOKUP_RESPONSE, lookupTopicResponse=reply)
 
     def own_url(self) -> str:
         """This door as the client reached it (the socket's local address: right for a wildcard bind too)."""
         local = self.writer.get_extra_info("sockname")
         host, port = local[0], local[1]
-        return f"pulsar://[{host}]:{port}" if ":" in host else f"pulsar://{host}:{port}"
+        scheme = "pulsar+ssl" if self.door.tls is not None else "pulsar"
+        return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
     async def on_producer(self, frame: codec.Frame) -> None:
         req = frame.command.producer
@@ -494,6 +435,14 @@ class Connection:
                 raise Refused(ServerError.NotAllowedError,
                               f"producer access mode {api.ProducerAccessMode.Name(req.producer_access_mode)} is "
                               "not supported; chronoq's Pulsar door serves Shared producers")
+            if not self.principal.may_publish(topic):
+                raise Refused(ServerError.AuthorizationError,
+                              f"access key {self.principal.name!r} may not publish to topic {topic!r}")
+            limit = self.config.pulsar_max_producers_per_connection
+            if req.producer_id not in self.producers and len(self.producers) >= limit:
+                raise Refused(ServerError.NotAllowedError,
+                              f"this connection has {len(self.producers)} producers, the limit "
+                              f"(pulsar_max_producers_per_connection = {limit})")
             try:
                 self.broker.topic_for_send(topic)
             except TopicNotFound as exc:
@@ -518,6 +467,7 @@ class Connection:
                 producer_id=send.producer_id, sequence_id=send.sequence_id, error=ServerError.NotAllowedError,
                 message=f"no producer {send.producer_id} on this connection"))
             return
+        self.pending_sends += 1
         producer.queue.put_nowait(frame)
 
     async def _store_sends(self, producer: Producer) -> None:
@@ -527,43 +477,52 @@ class Connection:
             frames = [await queue.get()]
             while not queue.empty() and len(frames) < self.config.max_send_batch:
                 frames.append(queue.get_nowait())
-            now = self.broker.now_ms()
-            plans: list[list[OutgoingMessage] | Refused] = []
-            flat: list[OutgoingMessage] = []
-            for frame in frames:
-                try:
-                    msgs = messages_of(frame, producer.topic, producer.name, now)
-                except Refused as exc:
-                    plans.append(exc)
-                    continue
-                plans.append(msgs)
-                flat.extend(msgs)
-            outcomes: list[object] = []
-            failure: ChronoqError | None = None
-            if flat:
-                try:
-                    outcomes = await self.broker.send_batch(flat, partial=True)
-                except ChronoqError as exc:
-                    failure = exc
-            at = 0
-            for frame, plan in zip(frames, plans, strict=True):
-                send = frame.command.send
-                if isinstance(plan, Refused):
-                    self._send_error(producer, send, plan.error, plan.message)
-                    continue
-                mine = outcomes[at:at + len(plan)] if failure is None else []
-                at += len(plan)
-                bad = failure or next((o for o in mine if isinstance(o, ChronoqError)), None)
-                if bad is not None:
-                    self._send_error(producer, send, _error_for_send(bad), f"{type(bad).__name__}: {bad}")
-                    continue
-                first = mine[0]
-                receipt = api.CommandSendReceipt(
-                    producer_id=send.producer_id, sequence_id=send.sequence_id,
-                    message_id=api.MessageIdData(ledgerId=first.queue_id, entryId=first.queue_offset))
-                if send.HasField("highest_sequence_id"):
-                    receipt.highest_sequence_id = send.highest_sequence_id
-                self.send(Type.SEND_RECEIPT, send_receipt=receipt)
+            try:
+                await self._store(producer, frames)
+            finally:
+                self.pending_sends -= len(frames)
+                self.sends_room.set()
+
+    async def _store(self, producer: Producer, frames: list[codec.Frame]) -> None:
+        now = self.broker.now_ms()
+        plans: list[list[OutgoingMessage] | Refused] = []
+        flat: list[OutgoingMessage] = []
+        for frame in frames:
+            try:
+                msgs = messages_of(frame, producer.topic, producer.name, now, self.config)
+            except Refused as exc:
+                plans.append(exc)
+                continue
+            plans.append(msgs)
+            flat.extend(msgs)
+        for topic in {m.topic for m in flat if m.topic != producer.topic}:
+            await self.door.ensure_topic(topic, 1)
+        outcomes: list[object] = []
+        failure: ChronoqError | None = None
+        if flat:
+            try:
+                outcomes = await self.broker.send_batch(flat, partial=True)
+            except ChronoqError as exc:
+                failure = exc
+        at = 0
+        for frame, plan in zip(frames, plans, strict=True):
+            send = frame.command.send
+            if isinstance(plan, Refused):
+                self._send_error(producer, send, plan.error, plan.message)
+                continue
+            mine = outcomes[at:at + len(plan)] if failure is None else []
+            at += len(plan)
+            bad = failure or next((o for o in mine if isinstance(o, ChronoqError)), None)
+            if bad is not None:
+                self._send_error(producer, send, _error_for_send(bad), f"{type(bad).__name__}: {bad}")
+                continue
+            first = mine[0]
+            receipt = api.CommandSendReceipt(
+                producer_id=send.producer_id, sequence_id=send.sequence_id,
+                message_id=api.MessageIdData(ledgerId=first.queue_id, entryId=first.queue_offset))
+            if send.HasField("highest_sequence_id"):
+                receipt.highest_sequence_id = send.highest_sequence_id
+            self.send(Type.SEND_RECEIPT, send_receipt=receipt)
 
     def _send_error(self, producer: Producer, send: api.CommandSend, error: int, message: str) -> None:
         log.info("pulsar door: producer %s on %s: sequence_id %d refused: %s", producer.name, producer.topic,
@@ -581,97 +540,88 @@ class Connection:
             producer.task.cancel()
         self.send(Type.SUCCESS, success=api.CommandSuccess(request_id=req.request_id))
 
+    # -- consumers ---------------------------------------------------------------------------
+
     async def on_subscribe(self, frame: codec.Frame) -> None:
         req = frame.command.subscribe
         if req.consumer_id in self.consumers:  # the client's retry of a subscribe that succeeded
             self.send(Type.SUCCESS, success=api.CommandSuccess(request_id=req.request_id))
             return
         try:
+            limit = self.config.pulsar_max_consumers_per_connection
+            if len(self.consumers) >= limit:
+                raise Refused(ServerError.NotAllowedError,
+                              f"this connection has {len(self.consumers)} consumers, the limit "
+                              f"(pulsar_max_consumers_per_connection = {limit})")
             sub = await self._subscription(req)
         except Refused as exc:
             self.error(req.request_id, exc.error, exc.message)
             return
-        consumer = Consumer(self, req.consumer_id, sub)
-        sub.consumers.append(consumer)
+        consumer = Consumer(self, req.consumer_id, req.consumer_name, sub)
         self.consumers[req.consumer_id] = consumer
-        if sub.sub_type == SubType.Shared or len(sub.consumers) == 1:
-            self._start_pump(consumer)
+        sub.join(consumer)
         self.send(Type.SUCCESS, success=api.CommandSuccess(request_id=req.request_id))
 
     async def _subscription(self, req: api.CommandSubscribe) -> Subscription:
         topic = chronoq_topic(req.topic, self.config)
         sub_type = req.subType
-        if sub_type == SubType.Key_Shared:
+        if sub_type == SubType.Key_Shared and req.HasField("keySharedMeta") and req.keySharedMeta.keySharedMode != 0:
             raise Refused(ServerError.NotAllowedError,
-                          "Key_Shared subscriptions are not supported; use Shared, Exclusive or Failover")
+                          "Key_Shared STICKY mode (hash ranges chosen by the consumer) is not supported; "
+                          "chronoq serves AUTO_SPLIT")
         if not req.durable or req.HasField("start_message_id"):
             raise Refused(ServerError.NotAllowedError, "readers (non-durable subscriptions) are not supported")
         try:
             check_group_name(req.subscription, self.config)
         except ChronoqError as exc:
             raise Refused(ServerError.NotAllowedError, str(exc)) from None
+        if not self.principal.may_subscribe(topic) or not self.principal.may_use_group(req.subscription):
+            raise Refused(ServerError.AuthorizationError,
+                          f"access key {self.principal.name!r} may not subscribe to topic {topic!r} as "
+                          f"{req.subscription!r}")
         try:
             self.broker.get_topic(topic)
         except TopicNotFound:
             if not (self.config.auto_create_topics and req.force_topic_creation):
                 raise Refused(ServerError.TopicNotFound, f"no topic {topic!r}") from None
-            with contextlib.suppress(ChronoqError):
-                await self.broker.create_topic(topic)
+            await self.door.ensure_topic(topic)
             try:
                 self.broker.get_topic(topic)
             except TopicNotFound as exc:
                 raise Refused(ServerError.TopicNotFound, str(exc)) from None
         key = (topic, req.subscription)
         sub = self.door.subscriptions.get(key)
-        if sub is None:
-            if req.initialPosition == api.CommandSubscribe.Latest:
-                self.door.start_at_end(req.subscription, topic)
-            sub = Subscription(topic, req.subscription, sub_type)
-            self.door.subscriptions[key] = sub
-        elif sub.consumers and sub.sub_type != sub_type:
+        if sub is not None and sub.consumers and sub.sub_type != sub_type:
             raise Refused(ServerError.ConsumerBusy,
                           f"subscription {req.subscription!r} is {SubType.Name(sub.sub_type)} while it has "
                           f"consumers, not {SubType.Name(sub_type)}")
-        else:
-            sub.sub_type = sub_type
-        if sub_type == SubType.Exclusive and sub.consumers:
+        if sub is not None and sub_type == SubType.Exclusive and sub.consumers:
             raise Refused(ServerError.ConsumerBusy, f"exclusive subscription {req.subscription!r} has a consumer")
+        if sub is None or not sub.consumers:
+            new = self.door.subscription(topic, req.subscription, sub_type)
+            if sub is not None:
+                new.held = sub.held
+            sub = new
+            if sub.immediate is not None and sub.single_active():
+                await self.door.ensure_topic(sub.immediate, 1)
+            if req.initialPosition == api.CommandSubscribe.Latest:
+                for name in (topic, sub.immediate):
+                    if name is not None and (name == topic or sub.single_active()):
+                        await self.broker.start_group_at_end(req.subscription, name)
+            self.door.subscriptions[key] = sub
         return sub
-
-    def _start_pump(self, consumer: Consumer) -> None:
-        consumer.task = asyncio.create_task(self._pump(consumer), name=f"chronoq-pulsar-consumer-{consumer.sub.name}")
-        consumer.wake.set()
-
-    async def _pump(self, consumer: Consumer) -> None:
-        """Receive up to the consumer's permits and push them, for as long as it is subscribed."""
-        sub = consumer.sub
-        while True:
-            while consumer.permits <= 0:
-                consumer.wake.clear()
-                await consumer.wake.wait()
-            want = min(consumer.permits, self.config.max_receive_batch)
-            try:
-                received = await self.broker.receive(sub.name, sub.topic, batch_size=want,
-                                                     invisible_duration_ms=self.door.invisible_ms, wait_ms=POLL_MS)
-            except ChronoqError as exc:
-                log.warning("pulsar door: receive for subscription %r on %r failed: %s", sub.name, sub.topic, exc)
-                await asyncio.sleep(1)
-                continue
-            if not received:
-                continue
-            for rm in received:
-                msg = rm.message
-                sub.held[(msg.queue_id, msg.queue_offset)] = Held(consumer, rm.receipt_handle, rm.invisible_until_ms)
-                self.write(message_frame(consumer.consumer_id, rm))
-            consumer.permits -= len(received)
-            await self.writer.drain()
 
     async def on_flow(self, frame: codec.Frame) -> None:
         req = frame.command.flow
         consumer = self.consumers.get(req.consumer_id)
         if consumer is not None:
-            consumer.permits += req.messagePermits
-            consumer.wake.set()
+            limit = self.config.pulsar_max_permits_per_consumer
+            consumer.permits = min(consumer.permits + req.messagePermits, limit)
+            if consumer.permits == limit and not self._permits_cut_logged:
+                self._permits_cut_logged = True
+                log.info("pulsar door: consumer %d from %s holds %d permits, the limit "
+                         "(pulsar_max_permits_per_consumer); more are not granted", req.consumer_id, self.peer, limit)
+            consumer.sub.flowed(consumer)
 
     async def on_ack(self, frame: codec.Frame) -> None:
         req = frame.command.ack
@@ -710,7 +660,11 @@ class Connection:
             keys = [(m.ledgerId, m.entryId) for m in req.message_ids]
         else:
             keys = [k for k, h in sub.held.items() if h.consumer is consumer]
-        self.door.release(sub, keys)
+        pending = {k for k, _ in consumer.pending}
+        if pending & set(keys):
+            consumer.pending = type(consumer.pending)((k, rm) for k, rm in consumer.pending if k not in keys)
+        await self.door.release(sub, keys)
+        consumer.wake.set()
 
     async def on_close_consumer(self, frame: codec.Frame) -> None:
         req = frame.command.close_consumer
@@ -721,17 +675,110 @@ class Connection:
 
     async def _drop_consumer(self, consumer: Consumer) -> None:
         self.consumers.pop(consumer.consumer_id, None)
-        if consumer.task is not None:
-            consumer.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await consumer.task
         sub = consumer.sub
-        if consumer in sub.consumers:
-            was_active = sub.consumers[0] is consumer
-            sub.consumers.remove(consumer)
-            if was_active and sub.sub_type != SubType.Shared and sub.consumers:
-                sub.consumers[0].conn._start_pump(sub.consumers[0])
-        self.door.release(sub, [k for k, h in sub.held.items() if h.consumer is consumer])
+        await self.door.release(sub, await sub.leave(consumer))
+
+    async def on_unsubscribe(self, frame: codec.Frame) -> None:
+        req = frame.command.unsubscribe
+        consumer = self.consumers.get(req.consumer_id)
+        if consumer is None:
+            self.error(req.request_id, ServerError.ConsumerNotFound, f"no consumer {req.consumer_id} here")
+            return
+        sub = consumer.sub
+        others = [c for c in sub.consumers if c is not consumer]
+        if others and not req.force:
+            self.error(req.request_id, ServerError.ConsumerBusy,
+                       f"subscription {sub.name!r} has {len(others)} other consumers; it is not removed")
+            return
+        for other in others:
+            await other.conn._drop_consumer(other)
+        self.consumers.pop(consumer.consumer_id, None)
+        await sub.leave(consumer)
+        sub.held.clear()
+        try:
+            for name in (sub.topic, sub.immediate):
+                if name is not None and (name == sub.topic or sub.single_active()):
+                    await self.broker.reset_group(sub.name, name, None)
+        except ChronoqError as exc:
+            self.error(req.request_id, ServerError.PersistenceError, f"{type(exc).__name__}: {exc}")
+            return
+        self.door.subscriptions.pop((sub.topic, sub.name), None)
+        self.send(Type.SUCCESS, success=api.CommandSuccess(request_id=req.request_id))
+
+    async def on_get_last_message_id(self, frame: codec.Frame) -> None:
+        req = frame.command.getLastMessageId
+        consumer = self.consumers.get(req.consumer_id)
+        if consumer is None:
+            self.error(req.request_id, ServerError.ConsumerNotFound, f"no consumer {req.consumer_id} here")
+            return
+        last = await self._last_message_id(consumer.sub.topic)
+        self.send(Type.GET_LAST_MESSAGE_ID_RESPONSE, getLastMessageIdResponse=api.CommandGetLastMessageIdResponse(
+            request_id=req.request_id, last_message_id=api.MessageIdData(ledgerId=last[0], entryId=last[1])))
+
+    async def _last_message_id(self, topic: str) -> tuple[int, int]:
+        """The (queue, offset) of the message that entered the topic's queues last; (-1, -1) if none."""
+        best: tuple[int, int, int] | None = None
+        for qid in range(self.broker.get_topic(topic).queue_count):
+            low, high = self.broker.queue_offsets(topic, qid)
+            if high <= low:
+                continue
+            found = await self.broker.read(topic, qid, high - 1, 1)
+            entered = max(found[0].store_ms, found[0].deliver_at_ms or 0) if found else 0
+            if best is None or entered >= best[0]:
+                best = (entered, qid, high - 1)
+        return (EARLIEST, EARLIEST) if best is None else (best[1], best[2])
+
+    async def on_seek(self, frame: codec.Frame) -> None:
+        req = frame.command.seek
+        consumer = self.consumers.get(req.consumer_id)
+        if consumer is None:
+            self.error(req.request_id, ServerError.ConsumerNotFound, f"no consumer {req.consumer_id} here")
+            return
+        sub = consumer.sub
+        try:
+            targets = await self._seek_targets(sub, req)
+            for topic, offsets in targets.items():
+                await self.broker.reset_group(sub.name, topic, offsets)
+        except (ChronoqError, Refused) as exc:
+            error = exc.error if isinstance(exc, Refused) else ServerError.UnknownError
+            self.error(req.request_id, error, str(exc))
+            return
+        sub.held.clear()
+        self.send(Type.SUCCESS, success=api.CommandSuccess(request_id=req.request_id))
+        # As Pulsar does after a reset: the consumers are closed, and the clients subscribe again
+        # (a fresh FLOW; what they had prefetched from before the seek is dropped).
+        for member in list(sub.consumers):
+            member.conn.send(Type.CLOSE_CONSUMER, close_consumer=api.CommandCloseConsumer(
+                consumer_id=member.consumer_id))
+            await member.conn._drop_consumer(member)
+
+    async def _seek_targets(self, sub: Subscription, req: api.CommandSeek) -> dict[str, dict[int, int]]:
+        """Per chronoq topic the subscription reads, each queue's new next offset."""
+        topics = [sub.topic] + ([sub.immediate] if sub.immediate is not None and sub.single_active() else [])
+        if req.HasField("message_publish_time"):
+            return {t: await self._offsets_at(t, req.message_publish_time) for t in topics}
+        if not req.HasField("message_id"):
+            raise Refused(ServerError.MetadataError, "SEEK names neither a message id nor a publish time")
+        ledger, entry = req.message_id.ledgerId, req.message_id.entryId
+        if ledger == EARLIEST:
+            return {t: await self._offsets_at(t, 0) for t in topics}
+        if ledger >= LATEST:
+            return {t: {q: self.broker.queue_offsets(t, q)[1] for q in range(self.broker.get_topic(t).queue_count)}
+                    for t in topics}
+        topic = sub.topic_of(ledger)
+        qid = ledger - IMMEDIATE_LEDGER if ledger >= IMMEDIATE_LEDGER else ledger
+        found = await self.broker.read(topic, qid, entry, 1)
+        if not found or found[0].queue_offset != entry:
+            raise Refused(ServerError.MetadataError, f"no message ({ledger}, {entry}) in {topic!r} to seek to")
+        msg = found[0]
+        at_ms = max(msg.store_ms, msg.deliver_at_ms or 0)
+        out = {t: await self._offsets_at(t, at_ms) for t in topics}
+        out[topic][qid] = entry
+        return out
+
+    async def _offsets_at(self, topic: str, at_ms: int) -> dict[int, int]:
+        count = self.broker.get_topic(topic).queue_count
+        return {q: await self.broker.offset_at_time(topic, q, at_ms) for q in range(count)}
 
     _handlers: dict[int, Callable[[Connection, codec.Frame], Awaitable[None]]] = {
         Type.PING: on_ping,
@@ -746,4 +793,7 @@ class Connection:
         Type.ACK: on_ack,
         Type.REDELIVER_UNACKNOWLEDGED_MESSAGES: on_redeliver,
         Type.CLOSE_CONSUMER: on_close_consumer,
+        Type.UNSUBSCRIBE: on_unsubscribe,
+        Type.GET_LAST_MESSAGE_ID: on_get_last_message_id,
+        Type.SEEK: on_seek,
     }

@@ -183,7 +183,7 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None,
         if config.pulsar_port:
             from chronoq.pulsar.door import PulsarDoor  # the Pulsar protocol's modules: only when asked for
 
-            pulsar = PulsarDoor(broker, config, auth_enabled=lambda: authenticator.enabled)
+            pulsar = PulsarDoor(broker, config, authenticator=authenticator)
             pulsar_port = await start_pulsar(pulsar, config)
         if own_process:
             settle_heap(config)

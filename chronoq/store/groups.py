@@ -479,6 +479,32 @@ class GroupStore:
         for e in put:
             self._remember(e)
 
+    def reset(self, group: str, topic: str, offsets: dict[int, int] | None) -> int:
+        """Atomically drop every in-flight entry of (group, topic) and set its queues' offsets to
+        `offsets` (queue id -> next offset), or with None forget its offsets too, as if the group
+        had never received on the topic. Returns how many in-flight entries were dropped."""
+        entries = list(self._inflight.get((group, topic), {}).values())
+        wb = WriteBatch(raw_mode=True)
+        for e in entries:
+            wb.delete(b"i" + _gt(group, topic) + _QO.pack(e.queue_id, e.offset))
+        stored = [qid for (g, t, qid) in self._offsets if g == group and t == topic]
+        if offsets is None:
+            for qid in stored:
+                wb.delete(b"o" + _gt(group, topic) + _U32.pack(qid))
+        else:
+            for qid, offset in offsets.items():
+                wb.put(b"o" + _gt(group, topic) + _U32.pack(qid), _U64.pack(offset))
+        self._write(wb)
+        self._inflight.pop((group, topic), None)
+        self._heaps.pop((group, topic), None)
+        if offsets is None:
+            for qid in stored:
+                self._offsets.pop((group, topic, qid), None)
+        else:
+            for qid, offset in offsets.items():
+                self._offsets[(group, topic, qid)] = offset
+        return len(entries)
+
     def _remember(self, e: InFlight) -> None:
         gt = (e.group, e.topic)
         entries = self._inflight.setdefault(gt, {})

@@ -12,10 +12,12 @@ from pathlib import Path
 
 from chronoq.broker import Broker
 from chronoq.config import Config
+from chronoq.model import OutgoingMessage
 from chronoq.pulsar import codec
 from chronoq.pulsar import pulsar_api_pb2 as api
 from chronoq.pulsar.codec import Frame, ServerError, Type
 from chronoq.pulsar.door import PulsarDoor
+from chronoq.server.auth import AuthConfig, Authenticator, User
 from tests.support.brokers import arun
 
 TOPIC = "persistent://public/default/orders"
@@ -181,11 +183,9 @@ def test_unserved_requests_get_error_and_a_malformed_frame_closes_only_its_conne
         async with door(tmp_path) as (_, port):
             c = await Client.connect(port)
             other = await Client.connect(port)
-            c.send(Type.SEEK, seek=api.RequestAt2(request_id=41))
+            c.send(Type.GET_SCHEMA, getSchema=api.RequestAt1(request_id=41))
             err = (await c.next()).command.error
-            assert (err.request_id, err.error) == (41, ServerError.NotAllowedError) and "SEEK" in err.message
-            key_shared = await c.subscribe("ks", sub_type=api.CommandSubscribe.Key_Shared)
-            assert key_shared.command.error.error == ServerError.NotAllowedError
+            assert (err.request_id, err.error) == (41, ServerError.NotAllowedError) and "GET_SCHEMA" in err.message
             assert (await c.subscribe("ex", sub_type=api.CommandSubscribe.Exclusive)).command.type == Type.SUCCESS
             busy = await c.subscribe("ex", sub_type=api.CommandSubscribe.Exclusive, consumer_id=1)
             assert busy.command.error.error == ServerError.ConsumerBusy
@@ -256,11 +256,12 @@ def test_failover_feeds_one_consumer_and_the_next_takes_over_with_what_it_held(t
     arun(run())
 
 
-def test_with_auth_on_the_door_refuses_to_connect(tmp_path: Path) -> None:
+def test_with_auth_on_the_door_refuses_a_connection_without_credentials(tmp_path: Path) -> None:
     async def run() -> None:
         config = Config(data_dir=tmp_path / "data")
         broker = await Broker.open(config)
-        the_door = PulsarDoor(broker, config, auth_enabled=lambda: True)
+        auth = Authenticator(AuthConfig(enabled=True, users=(User("alice", "secret"),)))
+        the_door = PulsarDoor(broker, config, authenticator=auth)
         port = await the_door.start("127.0.0.1", 0)
         try:
             c = Client(*await asyncio.open_connection("127.0.0.1", port))
@@ -268,6 +269,60 @@ def test_with_auth_on_the_door_refuses_to_connect(tmp_path: Path) -> None:
             reply = await c.next()
             assert reply.command.error.error == ServerError.AuthenticationError
             assert await c.closed()
+        finally:
+            await the_door.stop()
+            await broker.close()
+
+    arun(run())
+
+
+def test_producers_and_consumers_past_the_connection_limits_are_refused_naming_the_setting(tmp_path: Path) -> None:
+    async def run() -> None:
+        async with door(tmp_path, pulsar_max_producers_per_connection=1,
+                        pulsar_max_consumers_per_connection=1) as (_, port):
+            c = await Client.connect(port)
+            await c.producer(0)
+            c.send(Type.PRODUCER, producer=api.CommandProducer(topic=TOPIC, producer_id=1, request_id=c.rid()))
+            refused = (await c.next()).command.error
+            assert refused.error == ServerError.NotAllowedError
+            assert "pulsar_max_producers_per_connection = 1" in refused.message
+            assert (await c.subscribe("a")).command.type == Type.SUCCESS
+            second = (await c.subscribe("b", consumer_id=1)).command.error
+            assert second.error == ServerError.NotAllowedError
+            assert "pulsar_max_consumers_per_connection = 1" in second.message
+
+    arun(run())
+
+
+def test_a_client_that_never_reads_holds_at_most_the_write_buffer_limit(tmp_path: Path) -> None:
+    limit = 256 * 1024
+    body = b"x" * 4096
+
+    async def run() -> None:
+        config = Config(data_dir=tmp_path / "data", pulsar_max_write_buffer_bytes=limit)
+        broker = await Broker.open(config)
+        the_door = PulsarDoor(broker, config)
+        port = await the_door.start("127.0.0.1", 0)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.transport.pause_reading()  # this client never reads what the door sends
+            c = Client(reader, writer)
+            c.send(Type.CONNECT, connect=api.CommandConnect(client_version="test", protocol_version=20))
+            c.send(Type.SUBSCRIBE, subscribe=api.CommandSubscribe(
+                topic=TOPIC, subscription="slow", subType=api.CommandSubscribe.Shared, consumer_id=0,
+                request_id=1, initialPosition=api.CommandSubscribe.Earliest))
+            c.flow(100_000)
+            await asyncio.sleep(0.3)
+            for _ in range(10):
+                await broker.send_batch([OutgoingMessage("orders", body) for _ in range(500)])
+            await asyncio.sleep(2)
+            (conn,) = the_door.connections
+            buffered = conn.writer.transport.get_write_buffer_size()
+            # One receive batch may go out past the limit before the pump waits.
+            assert buffered <= limit + config.max_receive_batch * (len(body) + 512), buffered
+            stats = {(g["group"], g["topic"]): g for g in broker.group_stats()}
+            assert stats[("slow", "orders")]["lag"] > 0, "everything was pushed: nothing held the pump back"
+            writer.close()
         finally:
             await the_door.stop()
             await broker.close()
