@@ -740,10 +740,11 @@ class WheelTimerEngine:
         stuck: set[int] = set()
         for position in rolls:
             row = self.rows[position]
-            if units.target(row.entry, after=slot_ms)[0] <= slot_ms:
+            where = units.target(row.entry, after=slot_ms)
+            if where[0] <= slot_ms:
                 stuck.add(position)
                 continue
-            moved.append((position, row, units.place(row.entry, row.facts_at, after=slot_ms)))
+            moved.append((position, row, units.place(row.entry, row.facts_at, after=slot_ms, where=where)))
         if not moved:
             return stuck
         try:
@@ -992,6 +993,10 @@ class _Units:
         self.lo: int | None = None
         self.hi: int | None = None
         """The earliest and latest slot this batch placed a timer in."""
+        keys = engine.placed.keys()
+        self.placed_lo: int | None = keys[0] if keys else None
+        self.placed_hi: int | None = keys[-1] if keys else None
+        """The same of the engine's pending timers (they do not change until `commit`)."""
 
     def _slot(self, slot_ms: int) -> tuple[int, tuple[int, int, int, int]]:
         index = (slot_ms // self.engine.slot_ms) % self.engine.slots
@@ -1011,7 +1016,8 @@ class _Units:
         self.slots[index] = (slot_ms, first if first >= 0 else self.at, self.at, count + 1)
         self.at += wf.UNIT_SIZE
 
-    def place(self, entry: TimerEntry, facts_at: int, after: int | None = None) -> int:
+    def place(self, entry: TimerEntry, facts_at: int, after: int | None = None,
+              where: tuple[int, int] | None = None) -> int:
         """Chain a placement unit for `entry`; return its slot.
 
         The slot of its due time (for a roll linked again from slot `after`: no earlier than the
@@ -1023,7 +1029,7 @@ class _Units:
         pending timer's (so the order of due times holds; on a clock that never goes back that
         slot's time has come, since the window started at or before the read pointer: it fires
         at once, and after a clock stepped back it fires late, never early)."""
-        slot_ms, magic = self.target(entry, after)
+        slot_ms, magic = where if where is not None else self.target(entry, after)
         self.lo = slot_ms if self.lo is None else min(self.lo, slot_ms)
         self.hi = slot_ms if self.hi is None else max(self.hi, slot_ms)
         self._link(slot_ms, magic, entry.deliver_at_ms - slot_ms, entry, facts_at)
@@ -1037,8 +1043,7 @@ class _Units:
         if e.read_slot_ms < 0:  # a new wheel: it starts where its first timer was accepted
             first = min(entry.accepted_ms, entry.deliver_at_ms)
             e.read_slot_ms = max(0, first - first % e.slot_ms)
-        lo = e.placed.keys()[0] if e.placed else None
-        hi = e.placed.keys()[-1] if e.placed else None
+        lo, hi = self.placed_lo, self.placed_hi
         if self.lo is not None:
             lo = self.lo if lo is None else min(lo, self.lo)
             hi = self.hi if hi is None else max(hi, self.hi)
