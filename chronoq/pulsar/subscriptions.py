@@ -27,7 +27,7 @@ import collections
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import crc32c
 
@@ -38,7 +38,15 @@ from chronoq.pulsar.messages import IMMEDIATE_LEDGER, is_skipped_timer, message_
 
 if TYPE_CHECKING:
     from chronoq.broker import Broker
-    from chronoq.pulsar.door import Connection
+
+
+class Connection(Protocol):
+    """What a subscription needs of the door's connection (`door.Connection`): write a frame,
+    and wait while the connection's outgoing buffer is over its limit."""
+
+    def write(self, data: bytes) -> None: ...
+
+    async def drain(self) -> None: ...
 
 log = logging.getLogger("chronoq.pulsar")
 
