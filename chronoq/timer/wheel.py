@@ -4,26 +4,27 @@ Theory of operation. The files are RocketMQ's (`timer/wheel_files.py` has them b
 an append-only **TimerLog** of 52-byte units, each linked back to the previous unit of its slot,
 and a memory-mapped **TimerWheel** of `slots` slots of `slot_ms` each, a slot holding the first
 and last unit of its chain and their count. Indexing a timer appends one unit to the chain of the
-slot of its due time; finding due timers walks the chains of the slots whose time has come, from
-the wheel's read pointer `read_slot_ms` (RocketMQ's currReadTimeMs) on. The wheel covers
+slot of its due time; in RocketMQ finding due timers walks the chains of the slots whose time has
+come, from the read pointer (`read_slot_ms` here, RocketMQ's currReadTimeMs). The wheel covers
 `slots * slot_ms` (its window) ahead of the read pointer; a timer further away is chained into
 the window's last slot with the ROLL magic and linked again, nearer, when that slot comes up.
 
 Where chronoq departs from RIP-43, and why (each a flaw the articles or RocketMQ's tracker name):
 - **Precision inside a slot.** RocketMQ fires a whole slot at its time (precision = slot width,
-  1 s by default). Here a slot is only where the chain starts: each unit carries its exact due
-  time (slot time + delay), the slot's units are read once into a list ordered by (due time, log
-  position), and `due(now)` hands out exactly those due by `now`. Slots stay 1 s wide (the file
-  stays 19 MB for 7 days) and firing is to the millisecond.
+  1 s by default). Here each unit carries its exact due time (slot time + delay), each slot's
+  timers are also listed in memory as their units are chained, ordered by (due time, log
+  position) when the slot is read, and `due(now)` hands out exactly those due by `now`. Slots stay
+  1 s wide (the file stays 19 MB for 7 days) and firing is to the millisecond; and a crowded slot
+  is ready when it comes up (walking its chain then took 2.8 s for 500,000 units).
 - **The same-second burst.** RocketMQ reads a slot, then puts every message back into the commit
   log through a chain of bounded queues and services (500k due in one second: ~20k on time, the
-  rest up to ~31 s late). Here reading a slot is one walk of its chain in a memory map, and
-  firing is the broker's link record: one small record per fire step for up to thousands of
-  timers, no message read or copied.
+  rest up to ~31 s late). Here firing is the broker's link record: one small record per fire step
+  for up to thousands of timers, no message read or copied.
 - **Rolls do not copy the message.** RocketMQ's ROLL re-puts the whole message into the commit
   log every roll window (write amplification, and retention can delete the original meanwhile).
-  Here a roll is one new 52-byte unit in the TimerLog; the commit-log record is untouched (the
-  broker's own roll before retention is a separate matter, `timer/service.py`).
+  Here a roll is one new 52-byte unit in the TimerLog, and at most `_RELINK_CHUNK` are linked
+  again per `due()` (a window's worth of far timers moves on over many steps, not one); the
+  commit-log record is untouched (the broker's own roll before retention is `timer/service.py`'s).
 - **Deletes find their timer.** RocketMQ's delete (TIMER_DEL_UNIQKEY) is a unit in the due slot
   matched by key when the slot is read, and it was not implemented for years; a delete whose
   timer is in another slot, or rolled, is lost. Here a cancel is resolved when it is indexed,
@@ -40,15 +41,17 @@ Where chronoq departs from RIP-43, and why (each a flaw the articles or RocketMQ
 - **Recovery.** RocketMQ replays the TimerLog from a checkpoint and trusts the wheel file. Here
   the checkpoint (`timercheck`) names the ends of the TimerLog and facts journal it covers and the
   commit-log position they were derived up to; at open both files are cut back to those ends,
-  read whole (that is the restart cost of this design: O(units kept)), and the wheel is written
-  again from the units, so a wheel file torn by a crash cannot point past the log. Anything
+  read whole (that is the restart cost of this design: O(units kept), ~31 µs a timer), and the
+  wheel is written again from the units, so a wheel file torn by a crash cannot point past the
+  log (it is never fsynced for that reason). Anything
   after the checkpoint is replayed by the broker from the commit log.
 
 What the engine keeps in memory: one row per timer it knows (pending, or finished and not yet
 pruned), the id and key maps for lookups, per-second and per-hour counters of pending due times,
-the placement count of each slot, and the lists of the slots being fired. That makes lookups,
-cancels and metrics as exact as the RocksDB index's, at ~300-400 bytes of memory per timer: the
-RocksDB index holds the same in its own files and a bounded cache.
+the placement count and timer list of each slot, and a heap of due times. That makes lookups,
+cancels and metrics as exact as the RocksDB index's, at ~1.1 KB of memory a pending timer
+(measured: docs/performance.md); the RocksDB index holds the same in its own files and a
+bounded cache.
 
 A batch is applied atomically: its units and facts are computed first, written with one write
 to each file (a failed write is cut back), and only then does memory change. A checkpoint is
