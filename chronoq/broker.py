@@ -22,7 +22,10 @@ The two doors also count what passed them, per topic, in plain dicts (`accepted_
 `timers_by_topic`, `delivered_by_topic`; and each timer's delay, `timer_delays_by_topic`): one
 dict update per message or receive (a histogram bucket per timer), read by the
 Prometheus collector at scrape time (`http/metrics.py`), never a lock or a metrics library call
-on the hot path.
+on the hot path. `send_batch` and `receive` count by themselves; a door that stores or receives
+more than its clients see (the Pulsar door: a delayed message's immediate copy, a fired timer an
+Exclusive subscription skips) passes `count=False` and counts what its clients saw
+(`count_accepted`, `count_delivered`), so every door's traffic reads the same.
 
 One asyncio event loop owns all broker state; blocking work is limited to short page-cache writes
 and RocksDB calls on the loop, with fsync in a worker thread (the group commit's, the
@@ -363,14 +366,22 @@ class Broker:
         return outcome
 
     async def send_batch(self, msgs: Sequence[OutgoingMessage], *, partial: bool = False,
-                         create_near_topics: bool = False) -> list[Any]:
+                         create_near_topics: bool = False, count: bool = True) -> list[Any]:
         """Store `msgs` durably (see `accept.py`). All-or-nothing validation by default; with
         `partial=True` each bad message yields its error in its slot and the good ones are stored.
         `create_near_topics`: the sender asked for its topics, so a missing one whose name is near
-        an existing topic's is auto-created rather than refused (`chronoq/topics.py`)."""
+        an existing topic's is auto-created rather than refused (`chronoq/topics.py`).
+        `count=False`: the caller counts what its producers sent (`count_accepted`)."""
         self._check_open()
         now = self.clock.now_ms()
         outcomes = await self.accept.send_batch(msgs, partial=partial, create_near_topics=create_near_topics)
+        if count:
+            self.count_accepted(outcomes, now)
+        return outcomes
+
+    def count_accepted(self, outcomes: Iterable[Any], now: int) -> None:
+        """Count the stored messages among `send_batch` outcomes (duplicates not), per topic, and
+        each timer's delay from `now` (broker time, ms), when the send began."""
         accepted, timers, delays = self.accepted_by_topic, self.timers_by_topic, self.timer_delays_by_topic
         for outcome in outcomes:
             if type(outcome) is SendResult and not outcome.duplicate:
@@ -382,7 +393,6 @@ class Broker:
                     if hist is None:
                         hist = delays[topic] = DelayHistogram(DELAY_EDGES_MS)
                     hist.record(max(0, outcome.deliver_at_ms - now))
-        return outcomes
 
     # -- schedules ------------------------------------------------------------------------------
 
@@ -422,14 +432,19 @@ class Broker:
 
     async def receive(self, group: str, topic: str, *, filter_expression: str = "*", batch_size: int = 32,
                       invisible_duration_ms: int | None = None, wait_ms: int = 0,
-                      queue_id: int | None = None) -> list[ReceivedMessage]:
+                      queue_id: int | None = None, count: bool = True) -> list[ReceivedMessage]:
+        """`count=False`: the caller counts what reached its consumers (`count_delivered`)."""
         self._check_open()
         received = await self.deliver.receive(group, topic, filter_expression=filter_expression,
                                               batch_size=batch_size, invisible_duration_ms=invisible_duration_ms,
                                               wait_ms=wait_ms, queue_id=queue_id)
-        if received:
-            self.delivered_by_topic[topic] = self.delivered_by_topic.get(topic, 0) + len(received)
+        if received and count:
+            self.count_delivered(topic, len(received))
         return received
+
+    def count_delivered(self, topic: str, n: int) -> None:
+        """Count `n` messages handed to consumers of `topic`."""
+        self.delivered_by_topic[topic] = self.delivered_by_topic.get(topic, 0) + n
 
     async def ack(self, group: str, topic: str, receipt_handle: str) -> None:
         self._check_open()

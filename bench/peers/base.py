@@ -121,6 +121,8 @@ SYSTEMS = {
     "chronoq-async": "bench.peers.chronoq_peer:ASYNC_PEER",
     "chronoq-stream": "bench.peers.chronoq_peer:STREAM_PEER",
     "chronoq-wheel": "bench.peers.chronoq_peer:WHEEL_PEER",
+    "chronoq-pulsar": "bench.bench_pulsar:PEER",
+    "chronoq-pulsar-delay-all": "bench.bench_pulsar:DELAY_ALL_PEER",
     "redis": "bench.peers.redis_zset:PEER",
     "nats": "bench.peers.nats_schedules:PEER",
     "rabbitmq": "bench.peers.rabbitmq_ttl:PEER",

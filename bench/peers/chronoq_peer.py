@@ -224,13 +224,21 @@ class Chronoq(Peer):
 
         return str(getattr(chronoq, "__version__", "unknown"))
 
+    def new_addr(self) -> dict[str, Any]:
+        """The ports of a first start (a restart is given the same)."""
+        return {"host": LOOPBACK, "port": free_port()}
+
+    def serve_args(self, addr: dict[str, Any]) -> list[str]:
+        """`chronoq serve` flags beyond the data dir and the gRPC port."""
+        return ["--host", LOOPBACK, "--log-level", "WARNING"]
+
     def start(self, data_dir: Path, log_dir: Path, addr: dict[str, Any] | None = None) -> Server:
         from chronoq.client.testing import ServerFailedToStart, ServerProcess
 
-        addr = addr or {"host": LOOPBACK, "port": free_port()}
+        addr = addr or self.new_addr()
         log_path = log_dir / "chronoq.log"
         serve = ServerProcess(data_dir, port=addr["port"], log_path=log_path, env=self.server_env(),
-                              args=["--host", LOOPBACK, "--log-level", "WARNING"],
+                              args=self.serve_args(addr),
                               start_timeout_s=START_TIMEOUT_S, own_session=True)
         started = time.monotonic()
         try:

@@ -61,6 +61,8 @@ KNOWN_DISK = frozenset({"free_bytes", "min_free_bytes", "reserve_file_bytes", "h
                         "dispatch_out_of_fds"})
 LABEL = 12
 """Width of the section names in the left column."""
+PULSAR_COPIES_PREFIX = "%PULSAR_NOW%"
+"""`chronoq.pulsar.messages.IMMEDIATE_PREFIX` (not imported: the CLI stays light)."""
 
 
 def count(n: Any, width: int = 6) -> str:
@@ -211,12 +213,15 @@ def _clock_lines(clock: Mapping[str, Any], now_ms: int) -> list[str]:
 
 def _groups_line(groups: Any) -> str:
     """'billing on orders: lag 1,200, 3 in flight · audit on orders: lag 0 · and 2 more', the
-    furthest behind first, cut to the line; 'none' before any group has received."""
+    furthest behind first (at equal lag, a Pulsar subscription's row on its topic's immediate
+    copies, `%PULSAR_NOW%<topic>`, after the others), cut to the line; 'none' before any group
+    has received."""
     head = f"{'groups':<{LABEL}}"
     if not isinstance(groups, list) or not groups:
         return head + "none"
     rows = sorted((g for g in groups if isinstance(g, Mapping)),
-                  key=lambda g: (-int(g.get("lag") or 0), -int(g.get("inflight") or 0), str(g.get("group"))))
+                  key=lambda g: (-int(g.get("lag") or 0), -int(g.get("inflight") or 0),
+                                 str(g.get("topic")).startswith(PULSAR_COPIES_PREFIX), str(g.get("group"))))
     parts: list[str] = []
     for i, g in enumerate(rows):
         part = f"{g.get('group')} on {g.get('topic')}: lag {count(g.get('lag'))}"

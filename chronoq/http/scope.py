@@ -33,8 +33,10 @@ if TYPE_CHECKING:
     from chronoq.model import TimerStatus
     from chronoq.timer.engine import TimerEntry
 
-SYSTEM_TOPIC_PREFIXES = ("rmq_sys_", "SCHEDULE_TOPIC")
-"""Topics the console never lists: the broker's own (the timer and delay-level topics)."""
+SYSTEM_TOPIC_PREFIXES = ("rmq_sys_", "SCHEDULE_TOPIC", "%PULSAR_NOW%")
+"""Topics the console never lists: the broker's own (the timer and delay-level topics) and the
+Pulsar door's immediate copies (`chronoq.pulsar.messages.IMMEDIATE_PREFIX`; not imported here,
+which would load the Pulsar protocol's modules), whose traffic is counted under their topic."""
 
 
 def console_topics(names: Iterable[str]) -> list[str]:

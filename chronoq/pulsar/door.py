@@ -18,7 +18,10 @@ order; what it serves is what Pulsar's official clients send (C++ 4.x, and the P
   becomes chronoq messages (`messages.messages_of`: a batch is one per entry; a delayed one is
   a timer plus, for Exclusive and Failover subscriptions, an immediate copy) stored through
   `Broker.send_batch`, and SEND_RECEIPTs go back in the order of the SENDs, as the client
-  requires. A producer's queued SENDs are stored together, one group commit for all of them.
+  requires. A producer's queued SENDs are stored together: one `Broker.send_batch` (one group
+  commit) per `max_send_batch` messages (`store_groups`; a delayed SEND is two messages).
+  What producers sent is counted per topic (`Broker.count_accepted`: /metrics, the console) as
+  the gRPC door's sends are; the immediate copies are not.
 - SUBSCRIBE -> SUCCESS. A subscription is a chronoq consumer group of the same name on the
   topic; Shared, Key_Shared (AUTO_SPLIT), Exclusive and Failover are served as
   `subscriptions.py` says. A new subscription with `initialPosition=Latest` (the Python
@@ -115,6 +118,28 @@ NO_REQUEST = (1 << 64) - 1
 The C++ client (4.2.0) does not surface it: it sees the connection close, retries, and its
 operation ends in TimeOut; the server's log says why."""
 """`MessageId.latest` is (Long.MAX, Long.MAX)."""
+
+
+def store_groups(plans: list[list[OutgoingMessage] | Refused], limit: int) -> list[list[OutgoingMessage]]:
+    """The messages of queued SENDs in order, cut into `Broker.send_batch` calls of at most
+    `limit` (`max_send_batch`) messages, at SEND boundaries where one fits: a delayed SEND is
+    two messages (its timer and its immediate copy), so as many SENDs as `max_send_batch` may
+    be more messages than one call takes. A SEND of more messages than `limit` (a batch) is cut."""
+    groups: list[list[OutgoingMessage]] = []
+    current: list[OutgoingMessage] = []
+    for plan in plans:
+        if isinstance(plan, Refused):
+            continue
+        if current and len(current) + len(plan) > limit:
+            groups.append(current)
+            current = []
+        current.extend(plan)
+        while len(current) > limit:
+            groups.append(current[:limit])
+            current = current[limit:]
+    if current:
+        groups.append(current)
+    return groups
 
 
 class Hangup(Exception):
@@ -498,21 +523,25 @@ class Connection:
         for topic in {m.topic for m in flat if m.topic != producer.topic}:
             await self.door.ensure_topic(topic, 1)
         outcomes: list[object] = []
-        failure: ChronoqError | None = None
-        if flat:
+        for part in store_groups(plans, self.config.max_send_batch):
             try:
-                outcomes = await self.broker.send_batch(flat, partial=True)
+                stored = await self.broker.send_batch(part, partial=True, count=False)
             except ChronoqError as exc:
-                failure = exc
+                stored = [exc] * len(part)
+            else:
+                # What the producers sent, not the immediate copies stored beside the timers.
+                self.broker.count_accepted((o for o, m in zip(stored, part, strict=True) if m.topic == producer.topic),
+                                           now)
+            outcomes.extend(stored)
         at = 0
         for frame, plan in zip(frames, plans, strict=True):
             send = frame.command.send
             if isinstance(plan, Refused):
                 self._send_error(producer, send, plan.error, plan.message)
                 continue
-            mine = outcomes[at:at + len(plan)] if failure is None else []
+            mine = outcomes[at:at + len(plan)]
             at += len(plan)
-            bad = failure or next((o for o in mine if isinstance(o, ChronoqError)), None)
+            bad = next((o for o in mine if isinstance(o, ChronoqError)), None)
             if bad is not None:
                 self._send_error(producer, send, _error_for_send(bad), f"{type(bad).__name__}: {bad}")
                 continue

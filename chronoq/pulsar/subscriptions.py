@@ -17,6 +17,9 @@ like what was pushed (`Subscription.held`, renewed by the door while the consume
   held comes back and is hashed again; ordering per key holds while the consumers stay (Pulsar
   also waits for the old consumer's unacked messages before a key moves; this door does not).
   The pump stops receiving while `max_receive_batch` messages wait for permits.
+Deliveries are counted (`Broker.count_delivered`, /metrics' `chronoq_messages_delivered`) as the
+gRPC door's are, when received for a consumer, under the subscription's topic: an immediate copy
+counts there, and a fired timer an Exclusive or Failover subscription skips does not count.
 """
 
 from __future__ import annotations
@@ -191,7 +194,7 @@ class Subscription:
     async def _receive(self, topic: str, room: int) -> list[ReceivedMessage]:
         try:
             return await self.broker.receive(self.name, topic, batch_size=min(room, self.receive_batch),
-                                             invisible_duration_ms=self.invisible_ms, wait_ms=POLL_MS)
+                                             invisible_duration_ms=self.invisible_ms, wait_ms=POLL_MS, count=False)
         except ChronoqError as exc:
             log.warning("pulsar door: receive for subscription %r on %r failed: %s", self.name, topic, exc)
             await asyncio.sleep(1)
@@ -207,6 +210,8 @@ class Subscription:
             key = message_id(rm, immediate)
             self.held[key] = Held(consumer, rm.receipt_handle, rm.invisible_until_ms, topic)
             consumer.pending.append((key, rm))
+        if len(received) > len(skipped):
+            self.broker.count_delivered(self.topic, len(received) - len(skipped))
         if skipped:
             with contextlib.suppress(ChronoqError):
                 await self.broker.ack_many(self.name, self.topic, skipped)
@@ -243,6 +248,8 @@ class Subscription:
             received = await self._receive(self.topic, room)
             if not self.consumers:
                 continue  # the last one left meanwhile: what came is released by its invisible time
+            if received:
+                self.broker.count_delivered(self.topic, len(received))
             by_consumer: dict[int, Consumer] = {}
             for rm in received:
                 consumer = self.owner(rm.message.keys[0] if rm.message.keys else "")

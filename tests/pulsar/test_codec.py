@@ -3,6 +3,7 @@ match what Pulsar's C++ client sends, and malformed input raises `FrameError` an
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import subprocess
 import sys
@@ -12,9 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from chronoq.config import Config
 from chronoq.pulsar import codec
 from chronoq.pulsar import pulsar_api_pb2 as api
 from chronoq.pulsar.codec import FrameError, FrameReader, Type
+from chronoq.pulsar.messages import Refused, messages_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -165,12 +168,21 @@ VALID = [_send(1, b"x", deliver_at_time=5), codec.encode_command(codec.make_comm
                                               num_messages_in_batch=1)]
 
 
+CONFIG = Config()
+
+
 def _decode_all(data: bytes) -> None:
+    """Frames, then for each SEND what the door would store (`messages_of`): FrameError or
+    Refused (a SEND_ERROR for that send alone), never another exception."""
     reader = FrameReader(max_frame_bytes=1 << 16)
     try:
         for frame in reader.feed(data):
             if frame.metadata is not None and frame.metadata.HasField("num_messages_in_batch"):
-                codec.split_batch(frame.metadata, frame.payload)
+                with contextlib.suppress(FrameError):
+                    codec.split_batch(frame.metadata, frame.payload)
+            if frame.command.type == Type.SEND and frame.metadata is not None:
+                with contextlib.suppress(Refused):
+                    messages_of(frame, "orders", "p", 1_795_837_227_000, CONFIG)
     except FrameError:
         pass
 
@@ -202,3 +214,35 @@ def test_fuzz_mutated_valid_frames_long(frame: bytes, flips: list[tuple[int, int
         if at < len(data):
             data[at] = value
     _decode_all(bytes(data) + extra)
+
+
+text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=12)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(payload=st.binary(max_size=120), batch=st.one_of(st.none(), st.integers(0, 4)),
+       deliver_at=st.one_of(st.none(), st.integers(0, (1 << 63) - 1)), publish=st.integers(0, (1 << 63) - 1),
+       compression=st.sampled_from(list(api.CompressionType.values())), null=st.booleans(),
+       props=st.dictionaries(text, text, max_size=3), key=text, event_time=st.integers(0, (1 << 64) - 1))
+def test_fuzz_any_send_metadata_becomes_messages_or_a_refusal(payload: bytes, batch: int | None,
+                                                              deliver_at: int | None, publish: int, compression: int,
+                                                              null: bool, props: dict[str, str], key: str,
+                                                              event_time: int) -> None:
+    """Whatever metadata a SEND carries, the door stores messages or refuses that send (Refused,
+    a SEND_ERROR), never fails its producer."""
+    meta: dict[str, object] = {"publish_time": publish, "compression": compression, "null_value": null,
+                               "partition_key": key, "event_time": event_time,
+                               "properties": [api.KeyValue(key=k, value=v) for k, v in props.items()]}
+    if deliver_at is not None:
+        meta["deliver_at_time"] = deliver_at
+    if batch is not None:
+        meta["num_messages_in_batch"] = batch
+    cmd = codec.make_command(Type.SEND, send=api.CommandSend(producer_id=0, sequence_id=7))
+    raw = codec.encode_payload_command(cmd, api.MessageMetadata(producer_name="p", sequence_id=7, **meta), payload)
+    (frame,) = FrameReader().feed(raw)
+    try:
+        out = messages_of(frame, "orders", "p", 1_795_837_227_000, CONFIG)
+    except Refused as exc:
+        assert exc.message
+        return
+    assert out and all(m.topic in ("orders", "%PULSAR_NOW%orders") for m in out)

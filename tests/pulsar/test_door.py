@@ -16,7 +16,8 @@ from chronoq.model import OutgoingMessage
 from chronoq.pulsar import codec
 from chronoq.pulsar import pulsar_api_pb2 as api
 from chronoq.pulsar.codec import Frame, ServerError, Type
-from chronoq.pulsar.door import PulsarDoor
+from chronoq.pulsar.door import PulsarDoor, store_groups
+from chronoq.pulsar.messages import Refused
 from chronoq.server.auth import AuthConfig, Authenticator, User
 from tests.support.brokers import arun
 
@@ -328,3 +329,165 @@ def test_a_client_that_never_reads_holds_at_most_the_write_buffer_limit(tmp_path
             await broker.close()
 
     arun(run())
+
+
+def test_traffic_is_counted_under_the_topic_as_the_grpc_doors_is(tmp_path: Path) -> None:
+    """Accepted, timers and deliveries per topic (what /metrics and the console read): a delayed
+    message counts once, not once more for its immediate copy; a copy an Exclusive subscription
+    receives counts under the topic, and the fired timer it skips does not count."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from chronoq.http.metrics import make_registry
+    from chronoq.http.scope import SYSTEM_TOPIC_PREFIXES, console_topics
+    from chronoq.pulsar.messages import IMMEDIATE_PREFIX
+
+    async def run() -> None:
+        async with door(tmp_path) as (broker, port):
+            c = await Client.connect(port)
+            assert (await c.subscribe("shared")).command.type == Type.SUCCESS
+            assert (await c.subscribe("excl", sub_type=api.CommandSubscribe.Exclusive,
+                                      consumer_id=1)).command.type == Type.SUCCESS
+            await c.producer()
+            due = int(time.time() * 1000) + 300
+            for seq in range(5):
+                c.publish(seq, f"m{seq}".encode(), **({"deliver_at_time": due} if seq < 2 else {}))
+            assert [(await c.next()).command.type for _ in range(5)] == [Type.SEND_RECEIPT] * 5
+            c.flow(10, consumer_id=0)
+            c.flow(10, consumer_id=1)
+            by_consumer: dict[int, list[api.MessageIdData]] = {0: [], 1: []}
+            for _ in range(10):
+                frame = await c.next()
+                msg = frame.command.message
+                by_consumer[msg.consumer_id].append(msg.message_id)
+            for consumer_id, ids in by_consumer.items():
+                assert len(ids) == 5, (consumer_id, ids)
+                c.ack(*ids, consumer_id=consumer_id)
+            # The Shared subscription received the fired timers, so they are in the topic's queues;
+            # the Exclusive subscription's pump receives them too, and skips them.
+            end = time.monotonic() + 5
+            while time.monotonic() < end:
+                lags = {(g["group"], g["topic"]): g for g in broker.group_stats()}
+                if lags[("excl", "orders")]["lag"] == 0:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)
+            assert broker.accepted_by_topic == {"orders": 5}
+            assert broker.timers_by_topic == {"orders": 2}
+            assert broker.delivered_by_topic == {"orders": 10}
+            assert broker.fired_by_topic.get("orders") == 2
+            scraped = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                       for f in text_string_to_metric_families(generate_latest(make_registry(broker)).decode())
+                       for s in f.samples}
+            assert scraped[("chronoq_messages_accepted_total", (("topic", "orders"),))] == 5
+            assert scraped[("chronoq_messages_delivered_total", (("topic", "orders"),))] == 10
+            assert scraped[("rocketmq_timer_enqueue_total", (("topic", "orders"),))] == 2
+            copies = IMMEDIATE_PREFIX + "orders"
+            assert copies in {t.name for t in broker.list_topics()}
+            counted_copies = [key for key in scraped if key[0].startswith("chronoq_messages_")
+                              and ("topic", copies) in key[1]]
+            assert counted_copies == []
+            assert IMMEDIATE_PREFIX in SYSTEM_TOPIC_PREFIXES
+            assert console_topics(t.name for t in broker.list_topics()) == ["orders"]
+
+    arun(run())
+
+
+FLOOD_IDLE_SOCKETS = 300
+FLOOD_SLOW_READERS = 30
+FLOOD_HALF_FRAMES = 50
+FLOOD_GARBAGE = 30
+SERVED_WITHIN_S = 5.0
+
+
+def test_a_connection_flood_does_not_starve_other_clients(tmp_path: Path) -> None:
+    """Sockets that never speak, clients that subscribe with every permit and never read what
+    is pushed (their write buffers full), frames announced and never finished, and garbage that
+    closes its connection: a normal client still produces and consumes, promptly."""
+    body = b"x" * 2048
+
+    async def run() -> None:
+        async with door(tmp_path) as (broker, port):
+            for _ in range(4):
+                await broker.send_batch([OutgoingMessage("orders", body) for _ in range(500)])
+            opened: list[asyncio.StreamWriter] = []
+            for _ in range(FLOOD_IDLE_SOCKETS):
+                opened.append((await asyncio.open_connection("127.0.0.1", port))[1])
+            for i in range(FLOOD_SLOW_READERS):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.transport.pause_reading()
+                slow = Client(reader, writer)
+                slow.send(Type.CONNECT, connect=api.CommandConnect(client_version="test", protocol_version=20))
+                slow.send(Type.SUBSCRIBE, subscribe=api.CommandSubscribe(
+                    topic=TOPIC, subscription=f"slow{i}", subType=api.CommandSubscribe.Shared, consumer_id=0,
+                    request_id=1, initialPosition=api.CommandSubscribe.Earliest))
+                slow.flow(100_000)
+                opened.append(writer)
+            for _ in range(FLOOD_HALF_FRAMES):
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write((4 * 1024 * 1024).to_bytes(4, "big") + b"\x00\x00\x00\x10" + b"\x08" * 100)
+                opened.append(writer)
+            for i in range(FLOOD_GARBAGE):
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(b"GET / HTTP/1.1\r\n\r\n" if i % 2 else b"\xff" * 64)
+                opened.append(writer)
+            await asyncio.sleep(1.0)  # the slow readers' pumps fill their buffers meanwhile
+            try:
+                started = time.monotonic()
+                c = await Client.connect(port)
+                await c.subscribe("normal", initial=api.CommandSubscribe.Latest)
+                await c.producer()
+                c.publish(0, b"served")
+                assert (await c.next()).command.type == Type.SEND_RECEIPT
+                c.flow(1)
+                got = await c.next(timeout=SERVED_WITHIN_S)
+                elapsed = time.monotonic() - started
+                assert got.payload == b"served"
+                assert elapsed < SERVED_WITHIN_S, f"a normal client waited {elapsed:.1f} s behind the flood"
+                print(f"served in {elapsed * 1000:.0f} ms beside {len(opened)} flooding connections")
+            finally:
+                for writer in opened:
+                    writer.transport.abort()
+
+    arun(run())
+
+
+def test_pipelined_delayed_sends_past_half_the_send_batch_limit_are_all_stored(tmp_path: Path) -> None:
+    """A delayed SEND is two messages (its timer and its immediate copy): queued SENDs are stored
+    in calls of at most `max_send_batch` messages, not refused as one call too large."""
+    async def run() -> None:
+        async with door(tmp_path, max_send_batch=16) as (broker, port):
+            c = await Client.connect(port)
+            await c.producer()
+            due = int(time.time() * 1000) + 60_000
+            for seq in range(40):
+                c.publish(seq, f"d{seq}".encode(), deliver_at_time=due)
+            replies = [(await c.next()).command for _ in range(40)]
+            assert [r.type for r in replies] == [Type.SEND_RECEIPT] * 40, [r.send_error.message for r in replies
+                                                                          if r.type == Type.SEND_ERROR][:3]
+            assert [r.send_receipt.sequence_id for r in replies] == list(range(40))
+            assert broker.accepted_by_topic == {"orders": 40} and broker.timers_by_topic == {"orders": 40}
+
+    arun(run())
+
+
+def test_store_groups_cut_at_send_boundaries_and_cut_a_send_larger_than_the_limit() -> None:
+    def plan(n: int, tag: str) -> list[OutgoingMessage]:
+        return [OutgoingMessage("t", f"{tag}{i}".encode()) for i in range(n)]
+
+    a, b, c, big = plan(2, "a"), plan(2, "b"), plan(1, "c"), plan(7, "z")
+    refused = Refused(ServerError.ChecksumError, "no")
+    groups = store_groups([a, refused, b, c, big], 3)
+    assert [[m.body for m in g] for g in groups] == [
+        [b"a0", b"a1"], [b"b0", b"b1", b"c0"], [b"z0", b"z1", b"z2"], [b"z3", b"z4", b"z5"], [b"z6"]]
+    assert store_groups([refused], 3) == []
+
+
+def test_stats_lists_a_subscriptions_row_on_its_topic_before_the_one_on_the_immediate_copies() -> None:
+    from chronoq.cli.stats import PULSAR_COPIES_PREFIX, _groups_line
+    from chronoq.pulsar.messages import IMMEDIATE_PREFIX
+
+    assert PULSAR_COPIES_PREFIX == IMMEDIATE_PREFIX
+    line = _groups_line([{"group": "a", "topic": IMMEDIATE_PREFIX + "t", "lag": 0, "inflight": 0},
+                         {"group": "b", "topic": "t", "lag": 0, "inflight": 0}])
+    assert line.index("b on t") < line.index(f"a on {IMMEDIATE_PREFIX}t"), line
