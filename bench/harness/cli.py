@@ -10,7 +10,9 @@ figure after it can be read against it. Results go to `--out`, else to a new dir
 for the start time under `bench.results_dir()` (`$BENCH_RESULTS_DIR`, else the git-ignored
 `bench/results/`).
 `python -m bench timer-engines` runs the engine-level comparison instead (`bench/bench_timer_engines.py`:
-the RocksDB index and the file wheel side by side, no servers).
+the RocksDB index and the file wheel side by side, no servers); `python -m bench schedules`, the
+recurring-schedules run (`bench/bench_schedules.py`: N schedules every minute beside the same due
+times as one-shot timers, each on its own `chronoq serve`). Each takes its own options.
 """
 
 from __future__ import annotations
@@ -130,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.bench_timer_engines import main as timer_engines
 
         return timer_engines(given[1:])
+    if given[:1] == ["schedules"]:  # recurring schedules beside one-shot timers: its own options
+        from bench.bench_schedules import main as schedules
+
+        return schedules(given[1:])
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)
     started = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())

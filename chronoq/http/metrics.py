@@ -244,8 +244,9 @@ class BrokerCollector(Collector):
             yield CounterMetricFamily(name, doc, value=schedules[key])
         lag = self.broker.schedules.lateness
         family = HistogramMetricFamily("chronoq_schedule_issue_lag_ms",
-                                       "Per occurrence, ms from its due time to the step that saw it due and issued "
-                                       "the schedule's next one")
+                                       "Per issue of a schedule's next occurrence, ms from when it was planned (in "
+                                       "the first half of the gap after the last one's due time) to the step that "
+                                       "made it")
         cumulative = list(itertools.accumulate(lag.counts))
         buckets = [(str(edge), float(n)) for edge, n in zip(lag.edges_ms, cumulative, strict=False)]
         family.add_metric([], [*buckets, ("+Inf", float(cumulative[-1]))], sum_value=float(lag.sum_ms))

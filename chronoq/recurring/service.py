@@ -8,9 +8,16 @@ Theory of operation:
    ordinary timer message sent through the accept path (admission, dedupe window, routing, group
    commit), with id `<name>@<nominal ms>.v<version>` and the properties `SCHEDULE_NAME` and
    `SCHEDULE_DUE_MS` (the nominal due time). The timer engine fires it like any timer: never
-   early, as precisely. When an issued occurrence's nominal time comes by the fire horizon,
-   `step` issues the next one (then a `progress` record); `run` sleeps until the earliest such
-   time. An occurrence further ahead than `timer_max_delay_ms` is issued once it is within it.
+   early, as precisely. Once an issued occurrence has come due, `step` issues the next one (then
+   a `progress` record); `run` sleeps until the earliest such time. Not at the due instant
+   itself: each schedule issues its next occurrence at its own point of the first half of the
+   gap after the one that came due (`_issue_at`: a fraction from a hash of its name). Issues are
+   sends (the accept path, the log's group commit, the timer index) on the event loop the fire
+   step runs on; made at the due instants, they would pile onto the instants occurrences fire
+   (schedules made together come due together) and make them late. Spread over the gap they
+   are an even trickle, and a step that falls behind still has half a gap before the next
+   occurrence is due. An occurrence further ahead than `timer_max_delay_ms` is issued once it
+   is within it.
 3. Exactly once per occurrence: before a send, the occurrence's id is looked up in the timer
    index; one already there (sent before a crash that lost the `progress` record after it) is
    not sent again. Within a run the dedupe window does the same for a retry.
@@ -38,6 +45,7 @@ import asyncio
 import functools
 import heapq
 import logging
+import zlib
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
@@ -80,6 +88,13 @@ LATENESS_EDGES_MS = (1, 5, 10, 50, 100, 500, 1_000, 5_000, 10_000, 60_000, 600_0
 Send = Callable[[list[OutgoingMessage]], Awaitable[list[Any]]]
 RETRY_MS = 1_000
 """After an issue failed (a full disk, a topic gone), the schedule is looked at again this much later."""
+ISSUE_GRID_MS = 50
+"""Issue times are rounded up to a multiple of this (when that keeps them in the first half of
+the gap), so the schedules whose turn comes within it share one step: one send and one
+`progress` append for them all, not one each."""
+ISSUE_SLICE = 256
+"""Schedules one `_issue` call issues for at most (one send, one progress append): a step with
+more (at open, after an outage) goes in slices, so the event loop is never held for long."""
 
 
 class Schedules:
@@ -104,8 +119,9 @@ class Schedules:
         """Creates waiting for the next batch (`_create_batch`)."""
         self._tasks: set[asyncio.Future[None]] = set()
         self.lateness = DelayHistogram(LATENESS_EDGES_MS)
-        """Per occurrence, ms from its due time to the step that saw it due and issued the next
-        (the timer engine fires the occurrence itself: its own delivery error is the timer's)."""
+        """Per step's look at a schedule, ms from when it was planned (`_issue_at`: its next
+        occurrence's issue) to the step that made it (the timer engine fires the occurrence
+        itself: its own delivery error is the timer's)."""
         self.counts: Counter[str] = Counter()
         """issued, late (issued after their due time: catch-up), skipped (missed, not delivered: a
         cron schedule's counted up to `schedule_catch_up_max_occurrences` per outage or pause),
@@ -364,20 +380,41 @@ class Schedules:
         return None
 
     def _plan(self, s: Schedule, wake: int | None = None) -> None:
-        """Put `s` on the step's agenda at `wake`, by default when the occurrence issued last is
-        due (with its jitter: the next is issued once it fires, and its nominal time is later
-        still, the jitter being shorter than the gap), or at `after_ms`; off it when paused or done."""
-        if wake is None and not s.paused and not s.finished:
-            wake = max(s.after_ms, s.pending[1]) if s.pending is not None else s.after_ms
+        """Put `s` on the step's agenda at `wake`, by default at `_issue_at`; off it when paused
+        or done."""
+        if wake is None and not s.paused:
+            wake = self._issue_at(s)
         if wake is None or s.paused:
             self._wake.pop(s.name, None)
             return
         self._wake[s.name] = wake
         heapq.heappush(self._heap, (wake, s.name))
 
+    def _issue_at(self, s: Schedule) -> int | None:
+        """When to issue the next occurrence of `s` (None: there is none): not before the one
+        issued last is due (at most one ahead of time; with its jitter, that is still before the
+        next's nominal time, the jitter being shorter than the gap), nor before the next comes
+        within `timer_max_delay_ms`; from there, a fraction of the first half of the gap to the
+        next, the same for a schedule every time (a hash of its name), so issues are spread
+        over the gap rather than heaped on the instants occurrences come due, and at least half
+        the gap is left to make the issue before the next is due; rounded up to the
+        `ISSUE_GRID_MS` grid. An overdue next (catch-up): at once."""
+        if s.limit is not None and s.count >= s.limit:
+            return None
+        nxt = s.recurrence.next_after(s.after_ms)
+        if nxt is None:
+            return None
+        earliest = max(s.after_ms, s.pending[1]) if s.pending is not None else s.after_ms
+        if nxt <= earliest:
+            return earliest
+        at = max(earliest + issue_offset_ms(s.name, nxt - earliest), nxt - self.config.timer_max_delay_ms)
+        shared = -(-at // ISSUE_GRID_MS) * ISSUE_GRID_MS
+        return shared if shared <= max(at, earliest + (nxt - earliest) // 2) else at
+
     async def step(self, now_ms: int) -> int:
-        """Issue the next occurrence of every schedule whose issued one is due by `now_ms`, and
-        the missed ones its catch-up policy delivers; return how many were issued."""
+        """Issue the next occurrence of every schedule whose time to issue it (`_issue_at`) has
+        come by `now_ms`, and the missed ones its catch-up policy delivers; return how many were
+        issued."""
         first = self.next_wake_ms()
         if first is None or first > now_ms:
             return 0
@@ -388,12 +425,12 @@ class Schedules:
                 self._wake.pop(name, None)
                 s = self.table.get(name)
                 if s is not None and not s.paused:
-                    if s.pending is not None and s.pending[1] <= now_ms:
-                        self.lateness.record(now_ms - s.pending[1])
+                    self.lateness.record(now_ms - wake)
                     due.append(s)
             issued = 0
-            for i in range(0, len(due), self.config.max_send_batch):
-                issued += await self._issue(due[i:i + self.config.max_send_batch], now_ms)
+            size = min(ISSUE_SLICE, self.config.max_send_batch)
+            for i in range(0, len(due), size):
+                issued += await self._issue(due[i:i + size], now_ms)
             return issued
 
     async def _issue(self, batch: list[Schedule], now_ms: int) -> int:
@@ -596,6 +633,14 @@ class Schedules:
                 "active": len(self.table) - paused - finished, **{k: self.counts[k] for k in
                                                                     ("issued", "late", "skipped", "withdrawn",
                                                                      "failed")}}
+
+
+def issue_offset_ms(name: str, gap_ms: int) -> int:
+    """How long after the occurrence issued last came due schedule `name` issues its next, when
+    `gap_ms` separate that due time from the next's nominal time: its own fraction (a hash of
+    the name, in [0, 1)) of the first half of the gap, so a schedule's issues keep their place
+    and different schedules' are spread evenly."""
+    return (gap_ms // 2 * (zlib.crc32(name.encode()) & 0xFFFF)) >> 16
 
 
 def _anchor(every_ms: int | None, start_ms: int | None, now_ms: int) -> int:

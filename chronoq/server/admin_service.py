@@ -30,7 +30,10 @@ read on; `truncated` says the byte budget stopped the reply with messages left.
 Schedules (recurring, `chronoq/recurring/`): CreateSchedule and UpdateSchedule need publish on
 the schedule's topic, as its messages are sends; Pause, Resume and Delete publish on it too;
 DescribeSchedule (with its next `count` occurrences, default 5) publish or subscribe; and
-ListSchedules lists the schedules of the topics the caller may see.
+ListSchedules lists the schedules of the topics the caller may see. A schedule on a topic the
+caller may neither publish to nor subscribe to is answered as one that does not exist
+(ScheduleNotFound, "no schedule X", the same reply word for word), so a caller learns nothing
+of the names on topics it has no rights on; one it may see but not change is Forbidden.
 
 SendBatch reports per message: messages that fail to decode get their own error entry and the
 rest go to `Broker.send_batch(partial=True)` in one durable write, which reports each message's
@@ -51,11 +54,11 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from chronoq.config import Config
-from chronoq.errors import ChronoqError, Forbidden, InvalidBatchSize
+from chronoq.errors import ChronoqError, Forbidden, InvalidBatchSize, ScheduleNotFound
 from chronoq.model import OutgoingMessage
 from chronoq.protocol import admin as codec
 from chronoq.protocol.errors import InvalidField, MalformedRequest, MissingField
-from chronoq.recurring.records import ScheduleChange
+from chronoq.recurring.records import Schedule, ScheduleChange
 from chronoq.server.auth import AUTH_OFF, Authenticator, Principal
 from chronoq.server.grpc_service import authenticate
 from chronoq.server.net import max_request_bytes
@@ -296,25 +299,36 @@ class AdminService:
 
     async def update_schedule(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
         name = codec.arg_str(doc, "name")
-        caller.require_publish({self.broker.get_schedule(name).topic})
+        self._schedule(name, caller, change=True)
         s = await self.broker.update_schedule(name, ScheduleChange(**codec.schedule_spec_from_json(doc)))
         return codec.ok_json(schedule=codec.schedule_json(s, self.broker.schedule_upcoming(s.name, 5)))
 
     async def pause_schedule(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
         name = codec.arg_str(doc, "name")
-        caller.require_publish({self.broker.get_schedule(name).topic})
+        self._schedule(name, caller, change=True)
         return codec.ok_json(schedule=codec.schedule_json(await self.broker.pause_schedule(name)))
 
     async def resume_schedule(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
         name = codec.arg_str(doc, "name")
-        caller.require_publish({self.broker.get_schedule(name).topic})
+        self._schedule(name, caller, change=True)
         s = await self.broker.resume_schedule(name)
         return codec.ok_json(schedule=codec.schedule_json(s, self.broker.schedule_upcoming(s.name, 5)))
 
     async def delete_schedule(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
         name = codec.arg_str(doc, "name")
-        caller.require_publish({self.broker.get_schedule(name).topic})
+        self._schedule(name, caller, change=True)
         return codec.ok_json(schedule=codec.schedule_json(await self.broker.delete_schedule(name)))
+
+    def _schedule(self, name: str, caller: Principal, *, change: bool) -> Schedule:
+        """The schedule `name` for a caller who may see it (publish or subscribe on its topic)
+        and, to `change` it, publish. One on a topic the caller may not see is ScheduleNotFound,
+        as a name that does not exist: a refusal naming its topic would tell that it exists."""
+        s = self.broker.get_schedule(name)
+        if not caller.may_see(s.topic):
+            raise ScheduleNotFound(name)
+        if change:
+            caller.require_publish({s.topic})
+        return s
 
     async def list_schedules(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
         return codec.ok_json(schedules=[codec.schedule_json(s) for s in self.broker.list_schedules()
@@ -322,8 +336,7 @@ class AdminService:
 
     async def describe_schedule(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
         name = codec.arg_str(doc, "name")
-        s = self.broker.get_schedule(name)
-        caller.require_see(s.topic)
+        s = self._schedule(name, caller, change=False)
         count = codec.arg_int(doc, "count", required=False) or 5
         if not 1 <= count <= 1000:
             raise InvalidField("count", "must be 1..1000")

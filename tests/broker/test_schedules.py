@@ -14,6 +14,7 @@ from chronoq.broker import Broker
 from chronoq.clock import FakeClock
 from chronoq.model import PROP_SCHEDULE_DUE_MS, PROP_SCHEDULE_NAME
 from chronoq.recurring.records import ScheduleChange
+from chronoq.recurring.service import ISSUE_GRID_MS, issue_offset_ms
 from tests.support.brokers import SimulatedBrokers
 
 HOUR = 3_600_000
@@ -202,11 +203,15 @@ def test_update_pause_and_delete_racing_an_occurrence(brokers: SimulatedBrokers,
             assert [(b, int(p[PROP_SCHEDULE_DUE_MS])) for _, p, b, _ in inbox.seen] == \
                 [(b"old", start + 60_000), (b"new", start + 120_000)]
             # An update before the occurrence takes it over.
+            await drive(broker, clock, inbox, start + 150_000 - 1)  # its occurrence issued
             clock.set(start + 150_000)
+            withdrawn = broker.stats()["schedules"]["withdrawn"]
             await broker.update_schedule("u", ScheduleChange(body=b"newer"))
+            assert broker.stats()["schedules"]["withdrawn"] == withdrawn + 1
             await drive(broker, clock, inbox, start + 180_000)
             assert inbox.seen[-1][2] == b"newer" and len(inbox.seen) == 3
             # A pause at the instant: that one is delivered, none after.
+            await drive(broker, clock, inbox, start + 240_000 - 1)  # its occurrence issued
             clock.set(start + 240_000)
             await broker.pause_schedule("u")
             await broker.run_due()
@@ -217,14 +222,17 @@ def test_update_pause_and_delete_racing_an_occurrence(brokers: SimulatedBrokers,
             await drive(broker, clock, inbox, start + 660_000)
             assert inbox.dues()[-1] == start + 660_000 and len(inbox.seen) == 5
             # A pause before the occurrence withdraws it.
+            await drive(broker, clock, inbox, start + 690_000 - 1)  # its occurrence issued
             clock.set(start + 690_000)
             await broker.pause_schedule("u")
+            assert broker.stats()["schedules"]["withdrawn"] == withdrawn + 2
             await drive(broker, clock, inbox, start + 800_000)
             assert len(inbox.seen) == 5
             await broker.resume_schedule("u")
             await drive(broker, clock, inbox, start + 840_000)
             assert inbox.dues()[-1] == start + 840_000
             # Delete at the instant: delivered, and nothing after; delete before: nothing.
+            await drive(broker, clock, inbox, start + 900_000 - 1)  # its occurrence issued
             clock.set(start + 900_000)
             await broker.delete_schedule("u")
             await broker.run_due()
@@ -399,6 +407,10 @@ def test_stats_count_schedules(brokers: SimulatedBrokers, clock: FakeClock, arun
             await broker.create_schedule("b", "t", b"x", every_ms=60_000)
             await broker.pause_schedule("b")
             clock.advance(60_000)
+            await broker.run_due()  # a's first fires; its second is issued later in the gap
+            wake = broker.schedules.next_wake_ms()
+            assert wake is not None and clock.now_ms() <= wake <= clock.now_ms() + 30_000
+            clock.set(wake)
             await broker.run_due()
             stats = broker.stats()["schedules"]
             assert (stats["schedules"], stats["active"], stats["paused"]) == (2, 1, 1)
@@ -436,3 +448,46 @@ def test_creates_arriving_together_are_made_together_each_refused_or_made_on_its
             assert sorted(s.name for s in broker.list_schedules()) == sorted(["first", *(f"s{i}" for i in range(18))])
 
     arun(body())
+
+
+def test_the_next_occurrence_is_issued_off_the_due_instant_spread_over_the_first_half_of_the_gap(
+        brokers: SimulatedBrokers, clock: FakeClock, arun) -> None:
+    """Forty schedules made at one instant come due together; the step at that instant issues
+    none of their next occurrences (the fire step has the forty to fire then): each is issued at
+    its own point of the first half of the gap, on the issue grid, and all forty fire on time."""
+    async def main() -> None:
+        async with brokers() as broker:
+            await broker.create_topic("t")
+            names = [f"s{i}" for i in range(40)]
+            await asyncio.gather(*(broker.create_schedule(n, "t", b"x", every_ms=60_000) for n in names))
+            due = clock.now_ms() + 60_000
+            inbox = Inbox("t")
+            clock.set(due)
+            assert await broker.run_due() == 40  # the first occurrences fired...
+            await inbox.collect(broker)
+            assert broker.stats()["schedules"]["issued"] == 40  # ...and no next one was issued with them
+            issued_at: dict[str, int] = {}
+            while len(issued_at) < len(names):
+                wake = broker.schedules.next_wake_ms()
+                assert wake is not None and due < wake <= due + 30_000, wake
+                clock.set(wake)
+                await broker.run_due()
+                for s in broker.list_schedules():
+                    if s.pending is not None and s.pending[0] == due + 60_000:
+                        issued_at.setdefault(s.name, wake)
+            for n in names:  # its own place: the fraction of the half gap its name gives, on the grid
+                own = due + issue_offset_ms(n, 60_000)
+                assert own <= issued_at[n] < own + ISSUE_GRID_MS, (n, issued_at[n] - due)
+            assert len(set(issued_at.values())) >= 20  # spread, not heaped on one instant
+            await drive(broker, clock, inbox, due + 60_000)
+            assert sorted(inbox.dues()) == [due] * 40 + [due + 60_000] * 40
+            assert all(t == d for t, d in zip([t for t, *_ in inbox.seen], inbox.dues(), strict=True))
+
+    arun(main())
+
+
+def test_issue_offsets_lie_in_the_first_half_of_the_gap() -> None:
+    for gap in (1, 2, 1_000, 60_000, DAY, 400 * DAY):
+        offsets = [issue_offset_ms(f"n{i}", gap) for i in range(200)]
+        assert all(0 <= o <= gap // 2 for o in offsets) and all(o < gap for o in offsets)
+    assert issue_offset_ms("same", 60_000) == issue_offset_ms("same", 60_000)

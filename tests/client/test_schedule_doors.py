@@ -199,8 +199,12 @@ def test_cli_refusals_of_names_topics_and_rights(run: Run) -> None:
     code, _, err = run("create", fresh("theirs"), *BASE, "--every", "1h", user="reader")
     assert code == 1 and one_line(err) == ("error (Forbidden, code 40300): access key 'reader' may not "
                                            "publish to topic 'jobs'"), err
-    code, _, err = run("pause", name, user="outsider")
-    assert code == 1 and "Forbidden" in err and "'outsider' may not publish to topic 'jobs'" in err
+    # A user with no right on the topic is told what it would be told of a name that does not exist.
+    for action in ("pause", "resume", "delete", "show"):
+        code, _, err = run(action, name, user="outsider")
+        _, _, nobody = run(action, "nobody-has-this", user="outsider")
+        assert code == 1 and one_line(err) == f"error (ScheduleNotFound, code 40000): no schedule {name!r}", err
+        assert one_line(err).replace(name, "nobody-has-this") == one_line(nobody), (action, err, nobody)
     assert run("delete", name)[0] == 0
 
 
@@ -241,12 +245,21 @@ def test_who_may_call_each_schedule_method(server: str) -> None:
                          reader.create_schedule(fresh("r"), "jobs", b"x", every_ms=3_600_000)):
                 with pytest.raises(errors.Forbidden, match="'reader' may not publish to topic 'jobs'"):
                     await call
-            # A user with no right on the topic neither sees nor changes it.
+            # A user with no right on the topic neither sees nor changes it, nor learns that it
+            # exists: each call gets the reply a name that does not exist gets, details and all.
             assert name not in [x["name"] for x in await outsider.list_schedules()]
-            with pytest.raises(errors.Forbidden, match="may not publish to or subscribe to topic 'jobs'"):
-                await outsider.describe_schedule(name)
-            with pytest.raises(errors.Forbidden):
-                await outsider.delete_schedule(name)
+            missing = fresh("missing")
+            for method in ("describe_schedule", "pause_schedule", "resume_schedule", "delete_schedule",
+                           "update_schedule"):
+                replies = []
+                for target in (name, missing):
+                    call = getattr(outsider, method)
+                    with pytest.raises(errors.ScheduleNotFound) as refused:
+                        await (call(target, every_ms=7_200_000) if method == "update_schedule" else call(target))
+                    replies.append((refused.value.code, str(refused.value).replace(target, "X"),
+                                    {k: (v if v != target else "X") for k, v in refused.value.details.items()}))
+                assert replies[0] == replies[1], (method, replies)
+                assert replies[0][1].endswith("no schedule 'X'"), replies
             assert (await app.describe_schedule(name))["paused"] is False  # refused calls changed nothing
         async with AsyncAdmin(server, access_key="app", secret_key="wrong", timeout_ms=5000, attempts=1) as bad:
             with pytest.raises(errors.Unauthorized):

@@ -3,7 +3,8 @@
 One schedule, `--every 1s --catch-up all --limit N`, on a real server process
 (`chronoq.client.testing.ServerProcess`: `chronoq serve` in a child, `kill()` is SIGKILL). The
 server is killed several times: a few ms before, at and after an occurrence's due time (while it
-fires and the next one is issued), half-way between two, and just after a restart (while the
+fires), at the instant the schedule issues the next one (its own point of the first half of the
+gap, `issue_offset_ms`), half-way between two, and just after a restart (while the
 occurrences the outage missed are being issued); each time it stays down a random while, then
 starts again on the same directory and port. A consumer (the SDK, in a thread of this test)
 receives and acks throughout, riding out the outages.
@@ -36,6 +37,7 @@ from chronoq.client import Admin, Consumer, ReceivedMessage
 from chronoq.client.testing import ServerProcess
 from chronoq.errors import ChronoqError
 from chronoq.model import PROP_SCHEDULE_DUE_MS, PROP_SCHEDULE_NAME
+from chronoq.recurring.service import issue_offset_ms
 
 pytestmark = pytest.mark.slow
 
@@ -132,8 +134,10 @@ def test_a_schedule_under_repeated_sigkill_delivers_every_occurrence_once_and_ne
         receiver.start()
 
         # Where each kill lands, relative to the due time of an occurrence: just before, on, just
-        # after it; half-way to the next; and (None) 0-150 ms after the server said it was ready.
-        offsets: list[int | None] = [-20, 0, 15, 500, None, rng.randint(-60, 60), None, rng.randint(1, 999)]
+        # after it; when the next is issued; half-way to the next; and (None) 0-150 ms after the
+        # server said it was ready.
+        issue = issue_offset_ms(NAME, EVERY_MS)
+        offsets: list[int | None] = [-20, 0, 15, issue, 500, None, rng.randint(-60, 60), None, rng.randint(1, 999)]
         kills: list[str] = []
         for offset in offsets:
             if offset is None:

@@ -184,6 +184,11 @@ def test_schedule_metrics_count_states_occurrences_and_their_lateness(tmp_path: 
             await broker.pause_schedule("held")  # withdraws its first occurrence
             clock.advance(60_030)  # the first occurrences fire 30 ms late
             await broker.run_due()
+            # every-minute's second is issued in the first half of the gap, at its own point: 30 ms late too.
+            wake = broker.schedules.next_wake_ms()
+            assert wake is not None and clock.now_ms() < wake <= clock.now_ms() - 30 + 30_000
+            clock.set(wake + 30)
+            await broker.run_due()
             status, _, text = await get(base + "/metrics")
             assert status == 200
             m = samples(text)
@@ -195,14 +200,17 @@ def test_schedule_metrics_count_states_occurrences_and_their_lateness(tmp_path: 
             assert m[("chronoq_schedule_occurrences_late_total", ())] == 0
             assert m[("chronoq_schedule_occurrences_skipped_total", ())] == 0
             assert m[("chronoq_schedule_issue_failures_total", ())] == 0
-            # The step that issued every-minute's second occurrence saw its first 30 ms after its time
-            # (once, finished, had no next to issue); both first occurrences were delivered 30 ms late.
+            # The step that issued every-minute's second occurrence came 30 ms after the time planned
+            # for it (once, finished, had no next to issue); both first occurrences were delivered
+            # 30 ms late: a schedule's occurrence is a timer, its lateness the timer delivery error's.
             assert m[("chronoq_schedule_issue_lag_ms_count", ())] == 1
             assert m[("chronoq_schedule_issue_lag_ms_sum", ())] == 30
             assert m[("chronoq_schedule_issue_lag_ms_bucket", (("le", "10"),))] == 0
             assert m[("chronoq_schedule_issue_lag_ms_bucket", (("le", "50"),))] == 1
             assert m[("chronoq_timer_delivery_error_ms_count", ())] == 2
             assert m[("chronoq_timer_delivery_error_ms_sum", ())] == 60
+            assert m[("chronoq_timer_delivery_error_ms_bucket", (("le", "25"),))] == 0
+            assert m[("chronoq_timer_delivery_error_ms_bucket", (("le", "50"),))] == 2
             types = {f.name: f.type for f in text_string_to_metric_families(text)}
             assert types["chronoq_schedules"] == "gauge" and types["chronoq_schedule_issue_lag_ms"] == "histogram"
             assert types["chronoq_schedule_occurrences_issued"] == "counter"
