@@ -13,6 +13,13 @@ micro-batch `[start, end)` always reads exactly the same records, because the lo
 restart from a checkpoint replays the last uncommitted batch and nothing else. The broker keeps
 records for its retention time; a range that retention has removed reads as fewer rows.
 
+Connection. Every client an executor opens takes the options `server` (host:port) and, when the
+broker needs them, `tls`, `caCert` (the PEM text itself, so no executor needs the file),
+`tlsServerName`, `accessKey` and `secretKey` (`BrokerAccess`): an executor on another machine
+shares nothing with the driver but these options, so nothing is read from its environment
+or disk. Reading and the timer engine's FireTimers are admin calls: with auth on, give an admin
+user's keys; sending needs publish rights on the topic.
+
 Writing. Each row becomes one message (`body` required; `topic`, `message_id`, `tag`, `keys`,
 `properties`, and at most one of `deliver_at` (timestamp or epoch ms), `delay_ms`, `delay_level`
 optional). Idempotence under task retry comes from message ids: a row without `message_id` gets
@@ -108,20 +115,82 @@ def _offsets_option(options: Mapping[str, str], name: str, default: str) -> str 
 # -- commit-log `position`; writes get the Producer's batching, retries, per-message outcomes)
 
 
-def _producer(server: str) -> Any:
+@dataclass(frozen=True)
+class BrokerAccess:
+    """Where and how an executor's SDK client connects: host:port, TLS, credentials.
+
+    Built from a data source's options on the driver and pickled to the tasks; `options()` is the
+    reverse, for a job that sets up a read or write. The secret key travels in the job's options,
+    to the executors, as the SDK takes it: an argument, never a file an executor would need.
+    """
+
+    server: str
+    tls: bool = False
+    ca_cert: str | None = None
+    tls_server_name: str | None = None
+    access_key: str | None = None
+    secret_key: str | None = None
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, str]) -> BrokerAccess:
+        tls_raw = (options.get("tls") or "false").strip().lower()
+        if tls_raw not in ("true", "false", "1", "0"):
+            raise ChronoqSourceError(f"option 'tls' must be true or false, not {options.get('tls')!r}")
+        ca_cert = options.get("caCert") or None
+        if ca_cert is not None and "-----BEGIN CERTIFICATE-----" not in ca_cert:
+            raise ChronoqSourceError("option 'caCert' must hold the PEM text of the CA certificate (it is sent to "
+                                     "the executors), not a path")
+        access_key = options.get("accessKey") or None
+        secret_key = options.get("secretKey") or None
+        if access_key and not secret_key:
+            raise ChronoqSourceError("option 'accessKey' needs option 'secretKey'")
+        return cls(server=_require(options, "server"), tls=tls_raw in ("true", "1"), ca_cert=ca_cert,
+                   tls_server_name=options.get("tlsServerName") or None, access_key=access_key,
+                   secret_key=secret_key)
+
+    def options(self) -> dict[str, str]:
+        out = {"server": self.server}
+        if self.tls:
+            out["tls"] = "true"
+        for name, value in (("caCert", self.ca_cert), ("tlsServerName", self.tls_server_name),
+                            ("accessKey", self.access_key), ("secretKey", self.secret_key)):
+            if value:
+                out[name] = value
+        return out
+
+    def client_kwargs(self) -> dict[str, Any]:
+        return {"tls": self.tls, "root_certificates": self.ca_cert.encode() if self.ca_cert else None,
+                "tls_server_name": self.tls_server_name, "access_key": self.access_key,
+                "secret_key": self.secret_key}
+
+
+def _access(where: str | BrokerAccess) -> BrokerAccess:
+    return where if isinstance(where, BrokerAccess) else BrokerAccess(where)
+
+
+def _producer(where: str | BrokerAccess) -> Any:
     from chronoq.client import Producer
 
-    return Producer(server, batch_via="admin")
+    access = _access(where)
+    return Producer(access.server, batch_via="admin", **access.client_kwargs())
 
 
-def queue_bounds(server: str, topic: str, *, missing_ok: bool = False) -> dict[int, tuple[int, int]]:
+def admin_client(where: str | BrokerAccess) -> Any:
+    """A blocking `Admin` to the broker `where` names (host:port, or a `BrokerAccess`)."""
+    from chronoq.client import Admin
+
+    access = _access(where)
+    return Admin(access.server, **access.client_kwargs())
+
+
+def queue_bounds(server: str | BrokerAccess, topic: str, *,
+                 missing_ok: bool = False) -> dict[int, tuple[int, int]]:
     """{queue_id: (min_offset, next_offset)} of `topic`, from the server. With `missing_ok`, a topic
     that does not exist yet has no queues (a stream waits for it; the broker creates its timer
     topic with the first timer message)."""
-    from chronoq.client import Admin
     from chronoq.errors import TopicNotFound
 
-    with Admin(server) as admin:
+    with admin_client(server) as admin:
         try:
             description = admin.describe_topic(topic)
         except TopicNotFound:
@@ -177,12 +246,10 @@ def _row(m: StoredRecord) -> tuple:
             dict(m.system_properties), m.body, _ts(m.born_ms), _ts(m.store_ms), _ts(m.deliver_at_ms), m.position)
 
 
-def read_range(server: str, topic: str, part: QueueRange, fetch_size: int) -> Iterator[tuple]:
+def read_range(server: str | BrokerAccess, topic: str, part: QueueRange, fetch_size: int) -> Iterator[tuple]:
     """The rows of one partition, in offset order (runs on an executor)."""
-    from chronoq.client import Admin
-
     offset = part.start
-    with Admin(server) as admin:
+    with admin_client(server) as admin:
         while offset < part.end:
             result = admin.read(topic, part.queue_id, offset, min(fetch_size, part.end - offset))
             for m in result.messages:
@@ -196,7 +263,7 @@ def read_range(server: str, topic: str, part: QueueRange, fetch_size: int) -> It
 
 class ChronoqBatchReader(DataSourceReader):
     def __init__(self, options: Mapping[str, str]) -> None:
-        self.server = _require(options, "server")
+        self.server = BrokerAccess.from_options(options)
         self.topic = _require(options, "topic")
         self.fetch_size = _int_option(options, "fetchSize", DEFAULT_FETCH_SIZE)
         self.per_partition = _int_option(options, "recordsPerPartition", DEFAULT_RECORDS_PER_PARTITION)
@@ -256,7 +323,7 @@ def limit_offsets(start: Mapping[int, int], latest: Mapping[int, int], max_rows:
 
 class ChronoqStreamReader(DataSourceStreamReader):
     def __init__(self, options: Mapping[str, str]) -> None:
-        self.server = _require(options, "server")
+        self.server = BrokerAccess.from_options(options)
         self.topic = _require(options, "topic")
         self.fetch_size = _int_option(options, "fetchSize", DEFAULT_FETCH_SIZE)
         self.per_partition = _int_option(options, "recordsPerPartition", DEFAULT_RECORDS_PER_PARTITION)
@@ -296,6 +363,36 @@ class ChronoqCommitMessage(WriterCommitMessage):
     sent: int
     duplicates: int
     timers: int
+    skipped: int = 0
+    """Rows not sent because the broker already held their id (option `skipStored`)."""
+
+
+STORED_LOOKUPS_IN_FLIGHT = 32
+"""QueryMessage calls a task keeps open at once for option `skipStored`."""
+
+
+def stored_ids(where: str | BrokerAccess, keys: Sequence[tuple[str, str]]) -> set[tuple[str, str]]:
+    """The (topic, message id) pairs of `keys` the broker knows as timer messages (pending,
+    delivered or cancelled: its timer index), one QueryMessage each, `STORED_LOOKUPS_IN_FLIGHT` at once."""
+    import asyncio
+
+    from chronoq.client.aio import AsyncAdmin
+
+    access = _access(where)
+
+    async def lookup() -> set[tuple[str, str]]:
+        found: set[tuple[str, str]] = set()
+        gate = asyncio.Semaphore(STORED_LOOKUPS_IN_FLIGHT)
+        async with AsyncAdmin(access.server, **access.client_kwargs()) as admin:
+            async def one(key: tuple[str, str]) -> None:
+                async with gate:
+                    if await admin.query(key[1], key[0]):
+                        found.add(key)
+
+            await asyncio.gather(*(one(k) for k in keys))
+        return found
+
+    return asyncio.run(lookup())
 
 
 def derived_message_id(write_id: str, partition_id: int, index: int) -> str:
@@ -337,20 +434,32 @@ def row_to_message(row: Mapping[str, Any], default_topic: str | None, fallback_i
     )
 
 
-def send_rows(server: str, default_topic: str | None, rows: Iterator[Any], write_id: str,
-              batch_size: int) -> ChronoqCommitMessage:
-    """Send rows in SendBatch calls; any refused message fails the task, naming why."""
+def send_rows(server: str | BrokerAccess, default_topic: str | None, rows: Iterator[Any], write_id: str,
+              batch_size: int, *, skip_stored: bool = False) -> ChronoqCommitMessage:
+    """Send rows in SendBatch calls; any refused message fails the task, naming why. With
+    `skip_stored`, ids the broker already holds as timer messages are not sent again (a rerun
+    after the broker restarted, when its in-memory dedupe window no longer has them)."""
     from pyspark import TaskContext
 
     from chronoq.client import BatchSendError
+    from chronoq.errors import ChronoqError
 
     ctx = TaskContext.get()
     partition_id = ctx.partitionId() if ctx is not None else 0
-    sent = duplicates = timers = 0
+    sent = duplicates = timers = skipped = 0
     batch: list[Any] = []
 
     def flush() -> None:
-        nonlocal sent, duplicates, timers
+        nonlocal sent, duplicates, timers, skipped
+        if skip_stored and batch:
+            try:
+                known = stored_ids(server, [(m.topic, m.message_id) for m in batch])
+            except ChronoqError as e:
+                raise ChronoqSourceError(f"asking {_access(server).server} which ids it holds failed: "
+                                         f"{type(e).__name__}: {e.message}") from None
+            kept = [m for m in batch if (m.topic, m.message_id) not in known]
+            skipped += len(batch) - len(kept)
+            batch[:] = kept
         if not batch:
             return
         try:
@@ -359,6 +468,10 @@ def send_rows(server: str, default_topic: str | None, rows: Iterator[Any], write
             index, first = e.outcome.errors[0]
             raise ChronoqSourceError(f"{len(e.outcome.errors)} of {len(batch)} messages refused; the first, id "
                                      f"{batch[index].message_id}: {first}") from None
+        except ChronoqError as e:
+            # One line the driver can find in the task's failure and show whole (the SDK has retried).
+            raise ChronoqSourceError(f"sending to {_access(server).server} failed after {sent} messages of this "
+                                     f"task were accepted: {type(e).__name__}: {e.message}") from None
         sent += len(receipts)
         duplicates += sum(1 for r in receipts if r.duplicate)
         timers += sum(1 for m in batch if m.deliver_at_ms is not None or m.delay_ms is not None
@@ -372,7 +485,7 @@ def send_rows(server: str, default_topic: str | None, rows: Iterator[Any], write
             if len(batch) >= batch_size:
                 flush()
         flush()
-    return ChronoqCommitMessage(sent, duplicates, timers)
+    return ChronoqCommitMessage(sent, duplicates, timers, skipped)
 
 
 def _check_write_schema(schema: Any) -> None:
@@ -388,27 +501,47 @@ def _check_write_schema(schema: Any) -> None:
 class ChronoqBatchWriter(DataSourceWriter):
     def __init__(self, options: Mapping[str, str], schema: Any) -> None:
         _check_write_schema(schema)
-        self.server = _require(options, "server")
+        self.server = BrokerAccess.from_options(options)
         self.topic = options.get("topic")
         self.batch_size = _int_option(options, "sendBatchSize", DEFAULT_SEND_BATCH)
         # Chosen once on the driver and pickled to every task, so a retried task derives the same ids.
         self.write_id = options.get("writeId") or uuid.uuid4().hex
+        self.commit_report = options.get("commitReport") or None
+        self.skip_stored = (options.get("skipStored") or "false").strip().lower() in ("true", "1")
 
     def write(self, iterator: Iterator[Any]) -> WriterCommitMessage:
-        return send_rows(self.server, self.topic, iterator, self.write_id, self.batch_size)
+        return send_rows(self.server, self.topic, iterator, self.write_id, self.batch_size,
+                         skip_stored=self.skip_stored)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
-        return None
+        write_commit_report(self.commit_report, messages, finished=True)
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
         # Sent messages cannot be unsent; rerunning the write with the same writeId resends the same ids.
-        return None
+        write_commit_report(self.commit_report, messages, finished=False)
+
+
+def write_commit_report(path: str | None, messages: Sequence[WriterCommitMessage | None], *, finished: bool) -> None:
+    """With option `commitReport`, the totals of the tasks' commit messages as JSON at `path`.
+
+    Spark runs `commit`/`abort` on the driver's machine, in a Python process of its own, so a
+    return value cannot reach the program that started the write: this file does (a local path
+    the driver reads; `chronoq spark schedule` reports its `duplicates`, ids the broker already
+    held). On abort, only the tasks that finished are counted: the failed one may have sent some."""
+    if not path:
+        return
+    done = [m for m in messages if isinstance(m, ChronoqCommitMessage)]
+    report = {"finished": finished, "tasks_done": len(done), "tasks": len(messages),
+              "sent": sum(m.sent for m in done), "duplicates": sum(m.duplicates for m in done),
+              "timers": sum(m.timers for m in done), "skipped": sum(m.skipped for m in done)}
+    with open(path, "w", encoding="utf-8") as out:
+        json.dump(report, out)
 
 
 class ChronoqStreamWriter(DataSourceStreamWriter):
     def __init__(self, options: Mapping[str, str], schema: Any) -> None:
         _check_write_schema(schema)
-        self.server = _require(options, "server")
+        self.server = BrokerAccess.from_options(options)
         self.topic = options.get("topic")
         self.batch_size = _int_option(options, "sendBatchSize", DEFAULT_SEND_BATCH)
 

@@ -38,6 +38,8 @@ FIRE_CHUNK = 1024
 class EngineOptions:
     server: str
     checkpoint: str
+    connection: Mapping[str, str] | None = None
+    """More connection options for every broker client (`BrokerAccess.options()`: TLS, keys)."""
     bucket_ms: int = 5_000
     shards: int = 2
     trigger_ms: int = 200
@@ -119,17 +121,17 @@ def fired_stream(entries: Any, options: EngineOptions) -> Any:
     )
 
 
-def fire_positions(server: str, positions: Sequence[int]) -> int:
+def fire_positions(server: Any, positions: Sequence[int]) -> int:
     """FireTimers on the broker, in chunks; returns how many it fired (repeats are skipped). A
     broker whose `max_send_batch` is below `FIRE_CHUNK` refuses a chunk with the limit it keeps:
     the chunks shrink to it (before, every batch firing more than it failed, and its replays too,
     so the engine stopped for good)."""
-    from chronoq.client import Admin
     from chronoq.errors import InvalidBatchSize
+    from chronoq.spark.datasource import admin_client
 
     fired = 0
     chunk = FIRE_CHUNK
-    with Admin(server) as admin:
+    with admin_client(server) as admin:
         start = 0
         while start < len(positions):
             try:
@@ -149,7 +151,9 @@ class FireSinkWriter(DataSourceStreamWriter):
     option `firedLog` is set, appends them as JSON lines to that file (an audit log; tests read it)."""
 
     def __init__(self, options: Mapping[str, str]) -> None:
-        self.server = options.get("server") or None
+        from chronoq.spark.datasource import BrokerAccess
+
+        self.server = BrokerAccess.from_options(options) if options.get("server") else None
         self.fired_log = options.get("firedLog") or None
 
     def write(self, iterator: Iterator[Any]) -> WriterCommitMessage:
@@ -209,13 +213,14 @@ def run_engine(spark: Any, options: EngineOptions, *, records: Any | None = None
 
     if records is None:
         register(spark)
-        records = (spark.readStream.format(SOURCE_NAME).option("server", options.server)
-                   .option("topic", TIMER_TOPIC).option("startingOffsets", "earliest")
+        records = (spark.readStream.format(SOURCE_NAME).options(**dict(options.connection or {}))
+                   .option("server", options.server).option("topic", TIMER_TOPIC).option("startingOffsets", "earliest")
                    .option("maxRecordsPerBatch", str(options.max_records_per_batch)).load())
     spark.dataSource.register(FireSink)
     fired = fired_stream(with_heartbeat(spark, timer_entries(records, options), options), options)
     writer = (fired.writeStream.queryName(options.query_name).format(FIRE_SINK_NAME)
-              .option("server", options.server).option("checkpointLocation", options.checkpoint)
+              .options(**dict(options.connection or {})).option("server", options.server)
+              .option("checkpointLocation", options.checkpoint)
               .trigger(processingTime=f"{options.trigger_ms} milliseconds"))
     if fired_log:
         writer = writer.option("firedLog", fired_log)

@@ -14,6 +14,13 @@ PNG) is plain Python over the small result, so it is testable without Spark. The
 people: errors as durations ("4.69s", "30m04s"), the acceptance rate said over the window it is a
 mean of (a per-minute table of rates beside a mean over a few busy seconds read as a
 contradiction, so the minutes show counts); report.json keeps every number in ms.
+
+The chart's y-axis is linear while the largest value it plots is within `LOG_SCALE_FROM` times the
+overall P90 (of the error it plots); beyond that it turns logarithmic (symmetric log: linear
+within a millisecond of zero, so zero and early deliveries still show), and both the chart and
+report.md say so. One message delivered late (a past-dated send received 17 s after its
+acceptance) otherwise set a linear axis to 17,500 ms and pressed every other minute's 2-9 ms
+onto zero. Nothing is clipped: the outlier stays on the chart at its value.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ ERRORS: tuple[tuple[str, str, str], ...] = (
 MINUTE_MS = 60_000
 APPROX_ACCURACY = 100_000
 """percentile_approx accuracy: relative error about 1/accuracy of the rank."""
+LOG_SCALE_FROM = 20
+"""The chart's y-axis turns logarithmic when its largest value exceeds this many times the overall P90."""
 
 
 def _error_aggs(approx: bool) -> list[Any]:
@@ -143,6 +152,36 @@ def _accepted_line(o: Mapping[str, Any]) -> str:
             f"over those seconds, {o['accepted_per_s_peak']:,} in the busiest second.")
 
 
+def _chart_series(report: Mapping[str, Any]) -> tuple[str, str]:
+    """(the error the chart plots, the other one): received - due when the trace has receipts."""
+    return ("recv", "fire") if report["overall"]["recv_count"] else ("fire", "recv")
+
+
+def _plotted_values(report: Mapping[str, Any]) -> list[float]:
+    main, other = _chart_series(report)
+    names = [f"{main}_{name}" for name, _ in PERCENTILES] + [f"{main}_max"]
+    if report["overall"][f"{other}_count"]:
+        names.append(f"{other}_p99")
+    return [float(m[n]) for m in report["per_minute"] for n in names if m.get(n) is not None]
+
+
+def chart_scale(report: Mapping[str, Any]) -> tuple[str, str | None]:
+    """("linear", None), or ("symlog", the sentence saying why) when the largest plotted value
+    exceeds `LOG_SCALE_FROM` times the overall P90 of the plotted error (at least 1 ms)."""
+    main, _ = _chart_series(report)
+    values = _plotted_values(report)
+    p90 = report["overall"].get(f"{main}_p90")
+    if not values or p90 is None:
+        return "linear", None
+    top = max(abs(v) for v in values)
+    base = max(abs(float(p90)), 1.0)
+    if top <= LOG_SCALE_FROM * base:
+        return "linear", None
+    return "symlog", (f"the chart's y-axis is logarithmic: its largest value ({duration(round(top))}) is over "
+                      f"{LOG_SCALE_FROM} times the overall P90 ({duration(round(float(p90)))}), which a linear axis "
+                      "would press flat")
+
+
 def render_markdown(report: Mapping[str, Any]) -> str:
     o = report["overall"]
     lines = [
@@ -153,6 +192,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         f"cancelled {o.get('cancelled', 0):,}, pending {o['pending']:,}.",
         _accepted_line(o),
         *(f"Note: {note}." for note in report.get("notes", ())),
+        *(f"Chart: {why}." for why in [chart_scale(report)[1]] if why),
         "",
         "Delay error: how late each message was, counted from its due time, or from its acceptance when it was "
         "due before it was accepted (a time in the past is delivered at once).",
@@ -185,13 +225,24 @@ def render_markdown(report: Mapping[str, Any]) -> str:
 
 def render_chart(report: Mapping[str, Any], path: str | Path) -> None:
     """A PNG of the delay-error percentiles per due minute: received - due when the trace has
-    receipts, else fired - due; the other error's P99 dashed when it exists."""
+    receipts, else fired - due; the other error's P99 dashed when it exists; the y-axis as
+    `chart_scale` says."""
+    fig = build_chart(report)
+    fig.savefig(str(path), format="png")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def build_chart(report: Mapping[str, Any]) -> Any:
+    """The chart's matplotlib Figure (`render_chart` saves it; a test reads its axes)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    main, other = ("recv", "fire") if report["overall"]["recv_count"] else ("fire", "recv")
+    main, other = _chart_series(report)
+    scale, why = chart_scale(report)
     labels = {"recv": "received", "fire": "fired"}
     rows = [m for m in report["per_minute"] if m["recv_count"] or m["fire_count"]]
     xs = [dt.datetime.fromtimestamp(m["minute_ms"] / 1000, tz=dt.UTC) for m in rows]
@@ -215,14 +266,28 @@ def render_chart(report: Mapping[str, Any], path: str | Path) -> None:
         ax.xaxis.set_major_locator(MinuteLocator(interval=max(1, span_min // 10)))
         ax.xaxis.set_major_formatter(DateFormatter("%m-%d %H:%M", tz=dt.UTC))
     ax.set_xlabel("due minute (UTC)")
-    ax.set_ylabel("delay error (ms, actual - max(due, accepted))")
-    ax.set_title(f"chronoq delivery error per minute ({report['overall']['messages']} messages)")
+    if scale == "symlog":
+        from matplotlib.ticker import FuncFormatter, SymmetricalLogLocator
+
+        ax.set_yscale("symlog", linthresh=1.0, linscale=0.5)
+        # Matplotlib's margin would reach far below zero on this scale: the axis starts at the lowest
+        # value (zero unless a message was early) and ends a little above the highest.
+        values = _plotted_values(report)
+        low, high = min(values), max(values)
+        ax.set_ylim(bottom=min(0.0, low * 2), top=high * 2)
+        ax.yaxis.set_major_locator(SymmetricalLogLocator(base=10, linthresh=1.0))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: duration(round(v))))
+        ax.set_ylabel("delay error, log scale (actual - max(due, accepted))")
+        ax.set_title(f"chronoq delivery error per minute ({report['overall']['messages']} messages)\n"
+                     f"log scale: {why.split(': ', 1)[1]}", fontsize="medium")
+    else:
+        ax.set_ylabel("delay error (ms, actual - max(due, accepted))")
+        ax.set_title(f"chronoq delivery error per minute ({report['overall']['messages']} messages)")
     ax.grid(True, alpha=0.3)
     ax.legend(loc="upper left", fontsize="small")
     fig.autofmt_xdate()
     fig.tight_layout()
-    fig.savefig(str(path), format="png")
-    plt.close(fig)
+    return fig
 
 
 def write_report(report: Mapping[str, Any], out_dir: str | Path) -> dict[str, Path]:

@@ -8,10 +8,23 @@ supplies the master and the executors' environment, so `build_session` only fill
 caller left unset (`getOrCreate` keeps the settings of a session that already exists).
 pyspark is imported inside the function, so importing this module costs nothing without Spark.
 
+Masters. `local[N]` (the default) runs everything in the driver's JVM. Any other master
+(`spark://host:7077`, `yarn`, `k8s://...`) runs executors elsewhere, with their own environment:
+the Python workers still run the driver's interpreter path (PySpark sends it with every Python
+function), and `spark.executorEnv.PYTHONPATH` is set to the directory holding `chronoq` unless the
+caller set it, which suits executors that see the same paths (a cluster on one machine, a shared
+install); `docs/spark.md` says what a remote cluster needs. The driver stays on loopback
+(`SPARK_LOCAL_IP`) only for a local master or one on a loopback address: executors elsewhere must
+reach it.
+
 `quiet=True` (the CLI's way) keeps Spark's start-up noise off the terminal: log4j gets a
 configuration of errors only (`log4j2-quiet.properties`, given to the driver JVM at launch, the only
 time it reads one), and the JVM's own warning about the incubator module the Spark 4 launcher
-always adds is dropped from its stderr, which is otherwise passed through line by line.
+always adds is dropped from its stderr, which is otherwise passed through line by line. The JVM
+then runs in a session of its own, so a Ctrl-C at the terminal reaches only the command's own
+process (PySpark's workers, which the JVM forks, restore Python's SIGINT handler, and each printed
+a KeyboardInterrupt traceback); the command stops its jobs, calls `silence_jvm()` so the
+cancellations' noise is not shown, and says in one line what was done.
 """
 
 from __future__ import annotations
@@ -23,6 +36,7 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
 
@@ -47,6 +61,26 @@ QUIET_LOG4J = Path(__file__).with_name("log4j2-quiet.properties")
 JVM_NOISE = (b"WARNING: Using incubator modules:",)
 """Lines the JVM prints at every start that say nothing to a chronoq user (Spark's launcher adds
 `--add-modules=jdk.incubator.vector`, and the JVM warns about it)."""
+_SILENCED = threading.Event()
+"""Set by `silence_jvm`: the JVM's stderr is no longer passed on."""
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def is_local_master(master: str | None) -> bool:
+    """True for `local`, `local[N]`, `local[*]`, `local-cluster[...]` and no master at all."""
+    return master is None or master.startswith("local")
+
+
+def on_loopback(master: str) -> bool:
+    """A `spark://` master on this machine's loopback address (as `scripts/spark-cluster.sh` starts one)."""
+    hosts = [urlsplit(part if "://" in part else f"spark://{part}").hostname
+             for part in master.removeprefix("spark://").split(",")]
+    return master.startswith("spark://") and all(h in LOOPBACK_HOSTS for h in hosts)
+
+
+def silence_jvm() -> None:
+    """Stop passing the driver JVM's stderr on (a command that is stopping says what happened itself)."""
+    _SILENCED.set()
 
 
 def package_root() -> str:
@@ -54,14 +88,15 @@ def package_root() -> str:
     return str(Path(__file__).resolve().parents[2])
 
 
-def prepare_environment() -> None:
-    """Make Python workers run this interpreter and import chronoq; keep Spark on loopback.
+def prepare_environment(master: str | None = None) -> None:
+    """Make Python workers run this interpreter and import chronoq; keep a local Spark on loopback.
 
     Must run before the JVM starts: the JVM passes its environment on to the workers.
     """
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    if is_local_master(master) or on_loopback(master or ""):
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     root = package_root()
     parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if root not in parts:
@@ -71,18 +106,21 @@ def prepare_environment() -> None:
 def build_session(app_name: str, *, master: str | None = None, conf: Mapping[str, str] | None = None,
                   quiet: bool = True) -> Any:
     """A SparkSession for `app_name`. `master=None` keeps the one spark-submit gave, else `local[2]`."""
-    prepare_environment()
-    from pyspark.sql import SparkSession
-
-    builder = SparkSession.builder.appName(app_name)
     # Under spark-submit the JVM already exists (PYSPARK_GATEWAY_PORT) and holds --master.
     submitted = "PYSPARK_GATEWAY_PORT" in os.environ
     chosen = master or (None if submitted else "local[2]")
+    prepare_environment(chosen)
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.appName(app_name)
     if chosen is not None:
         builder = builder.master(chosen)
     settings = dict(BASE_CONF)
     if chosen is not None and chosen.startswith("local"):
         settings.update(LOCAL_CONF)
+    elif chosen is not None:
+        # Executors in their own JVMs: they find chronoq where this driver does (same paths).
+        settings["spark.executorEnv.PYTHONPATH"] = package_root()
     if quiet and "spark.driver.extraJavaOptions" not in (conf or {}) and not submitted:
         settings["spark.driver.extraJavaOptions"] = f"-Dlog4j.configurationFile=file:{QUIET_LOG4J}"
     settings.update(conf or {})
@@ -107,7 +145,7 @@ def _launch_filtered_gateway(settings: Mapping[str, str]) -> None:
     if SparkContext._gateway is not None:
         return
     conf = SparkConf(loadDefaults=False).setAll(list(settings.items()))
-    gateway = launch_gateway(conf, popen_kwargs={"stderr": subprocess.PIPE})
+    gateway = launch_gateway(conf, popen_kwargs={"stderr": subprocess.PIPE, "start_new_session": True})
     threading.Thread(target=_pass_stderr, args=(gateway.proc.stderr,), name="spark-jvm-stderr", daemon=True).start()
     SparkContext._ensure_initialized(gateway=gateway, conf=conf)
 
@@ -115,6 +153,6 @@ def _launch_filtered_gateway(settings: Mapping[str, str]) -> None:
 def _pass_stderr(pipe: Any) -> None:
     out = sys.stderr.buffer
     for line in iter(pipe.readline, b""):
-        if not line.startswith(JVM_NOISE):
+        if not line.startswith(JVM_NOISE) and not _SILENCED.is_set():
             out.write(line)
             out.flush()

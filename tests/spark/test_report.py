@@ -197,3 +197,39 @@ def test_report_counts_a_past_due_message_from_its_acceptance_and_prints_no_spar
     o = json.loads((tmp_path / "out" / "report.json").read_text())["overall"]
     assert (o["fire_max"], o["recv_max"]) == (3, 10)
     assert "| fired - due | 2 | 2ms |" in proc.stdout, proc.stdout  # P50 of 2 and 3 ms: 2.5, rounded to even
+
+
+def test_one_late_outlier_does_not_flatten_the_chart(spark, tmp_path):
+    """One past-dated message received 17.5 s after its acceptance set a linear y-axis to 17,500 ms
+    and pressed every minute's 2-9 ms onto zero. The axis turns logarithmic, the chart and report.md
+    say so, the outlier stays on the chart, and 2 ms and 9 ms are far apart on it."""
+    from chronoq.spark.report import build_chart, chart_scale, compute_report, render_markdown
+
+    rows = []
+    for i in range(300):  # five minutes of messages received 2-9 ms after due
+        due = T0_MS + i * 1000
+        rows.append(_row(i, due - 30_000, due, due + 1 + i % 5, due + 2 + i % 8))
+    rows.append(_row(999, T0_MS + 10_000, T0_MS - 3_600_000, T0_MS + 10_003, T0_MS + 27_500))
+    write_trace(rows, tmp_path / "trace.parquet")
+    report = compute_report(spark, str(tmp_path / "trace.parquet"))
+    assert report["overall"]["recv_max"] == 17_500
+    scale, why = chart_scale(report)
+    assert scale == "symlog" and why is not None and "17.5s" in why and "9ms" in why, why
+    assert f"Chart: {why}." in render_markdown(report)
+    fig = build_chart(report)
+    ax = fig.axes[0]
+    assert ax.get_yscale() == "symlog" and "log scale" in ax.get_ylabel() and "log scale" in ax.get_title()
+    low, high = ax.get_ylim()
+    assert low <= 2 and high >= 17_500  # nothing clipped
+    to_px = ax.transData.transform
+    gap_px = to_px((0, 9))[1] - to_px((0, 2))[1]
+    assert gap_px > 40, gap_px  # on a linear axis to 17,500 ms this was under 2 px
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+    rows = [r for r in rows if r["message_id"] != "m0000999"]  # without the outlier: linear, as before
+    write_trace(rows, tmp_path / "plain.parquet")
+    plain = compute_report(spark, str(tmp_path / "plain.parquet"))
+    assert chart_scale(plain) == ("linear", None)
+    assert "Chart:" not in render_markdown(plain)

@@ -154,3 +154,81 @@ def test_rows_the_broker_would_refuse_are_rejects_not_a_failed_job(spark, chrono
     assert (result.total, result.scheduled, result.rejected) == (24, 20, 4)
     assert result.rejects_by_reason == {"id_bad_characters": 1, "bad_tag": 2, "bad_keys": 1}
     assert _pending(chronoq_server, "refusals") == 20
+
+
+def test_a_repeated_id_is_a_reject_and_the_counts_say_what_was_stored(spark, chronoq_server, tmp_path, capsys,
+                                                                      monkeypatch):
+    """Two rows with one --id-column value: the broker stores the id once (its dedupe window answers
+    the repeat as a duplicate), so one row was never stored, was not in the rejects, and was counted
+    as scheduled. Now the first in input order is sent and the others are `duplicate_id` rejects;
+    a row whose id repeats an invalid row's is still sent. A rerun says its ids were already stored.
+    --server is not given: $CHRONOQ_SERVER names the broker, as for every other command."""
+    from chronoq.client import Admin
+
+    with Admin(chronoq_server) as admin:
+        admin.create_topic("dups", queue_count=2)
+    now = dt.datetime.now(dt.UTC)
+    rows = [(f"d{i}", f"body {i}", now + dt.timedelta(hours=1, seconds=i)) for i in range(10)]
+    rows += [("d3", "second d3", now + dt.timedelta(hours=2)), ("d3", "third d3", now + dt.timedelta(hours=3)),
+             ("x", None, now + dt.timedelta(hours=1)), ("x", "valid x", now + dt.timedelta(hours=4))]
+    table = pa.table({"rid": [r[0] for r in rows], "text": [r[1] for r in rows],
+                      "at": pa.array([r[2] for r in rows], pa.timestamp("ms", tz="UTC"))})
+    src = tmp_path / "in.parquet"
+    pq.write_table(table, src, row_group_size=4)
+    rejects = tmp_path / "rejects"
+    monkeypatch.setenv("CHRONOQ_SERVER", chronoq_server)
+    argv = ("--input", str(src), "--topic", "dups", "--deliver-at-column", "at", "--body-column", "text",
+            "--id-column", "rid", "--rejects", str(rejects))
+    assert _cli(*argv) == 0
+    out = capsys.readouterr().out
+    assert "rows 14: scheduled 11, rejected 3" in out, out
+    assert "rejected 2: duplicate_id" in out and "rejected 1: body_missing" in out
+    assert "already stored" not in out
+    assert _pending(chronoq_server, "dups") == 11
+    rej = pq.read_table(rejects).to_pylist()
+    assert sorted((r["rid"], r["text"], r["reason_code"]) for r in rej) == [
+        ("d3", "second d3", "duplicate_id"), ("d3", "third d3", "duplicate_id"), ("x", None, "body_missing")]
+    dup = next(r for r in rej if r["text"] == "second d3")
+    assert dup["reason"].startswith("message id 'd3' is on 3 valid rows; only the first in input order is sent")
+    with Admin(chronoq_server) as admin:
+        [d3] = admin.query("d3", "dups")
+        [x] = admin.query("x", "dups")
+    assert d3.deliver_at_ms == int(rows[3][2].timestamp() * 1000)  # the first d3 row's, not a later one's
+    assert x.deliver_at_ms == int(rows[13][2].timestamp() * 1000)
+
+    assert _cli(*argv) == 0  # a rerun: every id is already stored, and the summary says so
+    out = capsys.readouterr().out
+    assert "rows 14: scheduled 11, rejected 3" in out
+    assert "of the scheduled, 11 ids were already stored" in out and "0 stored now" in out, out
+    assert _pending(chronoq_server, "dups") == 11
+
+
+def test_rejects_say_times_as_people_read_them_beside_the_ms(spark, chronoq_server, tmp_path):
+    from chronoq.client import Admin
+    from chronoq.spark.schedule import ScheduleOptions, run_schedule
+    from chronoq.timefmt import instant
+
+    with Admin(chronoq_server) as admin:
+        admin.create_topic("human", queue_count=1)
+    now_ms = int(time.time() * 1000)  # the broker judges the valid row's time by its own clock
+    far = now_ms + 40 * DAY_MS + 5_000
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "part.csv").write_text(f"rid,body,when\nfar,a,{far}\nneg,b,-5\nok,c,{now_ms + HOUR_MS}\n")
+    options = ScheduleOptions(input_path=str(tmp_path / "in"), topic="human", server=chronoq_server,
+                              deliver_at_column="when", id_column="rid", rejects_path=str(tmp_path / "rej"))
+    result = run_schedule(spark, options, now_ms=now_ms)
+    assert (result.scheduled, result.rejected) == (1, 2)
+    rej = {r["rid"]: r for r in pq.read_table(tmp_path / "rej").to_pylist()}
+    assert rej["far"]["reason"] == (
+        f"delivery time {instant(far)} ({far} ms) is 40 days ({40 * DAY_MS + 5000} ms) ahead of the job's start "
+        f"{instant(now_ms)}; the limit (--max-delay-ms) is 2592000000 ms (30 days)")
+    assert rej["far"]["deliver_at_utc"] == instant(far) and rej["far"]["deliver_at_ms"] == far
+    assert rej["neg"]["reason"] == "delivery time -5 ms (1969-12-31T23:59:59.995Z) is before the epoch"
+
+    delays = tmp_path / "delays.json"
+    delays.write_text('{"body": "d1", "ms": 3000000000}\n{"body": "d2", "ms": -90000}\n')
+    result = run_schedule(spark, ScheduleOptions(input_path=str(delays), topic="human", server=chronoq_server,
+                                                 delay_column="ms", rejects_path=str(tmp_path / "rej2")))
+    rej = {r["body"]: r["reason"] for r in pq.read_table(tmp_path / "rej2").to_pylist()}
+    assert rej == {"d1": "delay 3000000000 ms (34 days) exceeds the limit (--max-delay-ms) 2592000000 ms (30 days)",
+                   "d2": "delay -90000 ms (-1m30s) is negative"}
