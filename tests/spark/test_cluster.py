@@ -25,7 +25,7 @@ need_module("pyspark", "spark")
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-pytestmark = [pytest.mark.spark, pytest.mark.slow]
+pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.long]
 
 MESSAGES = 400
 LEAD_MS = 60_000

@@ -110,6 +110,7 @@ def test_ctrl_c_while_sending_says_what_was_done_in_one_line(tmp_path):
         assert f"of the scheduled, {stored} ids were already stored" in rerun.stdout, rerun.stdout
 
 
+@pytest.mark.long
 def test_a_broker_that_stops_mid_send_gives_one_error_and_a_safe_rerun(tmp_path):
     from chronoq.client.testing import ServerProcess
 
