@@ -522,13 +522,17 @@ class WheelTimerEngine:
         second = e.deliver_at_ms // 1000
         _dec(self.per_second, second)
         _dec(self.per_hour, second // _HOUR_S)
-        left = self.placed[row.slot_ms] - 1
+        self._unplace(row.slot_ms)
+
+    def _unplace(self, slot_ms: int) -> None:
+        """One pending timer fewer placed in `slot_ms` (its list goes with the last one)."""
+        left = self.placed[slot_ms] - 1
         if left:
-            self.placed[row.slot_ms] = left
+            self.placed[slot_ms] = left
         else:
-            del self.placed[row.slot_ms]
-            self._slot_lists.pop(row.slot_ms, None)
-            self._unsorted.discard(row.slot_ms)
+            del self.placed[slot_ms]
+            self._slot_lists.pop(slot_ms, None)
+            self._unsorted.discard(slot_ms)
 
     def _list_in(self, slot_ms: int, item: tuple[int, int]) -> None:
         """Add a timer placed in `slot_ms` to that slot's list (sorted when next read)."""
@@ -542,13 +546,7 @@ class WheelTimerEngine:
 
     def _move(self, position: int, row: _Row, slot_ms: int) -> None:
         """A pending timer linked again into `slot_ms` (a roll): only its slot changes."""
-        left = self.placed[row.slot_ms] - 1
-        if left:
-            self.placed[row.slot_ms] = left
-        else:
-            del self.placed[row.slot_ms]
-            self._slot_lists.pop(row.slot_ms, None)
-            self._unsorted.discard(row.slot_ms)
+        self._unplace(row.slot_ms)
         self.placed[slot_ms] = self.placed.get(slot_ms, 0) + 1
         self.rows[position] = _Row(row.entry, row.state, None, slot_ms, row.facts_at)
         self._list_in(slot_ms, (row.entry.deliver_at_ms, position))
