@@ -305,6 +305,13 @@ class Config:
     """A Pulsar SEND whose `deliver_at_time` is more than this past its `publish_time` is
     refused with NotAllowedError (Pulsar's `delayedDeliveryMaxDelayInMillis`); 0 = no limit
     beyond `timer_max_delay_ms`."""
+    pulsar_checksum_error_clients: str = "Pulsar-CPP-*"
+    """Pulsar clients (CONNECT's `client_version`, names or shell-style globs, separated by
+    commas) to which a SEND refused with NotAllowedError (`pulsar_max_delivery_delay_ms`) is
+    answered ChecksumError instead, the message text starting "NotAllowed:". The C++ client 4.x
+    (and the Python and Node clients built on it, `Pulsar-CPP-v...`) fails a single send only
+    for ChecksumError; on any other SEND_ERROR it reconnects and sends the message again until
+    its send timeout. The Java client fails the send for NotAllowedError, as Pulsar intends."""
     pulsar_max_producers_per_connection: int = limit(1000)
     """Producers one Pulsar connection may hold; one more is refused with NotAllowedError."""
     pulsar_max_consumers_per_connection: int = limit(1000)

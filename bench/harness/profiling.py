@@ -18,7 +18,8 @@ from typing import Any
 
 from bench.harness.procs import ChildProcess, Server
 
-PROFILED_SYSTEMS = {"chronoq", "chronoq-async", "chronoq-stream", "chronoq-wheel", "floor"}
+PROFILED_SYSTEMS = {"chronoq", "chronoq-async", "chronoq-stream", "chronoq-wheel", "chronoq-pulsar",
+                    "chronoq-pulsar-delay-all", "floor"}
 PROFILED_PHASES = {"accept", "precision", "burst"}
 SAMPLE_RATE_HZ = 100
 TOP = 25

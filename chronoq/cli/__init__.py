@@ -28,18 +28,20 @@ from typing import Any
 
 from chronoq import __version__
 
-COMMAND_MODULES = [  # in the order `chronoq --help` lists them: run it, use it, look after it
-    "chronoq.cli.serve",
-    "chronoq.cli.demo",
-    "chronoq.cli.messages",
-    "chronoq.cli.topics",
-    "chronoq.cli.schedules",
-    "chronoq.cli.stats",
-    "chronoq.cli.check",
-    "chronoq.cli.trace",
-    "chronoq.cli.spark",
-    "chronoq.cli.bench",
-]
+COMMANDS = {  # each module and the commands it registers, in the order `chronoq --help` lists them
+    "chronoq.cli.serve": ("serve",),
+    "chronoq.cli.demo": ("demo",),
+    "chronoq.cli.messages": ("send", "consume", "show", "cancel"),
+    "chronoq.cli.topics": ("topics",),
+    "chronoq.cli.schedules": ("schedule",),
+    "chronoq.cli.stats": ("stats",),
+    "chronoq.cli.check": ("check",),
+    "chronoq.cli.trace": ("trace",),
+    "chronoq.cli.spark": ("spark",),
+    "chronoq.cli.bench": ("bench",),
+}
+COMMAND_MODULES = list(COMMANDS)
+_MODULE_OF = {command: module for module, commands in COMMANDS.items() for command in commands}
 
 
 _INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)$")
@@ -94,7 +96,8 @@ class Parser(argparse.ArgumentParser):
         self.error(f"unrecognized arguments: {' '.join(extra)}" + (f" ({'; '.join(hints)})" if hints else ""))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(module: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or of the one command `module` registers."""
     parser = Parser(
         prog="chronoq", description="chronoq: a durable broker for scheduled and delayed messages.",
         epilog="Run `chronoq COMMAND --help` for a command's flags and examples. Client commands take "
@@ -110,9 +113,22 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             parser.add_argument(flag, dest=_global_dest(flag), default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    for name in COMMAND_MODULES if module is None else [module]:
         importlib.import_module(name).register(sub)
     return parser
+
+
+def command_module(argv: Sequence[str]) -> str | None:
+    """The module of the command `argv` names, or None (no command, or one that is not known).
+    Only that module is imported to run it: `chronoq serve` does not load the SDK's modules, nor
+    `chronoq send` the server's. The flags before the command are the connection flags."""
+    args = iter(argv)
+    for arg in args:
+        if arg in _GLOBAL_FLAGS and _GLOBAL_FLAGS[arg] is not bool:
+            next(args, None)  # the flag's value
+        elif not arg.startswith("-"):
+            return _MODULE_OF.get(arg)
+    return None
 
 
 _GLOBAL_FLAGS = {"--server": str, "--tls": bool, "--ca-cert": str, "--tls-server-name": str, "--access-key": str,
@@ -136,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     from chronoq.cli.common import EXIT_INTERRUPTED, CliError, err_console
 
-    parser = build_parser()
+    parser = build_parser(command_module(sys.argv[1:] if argv is None else argv))
     args, extra = parser.parse_known_args(argv)
     if extra:
         if not getattr(args, "passthrough", False):

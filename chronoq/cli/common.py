@@ -38,8 +38,6 @@ from typing import Any
 from rich.console import Console
 
 from chronoq import envvars
-from chronoq.client import InvalidArgument, default_server
-from chronoq.client.aio import parse_server
 from chronoq.errors import ChronoqError, Unauthorized
 
 EXIT_OK = 0
@@ -182,6 +180,9 @@ def read_ca_cert(path: str) -> bytes:
 
 
 def connection_of(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Connection:
+    from chronoq.client import InvalidArgument, default_server  # the SDK: for client commands only
+    from chronoq.client.aio import parse_server
+
     env = os.environ if env is None else env
     server = getattr(args, "server", None) or env.get(SERVER_ENV) or default_server()
     try:

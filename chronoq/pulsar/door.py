@@ -8,8 +8,13 @@ order; what it serves is what Pulsar's official clients send (C++ 4.x, and the P
 
 - CONNECT -> CONNECTED. With `[auth] enabled`, the client's `AuthenticationBasic(access_key,
   secret_key)` (method `basic`, data `access_key:secret_key`) is checked against chronoq's
-  users (`Authenticator.password`); anything else is ERROR AuthenticationError, logged, and the
-  connection closes (the C++ client reports its operation's TimeOut: `NO_REQUEST`). The user's
+  users (`Authenticator.password`). Refused credentials are logged and still get CONNECTED, but
+  the connection's first request is answered AuthenticationError with the reason, in the reply
+  its caller waits for (a failed partitioned-metadata or lookup response, else ERROR), and the
+  door hangs up; nothing else is served there. Pulsar's broker answers CONNECT itself with an
+  ERROR, which the C++ client (and the Python client over it) never reports: the caller sees its
+  operation's TimeOut. Here `pulsar.Client(...).create_producer` fails at once with
+  AuthenticationError. The user's
   permissions (`Principal`) then decide each PRODUCER (publish) and SUBSCRIBE (subscribe to
   the topic, consume as the group): AuthorizationError.
 - PARTITIONED_METADATA -> 0 partitions (every topic is non-partitioned); LOOKUP -> `Connect`
@@ -66,7 +71,9 @@ refused for its content (no payload, a property name chronoq reserves, compressi
 encryption, chunking, a due time beyond `timer_max_delay_ms`) is answered with SEND_ERROR
 `ChecksumError`, the one error the client fails that single send for (others make it reconnect
 and send again); the message text and the server log say why. A delay beyond
-`pulsar_max_delivery_delay_ms` is NotAllowedError, as Pulsar answers it. A broker failure a
+`pulsar_max_delivery_delay_ms` is NotAllowedError, as Pulsar answers it, except to the clients
+named in `pulsar_checksum_error_clients` (the C++ client and those built on it, which would
+send it again until their send timeout): ChecksumError, its text starting "NotAllowed:". A broker failure a
 retry can outlive answers `PersistenceError`, and the client resends.
 """
 
@@ -93,6 +100,7 @@ from chronoq.pulsar.messages import (
     Refused,
     chronoq_topic,
     immediate_name,
+    matches_any,
     messages_of,
 )
 from chronoq.pulsar.subscriptions import Consumer, Subscription, SubType
@@ -280,6 +288,16 @@ class PulsarDoor:
                             immediate_name(topic, self.config))
 
 
+def _request_id(cmd: api.BaseCommand) -> int:
+    """The request id of the command's sub-command, or `NO_REQUEST` if it carries none."""
+    fd = api.BaseCommand.DESCRIPTOR.fields_by_number.get(cmd.type)
+    if fd is not None and fd.message_type is not None and cmd.HasField(fd.name):
+        sub = getattr(cmd, fd.name)
+        if "request_id" in sub.DESCRIPTOR.fields_by_name and sub.HasField("request_id"):
+            return int(sub.request_id)
+    return NO_REQUEST
+
+
 class Connection:
     def __init__(self, door: PulsarDoor, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.door = door
@@ -291,6 +309,10 @@ class Connection:
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self.connected = False
         self.principal: Principal = ANONYMOUS
+        self.fails_sends_on_checksum_only = False
+        """The client (its CONNECT's `client_version`) is one of `pulsar_checksum_error_clients`."""
+        self.refusal: str | None = None
+        """Why CONNECT's credentials were refused (None: they were not)."""
         self.producers: dict[int, Producer] = {}
         self.consumers: dict[int, Consumer] = {}
         self.pending_sends = 0
@@ -364,21 +386,44 @@ class Connection:
                 raise FrameError(f"{codec.type_name(kind)} before CONNECT")
             self.on_connect(cmd.connect)
             return
+        if self.refusal is not None:
+            self.refuse_request(cmd)
+            return
         handler = self._handlers.get(kind)
         if handler is not None:
             await handler(self, frame)
             return
         self.refuse_unserved(cmd)
 
+    def refuse_request(self, cmd: api.BaseCommand) -> None:
+        """On a connection whose credentials were refused: the first request is answered with
+        AuthenticationError and the reason, in the reply the client waits for, then the door
+        hangs up. Nothing else is served there."""
+        kind, reason = cmd.type, self.refusal or ""
+        if kind == Type.PING:
+            self.send(Type.PONG, pong=api.CommandPong())
+            return
+        if kind == Type.PARTITIONED_METADATA:
+            Meta = api.CommandPartitionedTopicMetadataResponse
+            self.send(Type.PARTITIONED_METADATA_RESPONSE, partitionMetadataResponse=Meta(
+                request_id=cmd.partitionMetadata.request_id, response=Meta.Failed,
+                error=ServerError.AuthenticationError, message=reason))
+        elif kind == Type.LOOKUP:
+            Lookup = api.CommandLookupTopicResponse
+            self.send(Type.LOOKUP_RESPONSE, lookupTopicResponse=Lookup(
+                request_id=cmd.lookupTopic.request_id, response=Lookup.Failed,
+                error=ServerError.AuthenticationError, message=reason))
+        else:
+            self.error(_request_id(cmd), ServerError.AuthenticationError, reason)
+        raise Hangup()
+
     def refuse_unserved(self, cmd: api.BaseCommand) -> None:
         kind = cmd.type
-        fd = api.BaseCommand.DESCRIPTOR.fields_by_number.get(kind)
-        if fd is not None and fd.message_type is not None and cmd.HasField(fd.name):
-            sub = getattr(cmd, fd.name)
-            if "request_id" in sub.DESCRIPTOR.fields_by_name and sub.HasField("request_id"):
-                self.error(sub.request_id, ServerError.NotAllowedError,
-                           f"chronoq's Pulsar door does not serve {codec.type_name(kind)}")
-                return
+        request_id = _request_id(cmd)
+        if request_id != NO_REQUEST:
+            self.error(request_id, ServerError.NotAllowedError,
+                       f"chronoq's Pulsar door does not serve {codec.type_name(kind)}")
+            return
         if kind not in self._ignored:
             self._ignored.add(kind)
             log.warning("pulsar door: %s from %s ignored: the door does not serve it", codec.type_name(kind), self.peer)
@@ -390,9 +435,11 @@ class Connection:
                 self.principal = self._authenticate(authenticator, connect)
             except ChronoqError as exc:
                 log.warning("pulsar door: refused a connection from %s: %s", self.peer, exc)
-                self.error(NO_REQUEST, ServerError.AuthenticationError, str(exc))
-                raise Hangup() from None
+                # Answered on the connection's first request, where the client reports it.
+                self.refusal = str(exc)
         self.connected = True
+        self.fails_sends_on_checksum_only = matches_any(connect.client_version,
+                                                        self.config.pulsar_checksum_error_clients)
         version = min(connect.protocol_version, PROTOCOL_VERSION)
         self.send(Type.CONNECTED, connected=api.CommandConnected(
             server_version=SERVER_VERSION, protocol_version=version, max_message_size=self.max_message_size))
@@ -554,6 +601,8 @@ class Connection:
             self.send(Type.SEND_RECEIPT, send_receipt=receipt)
 
     def _send_error(self, producer: Producer, send: api.CommandSend, error: int, message: str) -> None:
+        if error == ServerError.NotAllowedError and self.fails_sends_on_checksum_only:
+            error, message = ServerError.ChecksumError, f"NotAllowed: {message}"
         log.info("pulsar door: producer %s on %s: sequence_id %d refused: %s", producer.name, producer.topic,
                  send.sequence_id, message)
         self.send(Type.SEND_ERROR, send_error=api.CommandSendError(

@@ -100,15 +100,16 @@ def immediate_name(topic: str, config: Config) -> str | None:
 def immediate_topic(topic: str, config: Config) -> str | None:
     """Where a delayed message sent now is copied for Exclusive and Failover subscriptions; None
     when its delay holds on every subscription type (the setting, or no room for the name)."""
-    if _delay_all(config.pulsar_delay_all_subscriptions_topics, topic):
+    if matches_any(topic, config.pulsar_delay_all_subscriptions_topics):
         return None
     return immediate_name(topic, config)
 
 
 @functools.lru_cache(maxsize=1024)
-def _delay_all(setting: str, topic: str) -> bool:
+def matches_any(name: str, setting: str) -> bool:
+    """`name` matches one of the setting's names or shell-style globs (separated by commas)."""
     patterns = [p.strip() for p in setting.split(",") if p.strip()]
-    return any(re.fullmatch(fnmatch.translate(p), topic) for p in patterns)
+    return any(re.fullmatch(fnmatch.translate(p), name) for p in patterns)
 
 
 def messages_of(frame: codec.Frame, topic: str, producer_name: str, now_ms: int,
@@ -130,11 +131,10 @@ def messages_of(frame: codec.Frame, topic: str, producer_name: str, now_ms: int,
     if meta.HasField("deliver_at_time"):
         max_delay = config.pulsar_max_delivery_delay_ms
         if max_delay and meta.deliver_at_time - meta.publish_time > max_delay:
-            # Pulsar's words (PersistentTopic, PIP-315). Pulsar's error code for it is
-            # NotAllowedError, on which the C++ client (4.2.0) reconnects and sends again, for
-            # ever; ChecksumError is the one code it fails that single send for.
-            raise Refused(ServerError.ChecksumError,
-                          f"NotAllowed: Exceeds max allowed delivery delay of {max_delay} milliseconds "
+            # Pulsar's code and words (PersistentTopic, PIP-315); the door may recode it for a
+            # client that fails a send only on ChecksumError (`pulsar_checksum_error_clients`).
+            raise Refused(ServerError.NotAllowedError,
+                          f"Exceeds max allowed delivery delay of {max_delay} milliseconds "
                           f"(pulsar_max_delivery_delay_ms; {what} asks {meta.deliver_at_time - meta.publish_time})")
         if meta.deliver_at_time > now_ms:
             deliver_at = meta.deliver_at_time  # one due already is a plain message: due means deliverable

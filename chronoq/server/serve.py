@@ -4,9 +4,10 @@ Theory of operation: `serve(config)` opens the broker and builds a gRPC server w
 `apache.rocketmq.v2.MessagingService` (the official clients), `chronoq.receive.v1.Receive` (the
 same receive with the messages in one response, `chronoq.protocol.batch_receive`; chronoq's SDK),
 `chronoq.admin.v1.Admin` (JSON admin), and the standard `grpc.health.v1.Health` (SERVING while
-the broker is open). With `http_port` set it then starts the HTTP side on the same loop
-(`chronoq/http/`: /metrics, /healthz, the web console), and with `pulsar_port` the Pulsar door
-(`chronoq/pulsar/door.py`: Apache Pulsar's binary protocol, its own asyncio server). Only then
+the broker is open). With `pulsar_port` the Pulsar door (`chronoq/pulsar/door.py`: Apache
+Pulsar's binary protocol, its own asyncio server) serves first, as soon as the broker is open,
+before the gRPC side's modules are even imported; with `http_port` set the HTTP side then starts
+on the same loop (`chronoq/http/`: /metrics, /healthz, the web console). Only then
 does it bind the gRPC port (TLS when a certificate and key are configured) and serve on it, in
 one step (`listen`). The order is for readiness probes: gRPC core listens from `add_*_port` on,
 so from the bind the kernel accepts connections and a probe that only connects (Kubernetes
@@ -53,16 +54,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from chronoq.config import Config, ConfigError
-from chronoq.protocol import admin as admin_codec
-from chronoq.protocol import batch_receive
-from chronoq.protocol.requests import Endpoint
-from chronoq.protocol.v2 import SERVICE_NAME
-from chronoq.server.admin_service import AdminService
 from chronoq.server.auth import AUTH_OFF, AuthConfig, Authenticator, load_auth
-from chronoq.server.grpc_service import MessagingService
 from chronoq.server.net import bind_address, bind_failure, max_request_bytes
 
 if TYPE_CHECKING:
@@ -163,8 +157,24 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None,
     http = None
     pulsar = None
     try:
-        advertised = None if config.host in WILDCARD_HOSTS else Endpoint(config.host, config.port)
         authenticator = Authenticator(auth)
+        if config.pulsar_port:
+            from chronoq.pulsar.door import PulsarDoor  # the Pulsar protocol's modules: only when asked for
+
+            pulsar = PulsarDoor(broker, config, authenticator=authenticator)
+            pulsar_port = await start_pulsar(pulsar, config)
+        # The gRPC side's modules (RocketMQ's protocol classes among them: ~0.4 s of imports) load
+        # after the Pulsar door serves, so a restart keeps Pulsar clients waiting for less.
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+        from chronoq.protocol import admin as admin_codec
+        from chronoq.protocol import batch_receive
+        from chronoq.protocol.requests import Endpoint
+        from chronoq.protocol.v2 import SERVICE_NAME
+        from chronoq.server.admin_service import AdminService
+        from chronoq.server.grpc_service import MessagingService
+
+        advertised = None if config.host in WILDCARD_HOSTS else Endpoint(config.host, config.port)
         messaging = MessagingService(broker, config, advertised=advertised, port=config.port,
                                      authenticator=authenticator)
         admin = AdminService(broker, config, authenticator)
@@ -180,11 +190,6 @@ async def serve(config: Config, *, stop: asyncio.Event | None = None,
 
             http = HttpServer(broker, config, admin)
             http_port = await http.start()  # its /healthz says "starting" until gRPC serves
-        if config.pulsar_port:
-            from chronoq.pulsar.door import PulsarDoor  # the Pulsar protocol's modules: only when asked for
-
-            pulsar = PulsarDoor(broker, config, authenticator=authenticator)
-            pulsar_port = await start_pulsar(pulsar, config)
         if own_process:
             settle_heap(config)
         port = await listen(server, config, credentials)

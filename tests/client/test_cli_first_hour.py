@@ -130,6 +130,29 @@ def test_every_client_command_takes_the_tls_flags() -> None:
             assert flag in proc.stdout, (argv, flag)
 
 
+def test_a_command_imports_its_own_module_and_every_command_is_registered_where_listed() -> None:
+    from chronoq.cli import COMMANDS, Parser, build_parser, command_module
+
+    for module, commands in COMMANDS.items():
+        sub = Parser(prog="chronoq").add_subparsers(dest="command")
+        __import__(module, fromlist=["register"]).register(sub)
+        assert tuple(sub.choices) == commands, module
+    assert command_module(["--server", "demo:8081", "--tls", "send", "t", "x"]) == "chronoq.cli.messages"
+    assert command_module(["--server=h:1", "serve"]) == "chronoq.cli.serve"
+    assert command_module(["sned", "t"]) is None and command_module(["--version"]) is None
+    assert build_parser().parse_known_args(["send", "t", "x"])[0].command == "send"
+    assert build_parser("chronoq.cli.serve").parse_known_args(["serve"])[0].command == "serve"
+    # `chronoq serve` runs without the SDK's or RocketMQ's client modules, which only client commands need.
+    out = subprocess.run([sys.executable, "-c", "import sys, contextlib, io\n"
+                          "from chronoq.cli import main\n"
+                          "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+                          "    main(['serve', '--help'])\n"
+                          "print(sorted(m for m in sys.modules if m.startswith(('rocketmq', 'chronoq.client'))))"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 @pytest.mark.slow
 def test_connection_mistakes_are_usage_errors_and_a_missing_server_is_named(tmp_path: Path) -> None:
     proc = chronoq_cmd("topics", "list", "--server", "localhost")

@@ -107,12 +107,15 @@ def test_basic_auth_checks_chronoqs_users_and_permissions(tmp_path: Path) -> Non
                   send=[{"body": "paid"}], expect=1)
         assert "fatal" not in ok, ok["fatal"]
         assert [m["body"] for m in ok["received"]] == ["paid"]
-        # A refused CONNECT is ERROR AuthenticationError and a closed connection; the C++ client
-        # does not surface that error: it retries until its operation times out.
+        # Refused credentials fail the client's first call with AuthenticationError, at once (the
+        # cases' operation timeout is 10 s: a TimeOut would mean the refusal never reached it).
+        started = time.monotonic()
         wrong = case("produce_consume", url, "orders", auth=["orders-app", "guess"], send=[{"body": "x"}])
-        assert "TimeOut" in wrong.get("fatal", ""), wrong
+        assert "AuthenticationError" in wrong.get("fatal", ""), wrong
         nobody = case("produce_consume", url, "orders", send=[{"body": "x"}])
-        assert "TimeOut" in nobody.get("fatal", ""), nobody
+        assert "AuthenticationError" in nobody.get("fatal", ""), nobody
+        assert time.monotonic() - started < 10, "a refusal waited for the client's operation timeout"
+
         served_log = server.log_path.read_text()
         assert "wrong secret key for access key 'orders-app'" in served_log
         assert "auth method 'none'" in served_log

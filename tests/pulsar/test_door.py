@@ -32,9 +32,9 @@ class Client:
         self.request_id = 0
 
     @classmethod
-    async def connect(cls, port: int) -> Client:
+    async def connect(cls, port: int, client_version: str = "test") -> Client:
         client = cls(*await asyncio.open_connection("127.0.0.1", port))
-        client.send(Type.CONNECT, connect=api.CommandConnect(client_version="test", protocol_version=20,
+        client.send(Type.CONNECT, connect=api.CommandConnect(client_version=client_version, protocol_version=20,
                                                              auth_method_name="none"))
         assert (await client.next()).command.type == Type.CONNECTED
         return client
@@ -215,6 +215,30 @@ def test_a_message_chronoq_refuses_fails_that_send_alone(tmp_path: Path) -> None
     arun(run())
 
 
+def test_a_delay_past_the_maximum_is_not_allowed_in_the_code_each_client_fails_the_send_for(tmp_path: Path) -> None:
+    async def run() -> None:
+        async with door(tmp_path, pulsar_max_delivery_delay_ms=60_000) as (_, port):
+            replies = {}
+            for version in ("Pulsar-Java-v3.3.1", "Pulsar-CPP-v4.2.0"):
+                c = await Client.connect(port, client_version=version)
+                await c.producer()
+                now = int(time.time() * 1000)
+                c.publish(0, b"far", deliver_at_time=now + 61_000)
+                c.publish(1, b"near", deliver_at_time=now + 59_000)
+                replies[version] = [(await c.next()).command for _ in range(2)]
+            for version, (far, near) in replies.items():
+                assert far.type == Type.SEND_ERROR and near.type == Type.SEND_RECEIPT, version
+                assert "Exceeds max allowed delivery delay of 60000 milliseconds" in far.send_error.message
+            java, cpp = replies["Pulsar-Java-v3.3.1"][0], replies["Pulsar-CPP-v4.2.0"][0]
+            # Pulsar's own code where the client fails the send for it; ChecksumError for the C++
+            # client, which fails a single send for nothing else (pulsar_checksum_error_clients).
+            assert java.send_error.error == ServerError.NotAllowedError
+            assert cpp.send_error.error == ServerError.ChecksumError
+            assert cpp.send_error.message.startswith("NotAllowed: Exceeds")
+
+    arun(run())
+
+
 def test_a_latest_subscription_starts_after_what_is_already_there(tmp_path: Path) -> None:
     async def run() -> None:
         async with door(tmp_path) as (_, port):
@@ -257,7 +281,7 @@ def test_failover_feeds_one_consumer_and_the_next_takes_over_with_what_it_held(t
     arun(run())
 
 
-def test_with_auth_on_the_door_refuses_a_connection_without_credentials(tmp_path: Path) -> None:
+def test_with_auth_on_refused_credentials_fail_the_first_request_and_serve_nothing(tmp_path: Path) -> None:
     async def run() -> None:
         config = Config(data_dir=tmp_path / "data")
         broker = await Broker.open(config)
@@ -267,9 +291,26 @@ def test_with_auth_on_the_door_refuses_a_connection_without_credentials(tmp_path
         try:
             c = Client(*await asyncio.open_connection("127.0.0.1", port))
             c.send(Type.CONNECT, connect=api.CommandConnect(client_version="test", protocol_version=20))
-            reply = await c.next()
-            assert reply.command.error.error == ServerError.AuthenticationError
+            # CONNECTED, so that the client sends the request whose reply it reports ...
+            assert (await c.next()).command.type == Type.CONNECTED
+            c.send(Type.PARTITIONED_METADATA, partitionMetadata=api.CommandPartitionedTopicMetadata(
+                topic=TOPIC, request_id=7))
+            meta = (await c.next()).command.partitionMetadataResponse
+            assert (meta.request_id, meta.response, meta.error) == (7, meta.Failed, ServerError.AuthenticationError)
+            assert "auth method 'none'" in meta.message and "basic" in meta.message
+            # ... and nothing else: the door hangs up after that answer.
             assert await c.closed()
+            # A wrong secret is refused the same way, on whatever request comes first.
+            d = Client(*await asyncio.open_connection("127.0.0.1", port))
+            d.send(Type.CONNECT, connect=api.CommandConnect(client_version="test", protocol_version=20,
+                                                            auth_method_name="basic", auth_data=b"alice:guess"))
+            assert (await d.next()).command.type == Type.CONNECTED
+            d.send(Type.PRODUCER, producer=api.CommandProducer(topic=TOPIC, producer_id=0, request_id=3))
+            refused = (await d.next()).command.error
+            assert (refused.request_id, refused.error) == (3, ServerError.AuthenticationError)
+            assert "alice" in refused.message
+            assert await d.closed()
+            assert not broker.stats()["topics"], "a refused connection created something"
         finally:
             await the_door.stop()
             await broker.close()
