@@ -6,4 +6,4 @@ scripts/setup.sh --all
 .venv/bin/ruff check chronoq tests bench
 # -m "not long" undoes pyproject's default selection (fast tests only): CI runs slow, spark and interop
 # too, all but the few tests of several minutes each (`scripts/test.sh -m long` runs those).
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -m "not long" "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 -m "not long" "$@"
