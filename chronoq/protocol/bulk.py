@@ -287,6 +287,11 @@ def _texts(col: Packed, count: int, what: str, errors: dict[int, tuple[str, str]
     return out
 
 
+def _rows_of(counts: array) -> list[int]:
+    """The row of each value of a nested column (row i has counts[i] values)."""
+    return [i for i, c in enumerate(counts) for _ in range(c)]
+
+
 def _grouped(counts: array, flat: list[str | None]) -> list[list[str | None]]:
     out = []
     at = 0
@@ -329,16 +334,17 @@ def decode_request(data: bytes) -> BulkRequest:
     if columns & COL_KEYS:
         counts = r.ints("H", n, "key counts")
         total = sum(counts)
-        rows = [i for i, c in enumerate(counts) for _ in range(c)]
-        flat = _texts(r.packed(total, "key"), total, "keys", errors, rows)
+        col = r.packed(total, "key")  # read first: it proves the frame holds `total` values
+        flat = _texts(col, total, "keys", errors, _rows_of(counts))
         keys = [tuple(k or "" for k in ks) for ks in _grouped(counts, flat)]
     if columns & COL_PROPERTIES:
         counts = r.ints("H", n, "property counts")
         total = sum(counts)
-        rows = [i for i, c in enumerate(counts) for _ in range(c)]
-        names = _grouped(counts, _texts(r.packed(total, "property name"), total, "properties", errors, rows))
-        values = _grouped(counts, _texts(r.packed(total, "property value"), total, "properties", errors,
-                                         rows))
+        name_col = r.packed(total, "property name")
+        value_col = r.packed(total, "property value")
+        rows = _rows_of(counts)
+        names = _grouped(counts, _texts(name_col, total, "properties", errors, rows))
+        values = _grouped(counts, _texts(value_col, total, "properties", errors, rows))
         properties = [{k or "": v or "" for k, v in zip(ks, vs, strict=True)} for ks, vs in zip(names, values,
                                                                                                   strict=True)]
     r.end()
@@ -364,7 +370,7 @@ def decode_reply(data: bytes, rows: int) -> BulkReply:
     try:
         listed = json.loads(text.decode("utf-8"))
         errors = [(int(i), dict(e)) for i, e in listed]
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, RecursionError) as e:
         raise MalformedRequest(rpc, f"the errors are not a JSON list of [row, object] ({e})") from None
     for i, _ in errors:
         if not 0 <= i < n or status[i] & 0x0F != REFUSED:
