@@ -202,7 +202,6 @@ class AsyncProducer(AsyncAdmin):
             async for attempt in tries:
                 try:
                     raw = await self._admin_bytes(bulk.METHOD, columns.frame(pending))
-                    reply = bulk.decode_reply(raw, len(pending))
                 except core.InvalidBatchSize as e:
                     # A server whose `max_bulk_send_rows` is below `max_bulk_rows` names its
                     # limit: learn it and send these rows in requests of that size.
@@ -213,12 +212,14 @@ class AsyncProducer(AsyncAdmin):
                     for at in range(0, len(pending), limit):
                         await self._send_rows(columns, pending[at:at + limit], outcome)
                     return
-                except MalformedRequest as e:
-                    raise ProtocolViolation(bulk.METHOD, e.message) from None
                 except core.ChronoqError as e:
                     if give_up(e, attempt, self.send_attempts):
                         raise
                     continue
+                try:
+                    reply = bulk.decode_reply(raw, len(pending))
+                except MalformedRequest as e:
+                    raise ProtocolViolation(bulk.METHOD, e.message) from None
                 errors = {i: wire.error_from_json(doc) for i, doc in reply.errors}
                 for j, row in enumerate(pending):
                     code = reply.status[j]
