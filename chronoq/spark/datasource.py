@@ -578,8 +578,13 @@ def _arrow_ms(column: Any, name: str) -> array:
     if column.null_count:
         raise ChronoqSourceError(f"column {name!r} has a null: give every row of a bulk write its {name}")
     if pa.types.is_timestamp(column.type):
-        column = column.cast(pa.timestamp("ms", tz=column.type.tz)).cast(pa.int64())
-    elif not pa.types.is_integer(column.type):
+        # Whole ms since the epoch, the sub-ms part dropped (toward zero, as `_epoch_ms`'s int()).
+        per_ms = {"s": None, "ms": 1, "us": 1000, "ns": 1_000_000}[column.type.unit]
+        values = column.cast(pa.int64()).to_pylist()
+        if per_ms is None:
+            return array("q", [v * 1000 for v in values])
+        return array("q", [v // per_ms if v >= 0 else -(-v // per_ms) for v in values])
+    if not pa.types.is_integer(column.type):
         raise ChronoqSourceError(f"column {name!r} must be a timestamp or epoch milliseconds, not {column.type}")
     return array("q", column.cast(pa.int64()).to_pylist())
 

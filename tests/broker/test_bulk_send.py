@@ -86,8 +86,8 @@ def test_a_bad_row_gets_the_error_of_a_single_send_and_changes_nothing_else(
             assert [type(o) for o in (out[0], out[2])] == [SendResult, SendResult], (case, out)
             assert (out[0].message_id, out[2].message_id) == ("good-1", "good-2")
             assert out[2].position > out[0].position
-            stored = sorted(m.message_id for t in (bad.topic, TIMER_TOPIC) for q in range(2)
-                            for m in (await broker.read(t, q, 0, 10) if (t, q) in broker.store.queue_keys() else []))
+            stored = sorted([m.message_id for t in (bad.topic, TIMER_TOPIC) for q in range(2)
+                             if (t, q) in broker.store.queue_keys() for m in await broker.read(t, q, 0, 10)])
             assert stored == ["good-1", "good-2"], case
         finally:
             await broker.close()

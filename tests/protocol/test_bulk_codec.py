@@ -100,7 +100,7 @@ def test_a_valid_frame_changed_anywhere_decodes_or_raises_malformed_request_only
 
 
 def test_a_row_count_the_frame_cannot_hold_is_refused_before_anything_is_allocated() -> None:
-    head = bulk.encode_request("t", [], [])[:-8]  # the header and topic, without n and the empty columns
+    head = bulk.encode_request("t", [], [])[:-12]  # the header and topic, without n and the two empty columns
     frame = head + struct.pack("<I", 2**32 - 1) + b"\x00" * 64
     with pytest.raises(MalformedRequest, match="cannot fit"):
         bulk.decode_request(frame)
