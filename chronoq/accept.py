@@ -8,7 +8,9 @@ timer topic, a delay-level message to its level's queue). What passed is appende
 one write and the batch waits for the group commit that makes it durable; the store dispatches
 it (consume queues, timer index, long polls) before the senders are released, so an
 acknowledged message is durable, visible and indexed. Refusals change nothing: reservations a
-routed timer took are released if the batch is not written.
+routed timer took are released if the batch is not written. `send_columns` (the bulk send, rows of
+one topic as columns) differs only in its admission, `validate.prepare_columns`, which gives each
+row what `prepare` gives it; from there both take the one path (`_send`).
 
 Owned by the broker's event loop (no locks); time comes from the clock it is given.
 """
