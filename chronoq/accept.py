@@ -8,7 +8,9 @@ timer topic, a delay-level message to its level's queue). What passed is appende
 one write and the batch waits for the group commit that makes it durable; the store dispatches
 it (consume queues, timer index, long polls) before the senders are released, so an
 acknowledged message is durable, visible and indexed. Refusals change nothing: reservations a
-routed timer took are released if the batch is not written.
+routed timer took are released if the batch is not written. `send_columns` (the bulk send, rows of
+one topic as columns) differs only in its admission, `validate.prepare_columns`, which gives each
+row what `prepare` gives it; from there both take the one path (`_send`).
 
 Owned by the broker's event loop (no locks); time comes from the clock it is given.
 """
@@ -16,7 +18,7 @@ Owned by the broker's event loop (no locks); time comes from the clock it is giv
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -29,7 +31,7 @@ from chronoq.store.messagestore import MessageStore, PreparedMessage
 from chronoq.timer.recall import encode_recall_handle
 from chronoq.timer.service import TimerService
 from chronoq.topics import Topics
-from chronoq.validate import prepare
+from chronoq.validate import TimerRequest, prepare, prepare_columns
 
 
 class Accept:
@@ -53,21 +55,58 @@ class Accept:
         its slot and the good ones are stored. `create_near_topics`: see `Topics.for_send`."""
         if len(msgs) > self.config.max_send_batch:
             raise InvalidBatchSize(len(msgs), self.config.max_send_batch)
+        config, levels = self.config, self.timer.levels
+        return await self._send(len(msgs), lambda i, now: prepare(msgs[i], config, now, levels), partial,
+                                create_near_topics)
+
+    async def send_columns(self, topic: str, ids: Sequence[str | None], bodies: Sequence[bytes], *,
+                           due_kind: str | None = None, due: Sequence[int] | None = None,
+                           tags: Sequence[str] | None = None, keys: Sequence[tuple[str, ...]] | None = None,
+                           properties: Sequence[Mapping[str, str]] | None = None,
+                           refused: Mapping[int, ChronoqError] | None = None,
+                           create_near_topics: bool = False) -> list[Any]:
+        """A bulk send (`protocol/bulk.py`): the rows of one topic as columns, each judged alone
+        (`partial`), at most `max_bulk_send_rows` of them. Admission is `validate.prepare_columns`
+        (the rules and errors of `prepare`, per row); `refused` gives rows already refused by
+        the decoder. Then the path of every send: dedupe, routing, one append, one group commit."""
+        n = len(ids)
+        if n > self.config.max_bulk_send_rows:
+            raise InvalidBatchSize(n, self.config.max_bulk_send_rows)
+        admitted: list[Any] = []
+
+        def admit(i: int, now: int) -> tuple[PreparedMessage, TimerRequest | None]:
+            if not admitted:
+                admitted.extend(prepare_columns(topic, ids, bodies, self.config, now, self.timer.levels,
+                                                due_kind=due_kind, due=due, tags=tags, keys=keys,
+                                                properties=properties))
+                for row, error in (refused or {}).items():
+                    admitted[row] = error
+            outcome = admitted[i]
+            if isinstance(outcome, ChronoqError):
+                raise outcome
+            return outcome
+
+        return await self._send(n, admit, True, create_near_topics)
+
+    async def _send(self, count: int, admit: Callable[[int, int], tuple[PreparedMessage, TimerRequest | None]],
+                    partial: bool, create_near_topics: bool) -> list[Any]:
+        """Store the `count` messages `admit(i, now)` prepares (or refuses, raising): the path
+        every send takes after its door's admission."""
         # One statvfs per call, not per message: below the send reserve nothing is written
         # (duplicates of earlier sends included: they are answered again once there is room).
         self.store.check_room_for_send()
         now = self.clock.now_ms()
         self.recent.expire(now)
-        outcomes: list[Any] = [None] * len(msgs)
+        outcomes: list[Any] = [None] * count
         to_write: list[PreparedMessage] = []
         slots: list[tuple[int, tuple[str, str], int | None]] = []
         waits: list[tuple[int, tuple[asyncio.Future[list[SendResult]], int]]] = []
         repeats: list[tuple[int, int]] = []  # (slot in msgs, index in to_write) for ids repeated in this batch
         batch_keys: dict[tuple[str, str], int] = {}
         try:
-            for i, msg in enumerate(msgs):
+            for i in range(count):
                 try:
-                    prepared, timer = prepare(msg, self.config, now, self.timer.levels)
+                    prepared, timer = admit(i, now)
                     topic = self.topics.for_send(prepared.topic, create_near=create_near_topics)
                     _check_queue_id(prepared, topic)
                     if prepared.message_type not in topic.message_types:

@@ -379,6 +379,22 @@ class Broker:
             self.count_accepted(outcomes, now)
         return outcomes
 
+    async def send_columns(self, topic: str, ids: Sequence[str | None], bodies: Sequence[bytes], *,
+                           due_kind: str | None = None, due: Sequence[int] | None = None,
+                           tags: Sequence[str] | None = None, keys: Sequence[tuple[str, ...]] | None = None,
+                           properties: Sequence[Mapping[str, str]] | None = None,
+                           refused: Mapping[int, ChronoqError] | None = None,
+                           create_near_topics: bool = False) -> list[Any]:
+        """A bulk send: the rows of one topic as columns (`accept.py` `send_columns`), each row's
+        outcome (a `SendResult` or its `ChronoqError`) in its slot, as `send_batch(partial=True)`."""
+        self._check_open()
+        now = self.clock.now_ms()
+        outcomes = await self.accept.send_columns(topic, ids, bodies, due_kind=due_kind, due=due, tags=tags,
+                                                  keys=keys, properties=properties, refused=refused,
+                                                  create_near_topics=create_near_topics)
+        self.count_accepted(outcomes, now)
+        return outcomes
+
     def count_accepted(self, outcomes: Iterable[Any], now: int) -> None:
         """Count the stored messages among `send_batch` outcomes (duplicates not), per topic, and
         each timer's delay from `now` (broker time, ms), when the send began."""

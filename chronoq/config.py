@@ -160,6 +160,9 @@ class Config:
     """The dedupe window also forgets its oldest ids past this many (about 190 bytes each), so its
     memory is bounded whatever the send rate; a retry older than either bound is stored again."""
     max_send_batch: int = limit(1024)
+    max_bulk_send_rows: int = limit(8192, maximum=1_000_000)
+    """Rows one bulk send (admin SendColumns: one topic, packed columns) may carry; its bytes are
+    bounded by gRPC's request limit as every request's."""
     read_cache_bytes: int = limit(32 * MiB, minimum=0)
     """Records dispatched most recently, kept decoded so the consumer that reads them next (and a
     short timer's fire) skips the disk read and the decode; 0 turns it off. Counted as record

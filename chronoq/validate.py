@@ -9,11 +9,13 @@ absolute due time here; the broker then routes the message to the timer or sched
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from chronoq.config import Config
 from chronoq.errors import (
+    ChronoqError,
     ConflictingDelivery,
     DeliveryTimeTooFar,
     InvalidDelayLevel,
@@ -213,9 +215,18 @@ def resolve_timer(msg: OutgoingMessage, config: Config, now_ms: int, levels: Del
     elif kind in ("deliver_at_ms", PROP_TIMER_DELIVER_MS):
         return _timer_at(value, config, now_ms, kind)
     else:
-        if value < 0:
-            raise NegativeDelay(value)
-        deliver_at_ms = now_ms + value
+        return _timer_after(value, config, now_ms)
+    return _timer_due(deliver_at_ms, level, config, now_ms)
+
+
+def _timer_after(delay_ms: int, config: Config, now_ms: int) -> TimerRequest:
+    """A delay in ms from `now_ms`, checked against the limits and rounded up to the precision."""
+    if delay_ms < 0:
+        raise NegativeDelay(delay_ms)
+    return _timer_due(now_ms + delay_ms, None, config, now_ms)
+
+
+def _timer_due(deliver_at_ms: int, level: int | None, config: Config, now_ms: int) -> TimerRequest:
     if deliver_at_ms - now_ms > config.timer_max_delay_ms:
         raise DeliveryTimeTooFar(deliver_at_ms, now_ms, config.timer_max_delay_ms)
     precision = config.timer_precision_ms
@@ -356,3 +367,72 @@ def prepare(msg: OutgoingMessage, config: Config, now_ms: int, levels: DelayLeve
     prepared = PreparedMessage(msg.topic, message_id, mtype, body, born_ms, tag, keys, props,
                                {SYS_MESSAGE_GROUP: group} if group else {}, msg.queue_id, group or None)
     return prepared, timer
+
+
+def prepare_columns(topic: str, ids: Sequence[str | None], bodies: Sequence[bytes], config: Config, now_ms: int,
+                    levels: DelayLevels, *, due_kind: str | None = None, due: Sequence[int] | None = None,
+                    tags: Sequence[str] | None = None, keys: Sequence[tuple[str, ...]] | None = None,
+                    properties: Sequence[Mapping[str, str]] | None = None) -> list[Any]:
+    """`prepare` for every row of a bulk send (`protocol/bulk.py`): each row's (PreparedMessage,
+    TimerRequest | None), or the `ChronoqError` `prepare` raises for the same message, in its
+    slot. `due_kind` names the due column: "deliver_at_ms", "delay_ms" or None.
+
+    The same rules, the same errors: a row of the usual shape (bytes body, text id, no tag, keys or
+    properties) is checked here by the very checkers `prepare` calls, in its order, with what is
+    the same for every row (the topic's name and kind, whether timers are on) judged once; any
+    other row goes through `prepare` itself."""
+    n = len(ids)
+    if not len(bodies) == n or (due is not None and len(due) != n):
+        raise ValueError(f"columns of unequal length: {n} ids, {len(bodies)} bodies")
+    if due_kind not in (None, "deliver_at_ms", "delay_ms") or (due_kind is None) != (due is None):
+        raise ValueError(f"due kind {due_kind!r} and the due column disagree")
+    try:
+        check_topic_name(topic, config)
+        if is_system_topic(topic):
+            raise SystemTopicForbidden(topic)
+    except ChronoqError as e:
+        return [e] * n
+    out: list[Any] = [None] * n
+    timers_on = config.timer_wheel_enable
+    max_size = config.max_message_size_bytes
+    fixed_size = HEADER_SIZE + len(topic) + 256  # as `prepare` counts: 256 for the system properties
+    mtype = MessageType.NORMAL if due_kind is None else MessageType.DELAY
+    for i in range(n):
+        body, message_id = bodies[i], ids[i]
+        if (type(body) is not bytes or type(message_id) is not str or (tags is not None and tags[i])
+                or (keys is not None and keys[i]) or (properties is not None and properties[i])):
+            msg = OutgoingMessage(topic=topic, body=body, message_id=message_id,
+                                  tag=tags[i] if tags is not None else None,
+                                  keys=keys[i] if keys is not None else (),
+                                  properties=properties[i] if properties is not None else {},
+                                  deliver_at_ms=due[i] if due is not None and due_kind == "deliver_at_ms" else None,
+                                  delay_ms=due[i] if due is not None and due_kind == "delay_ms" else None)
+            try:
+                out[i] = prepare(msg, config, now_ms, levels)
+            except ChronoqError as e:
+                out[i] = e
+            continue
+        try:
+            if not body:
+                raise MessageBodyEmpty()
+            check_message_id(message_id, config)
+            timer = None
+            if due is not None:
+                if due_kind == "deliver_at_ms":
+                    at = _whole_ms("deliver_at_ms", due[i])
+                    if not timers_on:
+                        raise TimerDisabled()
+                    timer = _timer_at(at, config, now_ms)
+                else:
+                    delay = _whole_ms("delay_ms", due[i])
+                    if not timers_on:
+                        raise TimerDisabled()
+                    timer = _timer_after(delay, config, now_ms)
+            size = fixed_size + len(body) + len(message_id)
+            if size > max_size:
+                raise MessageTooLarge(size, max_size)
+        except ChronoqError as e:
+            out[i] = e
+            continue
+        out[i] = (PreparedMessage(topic, message_id, mtype, body, now_ms, "", (), {}, {}, None, None), timer)
+    return out

@@ -119,6 +119,7 @@ SYSTEMS = {
     "floor": "bench.peers.floor:PEER",
     "chronoq": "bench.peers.chronoq_peer:PEER",
     "chronoq-async": "bench.peers.chronoq_peer:ASYNC_PEER",
+    "chronoq-bulk": "bench.peers.chronoq_peer:BULK_PEER",
     "chronoq-stream": "bench.peers.chronoq_peer:STREAM_PEER",
     "chronoq-wheel": "bench.peers.chronoq_peer:WHEEL_PEER",
     "chronoq-pulsar": "bench.bench_pulsar:PEER",

@@ -24,6 +24,11 @@ is fsynced in the background, not before the ack): beside `chronoq` it shows the
 fsync-before-ack, chiefly in the one-message-per-request row. Any `CHRONOQ_FLUSH` in the harness's
 own environment is removed before `chronoq` starts, so that one runs the project's default.
 
+`chronoq-bulk` is the same server with the producer's batched mode through the SDK's bulk send
+(`send_columns`, admin SendColumns: a chunk's timers as packed columns in one request); its
+one-at-a-time mode is chronoq's. Beside `redis` (pipelined ZADDs of the same chunk) it is the
+same work: a chunk of timers, acknowledged once durable by each system's own rule.
+
 `chronoq-wheel` is the same server with `CHRONOQ_TIMER_ENGINE=wheel`: its timers indexed by the
 file wheel (RocketMQ 5's TimerLog + TimerWheel, `timer/wheel.py`) instead of the RocksDB index;
 beside `chronoq` it shows what the timer engine changes end to end. `CHRONOQ_TIMER_ENGINE` is
@@ -87,6 +92,17 @@ class ChronoqProducer(ProducerClient):
 
     async def close(self) -> None:
         await self.p.close()
+
+
+class ChronoqBulkProducer(ChronoqProducer):
+    """Batched mode through the SDK's bulk send (`send_columns`: admin SendColumns, columns)."""
+
+    async def send_many(self, msgs: Sequence[Msg]) -> None:
+        outcome = await self.p.send_columns(TOPIC, [m.body for m in msgs], message_ids=[m.id for m in msgs],
+                                            deliver_at_ms=[m.due_ms for m in msgs])
+        if outcome.errors:
+            index = min(outcome.errors)
+            raise RuntimeError(f"{outcome.refused} of {len(msgs)} refused; the first: {outcome.errors[index]}")
 
 
 class ChronoqConsumer(ConsumerClient):
@@ -308,7 +324,18 @@ class ChronoqWheel(Chronoq):
     timer_engine = "wheel"
 
 
+class ChronoqBulk(Chronoq):
+    name = "chronoq-bulk"
+    design = ("the SDK's bulk send (admin SendColumns: one topic, packed columns, thousands of timers a request); "
+              "RocksDB time index + timing wheel")
+    batch_label = "send_columns"
+
+    def producer(self, addr: dict[str, Any]) -> ProducerClient:
+        return ChronoqBulkProducer(addr)
+
+
 PEER = Chronoq()
+BULK_PEER = ChronoqBulk()
 ASYNC_PEER = ChronoqAsync()
 STREAM_PEER = ChronoqStream()
 WHEEL_PEER = ChronoqWheel()

@@ -88,7 +88,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     schedule.add_argument("--rejects", default=None, help="Parquet directory for rejected rows (with `reason`)")
     schedule.add_argument("--max-delay-ms", type=int, default=30 * DAY_MS)
     schedule.add_argument("--max-body-bytes", type=int, default=4 * MiB)
-    schedule.add_argument("--batch-size", type=int, default=512, help="messages per SendBatch call")
+    schedule.add_argument("--batch-size", type=int, default=4096,
+                          help="rows per bulk send request (SendColumns; the broker's limit: max_bulk_send_rows)")
     schedule.add_argument("--skip-stored", action="store_true",
                           help="ask the broker for each id first and send only the ones it does not hold (a rerun "
                                "after the broker restarted, or past its dedupe window; one lookup per row)")

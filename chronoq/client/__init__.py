@@ -26,6 +26,7 @@ from chronoq.client.errors import (
 from chronoq.client.sync import Admin, Consumer, Producer
 from chronoq.client.types import (
     BatchOutcome,
+    BulkOutcome,
     FireOutcome,
     QueueInfo,
     ReadResult,
@@ -47,6 +48,7 @@ __all__ = [
     "AsyncProducer",
     "BatchOutcome",
     "BatchSendError",
+    "BulkOutcome",
     "ClientClosed",
     "ClientError",
     "Consumer",

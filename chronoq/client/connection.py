@@ -45,6 +45,7 @@ from chronoq.client import wire
 from chronoq.client.errors import (
     ClientClosed,
     InvalidArgument,
+    ProtocolViolation,
     RemoteError,
     RequestTimedOut,
     RequestTooLarge,
@@ -327,6 +328,20 @@ class Connection:
                                             response_deserializer=_json_reply)
             self._calls[key] = call
         return wire.admin_result(method, await self._unary(method, call, body, timeout_ms))
+
+    async def _admin_bytes(self, method: str, body: bytes, *, timeout_ms: int | None = None) -> bytes:
+        """An admin call whose request and reply are bytes of their own format (SendColumns,
+        `chronoq.protocol.bulk`); a reply that is an admin JSON object is its error, raised."""
+        key = f"admin-bytes:{method}"
+        call = self._calls.get(key)
+        if call is None:
+            call = self._open().unary_unary(f"/{ADMIN_SERVICE}/{method}")
+            self._calls[key] = call
+        raw = await self._unary(method, call, body, timeout_ms)
+        if raw[:1] == b"{":
+            wire.admin_result(method, _json_reply(raw))
+            raise ProtocolViolation(method, "a JSON reply that is not an error")
+        return raw
 
     async def _admin_retried(self, method: str, body: Mapping[str, Any], *, after_unknown: bool) -> dict[str, Any]:
         """`_admin` under the retry policy (`attempts`): a read is retried after any retriable

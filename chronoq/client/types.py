@@ -12,8 +12,10 @@ place (as the official clients do) so a later `ack(msg)` uses the handle that is
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+
+from chronoq.timer.recall import encode_recall_handle
 
 
 @dataclass(slots=True)
@@ -153,3 +155,50 @@ class BatchOutcome:
     @property
     def errors(self) -> list[tuple[int, Exception]]:
         return [(i, r) for i, r in enumerate(self.results) if isinstance(r, Exception)]
+
+
+@dataclass(slots=True)
+class BulkOutcome:
+    """Per-row results of `send_columns`, in row order, as columns: `status[i]` is "stored",
+    "duplicate" (the server already held the id: stored once, not again) or "refused" (the
+    reason in `errors[i]`, a `chronoq.errors` exception carrying its values)."""
+
+    topic: str
+    message_ids: Sequence[str]
+    status: list[str]
+    queue_ids: list[int]
+    """-1 for a refused row."""
+    offsets: list[int]
+    """The queue offset each row was stored at (-1 for a refused row)."""
+    deliver_at_ms: list[int | None]
+    """The due time the server fixed (a delay added to its clock, rounded up to its precision)."""
+    recallable: list[bool]
+    """A timer in the server's time index (`recall_handle(i)` recalls it)."""
+    errors: dict[int, Exception] = field(default_factory=dict)
+
+    @property
+    def stored(self) -> int:
+        """Rows stored by this call."""
+        return self.status.count("stored")
+
+    @property
+    def duplicates(self) -> int:
+        return self.status.count("duplicate")
+
+    @property
+    def refused(self) -> int:
+        return len(self.errors)
+
+    def recall_handle(self, i: int) -> str | None:
+        """Row `i`'s recall handle (made here, as the server makes it: the handle codec is pure)."""
+        due = self.deliver_at_ms[i]
+        if not self.recallable[i] or due is None:
+            return None
+        return encode_recall_handle(self.topic, due, self.message_ids[i])
+
+    def receipt(self, i: int) -> SendReceipt | Exception:
+        """Row `i` as `send` would have answered it: a receipt, or its error."""
+        if i in self.errors:
+            return self.errors[i]
+        return SendReceipt(self.message_ids[i], self.topic, self.offsets[i], self.recall_handle(i),
+                           self.deliver_at_ms[i], self.queue_ids[i], self.status[i] == "duplicate")

@@ -290,6 +290,11 @@ def _error_from_json(doc: Mapping[str, Any], fallback_code: int) -> core.Chronoq
                        details=details if isinstance(details, dict) else None)
 
 
+def error_from_json(doc: Mapping[str, Any]) -> core.ChronoqError:
+    """An admin error object (`{"code", "message", "error", "retriable", "details"}`) as its exception."""
+    return _error_from_json(doc, 50000)
+
+
 def admin_result(method: str, reply: Any) -> dict[str, Any]:
     """The reply's fields, or the chronoq exception it describes."""
     code = reply.get("code") if isinstance(reply, dict) else None

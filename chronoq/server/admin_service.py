@@ -41,6 +41,12 @@ outcome in its slot (one bad message does not fail the others). Its optional `"c
 true` asks for the batch's topics: a missing one whose name is near an existing topic's is
 auto-created rather than refused (`chronoq/topics.py`; it needs no more than publish, as any
 auto-create, and does nothing with auto-create off).
+
+SendColumns is the bulk form of SendBatch, and the one method whose bodies are not JSON: up to
+`max_bulk_send_rows` rows of one topic as packed columns (`chronoq/protocol/bulk.py`), judged per
+row by the same admission (`Broker.send_columns`), stored in one durable write, answered with
+result columns (a refusal of the whole request is the usual JSON error object). It needs publish
+on its topic.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from array import array
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +64,7 @@ from chronoq.config import Config
 from chronoq.errors import ChronoqError, Forbidden, InvalidBatchSize, ScheduleNotFound
 from chronoq.model import OutgoingMessage
 from chronoq.protocol import admin as codec
+from chronoq.protocol import bulk
 from chronoq.protocol.errors import InvalidField, MalformedRequest, MissingField
 from chronoq.recurring.records import Schedule, ScheduleChange
 from chronoq.server.auth import AUTH_OFF, Authenticator, Principal
@@ -64,7 +72,7 @@ from chronoq.server.grpc_service import authenticate
 from chronoq.server.net import max_request_bytes
 from chronoq.timefmt import duration
 from chronoq.timer.recall import decode_recall_handle
-from chronoq.validate import check_key, check_message_id
+from chronoq.validate import check_key, check_message_id, check_topic_name
 
 if TYPE_CHECKING:
     from chronoq.broker import Broker  # the type only: the broker imports the store, the servers stay light
@@ -100,6 +108,7 @@ class AdminService:
         }
         handlers = {name: grpc.unary_unary_rpc_method_handler(self._handler(name, body))
                     for name, body in methods.items()}
+        handlers[bulk.METHOD] = grpc.unary_unary_rpc_method_handler(self.send_columns)
         return grpc.method_handlers_generic_handler(codec.SERVICE_NAME, handlers)
 
     def _handler(self, name: str, body: Method) -> Callable[[bytes, Any], Awaitable[bytes]]:
@@ -364,3 +373,61 @@ class AdminService:
                 results[i] = ({"error": codec.error_json(outcome)} if isinstance(outcome, ChronoqError)
                               else codec.send_result_json(outcome))
         return codec.ok_json(results=results)
+
+    # -- bulk sends: SendColumns (binary frames, `protocol/bulk.py`) ----------------------------------
+
+    async def send_columns(self, data: bytes, context: Any) -> bytes:
+        """SendColumns: rows of one topic as packed columns, each row judged alone (as SendBatch's
+        messages), in one durable write. The reply is the binary result columns, or an admin JSON
+        error object for a refusal of the whole request (authentication, publish rights on the
+        topic, a frame that cannot be read, too many rows). A topic name the rules refuse is each
+        row's error, as it is each message's in SendBatch."""
+        try:
+            caller = authenticate(self.auth, context)
+            req = bulk.decode_request(data)
+            n = len(req.ids)
+            if not 1 <= n <= self.config.max_bulk_send_rows:
+                raise InvalidBatchSize(n, self.config.max_bulk_send_rows)
+            try:
+                check_topic_name(req.topic, self.config)
+            except ChronoqError:
+                pass  # every row's error, from admission
+            else:
+                caller.require_publish([req.topic])
+            refused: dict[int, ChronoqError] = {row: InvalidField(name, reason)
+                                                for row, (name, reason) in req.row_errors.items()}
+            due_kind = {bulk.DUE_NONE: None, bulk.DUE_AT: "deliver_at_ms", bulk.DUE_DELAY: "delay_ms"}[req.due_kind]
+            outcomes = await self.broker.send_columns(
+                req.topic, req.ids, req.bodies, due_kind=due_kind, due=req.due, tags=req.tags, keys=req.keys,
+                properties=req.properties, refused=refused, create_near_topics=req.create_topic)
+            return bulk_reply(outcomes)
+        except ChronoqError as err:
+            reply = codec.error_json(err)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            log.exception("admin %s failed", bulk.METHOD)
+            reply = codec.internal_json(err)
+        return codec.encode_reply(reply)
+
+
+def bulk_reply(outcomes: list[Any]) -> bytes:
+    """A SendColumns reply from the broker's per-row outcomes (`SendResult` or `ChronoqError`)."""
+    n = len(outcomes)
+    status = bytearray(n)
+    queue_ids = array("i", bytes(4 * n))
+    offsets = array("q", bytes(8 * n))
+    due = array("q", bytes(8 * n))
+    errors: list[tuple[int, dict[str, Any]]] = []
+    for i, outcome in enumerate(outcomes):
+        if isinstance(outcome, ChronoqError):
+            status[i] = bulk.REFUSED
+            queue_ids[i] = offsets[i] = due[i] = -1
+            errors.append((i, codec.error_json(outcome)))
+            continue
+        status[i] = (bulk.DUPLICATE if outcome.duplicate else bulk.STORED) | (
+            bulk.HAS_HANDLE if outcome.recall_handle is not None else 0)
+        queue_ids[i] = outcome.queue_id
+        offsets[i] = outcome.queue_offset
+        due[i] = -1 if outcome.deliver_at_ms is None else outcome.deliver_at_ms
+    return bulk.encode_reply(status, queue_ids, offsets, due, errors)

@@ -27,6 +27,13 @@ one derived from (write id, partition, row index); Spark retries a task over the
 with the same rows, so the retry sends the same ids and the broker's dedupe stores each once.
 The write id is fixed per DataFrame write (a uuid chosen on the driver), or, for a stream, per
 (query id, batch id), which a restart from the checkpoint keeps.
+
+Bulk writing (option `bulk`, what `chronoq spark schedule` uses): a batch write of one topic
+(`topic` option) whose rows carry `body`, `message_id`, one of `deliver_at`/`delay_ms`, `tag`,
+`keys`. Spark hands each task Arrow record batches (`DataSourceArrowWriter`); the bodies go to
+the SDK's `send_columns` as their Arrow offsets and data (no object per row), ids and due times as
+plain lists, `sendBatchSize` rows a SendColumns request (default 4,096), two in flight. Ids,
+retries, `skipStored`, the commit report and a refused row failing the task are as above.
 """
 
 from __future__ import annotations
@@ -34,13 +41,16 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import sys
 import uuid
+from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pyspark.sql.datasource import (
     DataSource,
+    DataSourceArrowWriter,
     DataSourceReader,
     DataSourceStreamReader,
     DataSourceStreamWriter,
@@ -69,6 +79,8 @@ DEFAULT_FETCH_SIZE = 256
 DEFAULT_RECORDS_PER_PARTITION = 50_000
 DEFAULT_SEND_BATCH = 256
 """Messages per SendBatch call from a writer task."""
+DEFAULT_BULK_ROWS = 4096
+"""Rows per SendColumns request from a bulk writer task (option `bulk`)."""
 UTC = dt.UTC
 
 
@@ -521,6 +533,151 @@ class ChronoqBatchWriter(DataSourceWriter):
         write_commit_report(self.commit_report, messages, finished=False)
 
 
+BULK_COLUMNS = frozenset({"body", "message_id", "deliver_at", "delay_ms", "tag", "keys"})
+"""What a bulk write (option `bulk`) carries: one topic (the `topic` option), rows of these columns."""
+
+
+def _check_bulk_schema(schema: Any, topic: str | None) -> None:
+    names = set(schema.fieldNames())
+    if not topic:
+        raise ChronoqSourceError("a bulk write (option 'bulk') needs the 'topic' option: one topic a write")
+    unknown = names - BULK_COLUMNS
+    if unknown:
+        raise ChronoqSourceError(f"columns {sorted(unknown)} cannot go through a bulk write; it takes "
+                                 f"{sorted(BULK_COLUMNS)}")
+    if {"deliver_at", "delay_ms"} <= names:
+        raise ChronoqSourceError("a bulk write takes one of the columns 'deliver_at' and 'delay_ms', not both")
+
+
+def _arrow_bodies(column: Any) -> Any:
+    """A body column (binary or string) as `Packed`: its own offsets and data buffers, no row objects."""
+    import pyarrow as pa
+
+    from chronoq.protocol.bulk import Packed
+
+    if column.null_count:
+        raise ChronoqSourceError("a row has a null 'body'")
+    if not pa.types.is_binary(column.type):
+        column = column.cast(pa.binary())
+    n, first = len(column), column.offset
+    offsets = array("i")
+    offsets.frombytes(column.buffers()[1].to_pybytes()[4 * first:4 * (first + n + 1)])
+    if sys.byteorder != "little":
+        offsets.byteswap()
+    start, end = (offsets[0], offsets[-1]) if n else (0, 0)
+    if start:
+        offsets = array("i", [o - start for o in offsets])
+    data = column.buffers()[2]
+    return Packed(offsets, data.to_pybytes()[start:end] if data is not None else b"")
+
+
+def _arrow_ms(column: Any, name: str) -> array:
+    """A due column (epoch ms, or a timestamp) as int64 ms; a null is the row's error, as `_epoch_ms` says."""
+    import pyarrow as pa
+
+    if column.null_count:
+        raise ChronoqSourceError(f"column {name!r} has a null: give every row of a bulk write its {name}")
+    if pa.types.is_timestamp(column.type):
+        # Whole ms since the epoch, the sub-ms part dropped (toward zero, as `_epoch_ms`'s int()).
+        per_ms = {"s": None, "ms": 1, "us": 1000, "ns": 1_000_000}[column.type.unit]
+        values = column.cast(pa.int64()).to_pylist()
+        if per_ms is None:
+            return array("q", [v * 1000 for v in values])
+        return array("q", [v // per_ms if v >= 0 else -(-v // per_ms) for v in values])
+    if not pa.types.is_integer(column.type):
+        raise ChronoqSourceError(f"column {name!r} must be a timestamp or epoch milliseconds, not {column.type}")
+    return array("q", column.cast(pa.int64()).to_pylist())
+
+
+def send_arrow_batches(server: str | BrokerAccess, topic: str, batches: Iterator[Any], write_id: str,
+                       rows_per_request: int, *, skip_stored: bool = False) -> ChronoqCommitMessage:
+    """Send Arrow record batches through the bulk send (`Producer.send_columns`, admin
+    SendColumns): bodies straight from their Arrow buffers, thousands of rows a request, two
+    requests in flight. Any refused row fails the task, naming why (as `send_rows`); with
+    `skip_stored`, ids the broker already holds as timer messages are not sent again."""
+    import pyarrow as pa
+    from pyspark import TaskContext
+
+    from chronoq.errors import ChronoqError
+
+    ctx = TaskContext.get()
+    partition_id = ctx.partitionId() if ctx is not None else 0
+    sent = duplicates = timers = skipped = 0
+    row_index = 0
+    with _producer(server) as producer:
+        producer.max_bulk_rows = rows_per_request
+        for batch in batches:
+            n = batch.num_rows
+            if not n:
+                continue
+            names = batch.schema.names
+            ids = batch.column("message_id").to_pylist() if "message_id" in names else [None] * n
+            ids = [mid or derived_message_id(write_id, partition_id, row_index + i) for i, mid in enumerate(ids)]
+            row_index += n
+            if skip_stored:
+                try:
+                    known = stored_ids(server, [(topic, mid) for mid in ids])
+                except ChronoqError as e:
+                    raise ChronoqSourceError(f"asking {_access(server).server} which ids it holds failed: "
+                                             f"{type(e).__name__}: {e.message}") from None
+                if known:
+                    keep = [(topic, mid) not in known for mid in ids]
+                    skipped += n - sum(keep)
+                    batch = batch.filter(pa.array(keep))
+                    ids = [mid for mid, k in zip(ids, keep, strict=True) if k]
+                    n = batch.num_rows
+                    if not n:
+                        continue
+            due: dict[str, Any] = {}
+            for name, arg in (("deliver_at", "deliver_at_ms"), ("delay_ms", "delay_ms")):
+                if name in names:
+                    due[arg] = _arrow_ms(batch.column(name), name)
+            tags = batch.column("tag").to_pylist() if "tag" in names else None
+            keys = None
+            if "keys" in names:
+                keys = [() if k is None else (k,) if isinstance(k, str) else tuple(k)
+                        for k in batch.column("keys").to_pylist()]
+            try:
+                outcome = producer.send_columns(topic, _arrow_bodies(batch.column("body")), message_ids=ids,
+                                                tags=tags, keys=keys, **due)
+            except ChronoqError as e:
+                # One line the driver can find in the task's failure and show whole (the SDK has retried).
+                raise ChronoqSourceError(f"sending to {_access(server).server} failed after {sent} messages of this "
+                                         f"task were accepted: {type(e).__name__}: {e.message}") from None
+            if outcome.errors:
+                index = min(outcome.errors)
+                raise ChronoqSourceError(f"{len(outcome.errors)} of {n} messages refused; the first, id "
+                                         f"{ids[index]}: {outcome.errors[index]}")
+            sent += n
+            duplicates += outcome.duplicates
+            timers += n if due else 0
+    return ChronoqCommitMessage(sent, duplicates, timers, skipped)
+
+
+class ChronoqArrowWriter(DataSourceArrowWriter):
+    """The batch write with option `bulk`: Arrow batches through the bulk send (`send_arrow_batches`)."""
+
+    def __init__(self, options: Mapping[str, str], schema: Any) -> None:
+        _check_write_schema(schema)
+        self.server = BrokerAccess.from_options(options)
+        self.topic = options.get("topic") or ""
+        _check_bulk_schema(schema, self.topic)
+        self.rows_per_request = _int_option(options, "sendBatchSize", DEFAULT_BULK_ROWS)
+        self.write_id = options.get("writeId") or uuid.uuid4().hex
+        self.commit_report = options.get("commitReport") or None
+        self.skip_stored = (options.get("skipStored") or "false").strip().lower() in ("true", "1")
+
+    def write(self, iterator: Iterator[Any]) -> WriterCommitMessage:
+        return send_arrow_batches(self.server, self.topic, iterator, self.write_id, self.rows_per_request,
+                                  skip_stored=self.skip_stored)
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        write_commit_report(self.commit_report, messages, finished=True)
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        write_commit_report(self.commit_report, messages, finished=False)
+
+
 def write_commit_report(path: str | None, messages: Sequence[WriterCommitMessage | None], *, finished: bool) -> None:
     """With option `commitReport`, the totals of the tasks' commit messages as JSON at `path`.
 
@@ -580,6 +737,8 @@ class ChronoqDataSource(DataSource):
         return ChronoqStreamReader(self.options)
 
     def writer(self, schema: Any, overwrite: bool) -> DataSourceWriter:
+        if (self.options.get("bulk") or "false").strip().lower() in ("true", "1"):
+            return ChronoqArrowWriter(self.options, schema)
         return ChronoqBatchWriter(self.options, schema)
 
     def streamWriter(self, schema: Any, overwrite: bool) -> DataSourceStreamWriter:

@@ -1,10 +1,11 @@
-"""One rule set, three doors: a bad message is refused alike through each.
+"""One rule set, every door: a bad message is refused alike through each.
 
 A message reaches admission through gRPC's SendMessage (`protocol/requests.py` decodes it), the
-admin service's SendBatch (`protocol/admin.py`), or `Broker.send` in process. Each rule lives
-once, in `chronoq/validate.py`, and the decoders call its checkers; this test pushes every bad
-message through all three doors of one real server and expects the same error class, code and
-text from each, and nothing stored. (Before the rule set was one, a message id such as "日本"
+admin service's SendBatch (`protocol/admin.py`), its bulk send SendColumns (`protocol/bulk.py`,
+admitted by `validate.prepare_columns`), or `Broker.send` in process. Each rule lives once, in
+`chronoq/validate.py`, and the decoders call its checkers; this test pushes every bad message
+through all four doors of one real server and expects the same error class, code and text from
+each, and nothing stored. (Before the rule set was one, a message id such as "日本"
 was stored through SendBatch and refused over gRPC.)
 """
 
@@ -20,9 +21,10 @@ import pytest
 from chronoq import errors
 from chronoq.clock import FakeClock
 from chronoq.config import DAY_MS
-from chronoq.model import SCHEDULE_TOPIC, SYS_REAL_TOPIC, TIMER_TOPIC, OutgoingMessage, TimerState
+from chronoq.model import SCHEDULE_TOPIC, SYS_REAL_TOPIC, TIMER_TOPIC, OutgoingMessage, TimerState, new_message_id
+from chronoq.protocol import bulk
 from chronoq.protocol.v2 import definition, service
-from tests.support.grpc_server import running
+from tests.support.grpc_server import Harness, running
 
 NOW_MS = 1_800_000_000_000
 LIMITS = dict(max_message_size_bytes=2048, max_properties_size_bytes=512, max_property_count=4, max_keys_count=3,
@@ -60,6 +62,13 @@ class Bad:
             sp.delivery_timestamp.seconds, rest_ms = divmod(self.deliver_at_ms, 1000)
             sp.delivery_timestamp.nanos = rest_ms * 1_000_000
         return msg
+
+    def columns(self, default_id: str) -> bytes:
+        """A SendColumns request of this one row (the bulk send carries an id for every row)."""
+        return bulk.encode_request(self.topic, [self.message_id or default_id], [self.body],
+                                   due_kind=bulk.DUE_AT if self.deliver_at_ms is not None else bulk.DUE_NONE,
+                                   due=[self.deliver_at_ms] if self.deliver_at_ms is not None else None,
+                                   tags=[self.tag or ""], keys=[self.keys], properties=[dict(self.properties)])
 
     def json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"topic": self.topic, "body_b64": base64.b64encode(self.body).decode()}
@@ -106,6 +115,12 @@ BAD: list[tuple[str, Bad, type[errors.ChronoqError]]] = [
 ]
 
 
+async def send_columns(h: Harness, frame: bytes) -> bulk.BulkReply:
+    raw = await h.channel.unary_unary(f"/chronoq.admin.v1.Admin/{bulk.METHOD}")(frame, timeout=10)
+    assert raw[:4] == bulk.REPLY_MAGIC, raw[:300]
+    return bulk.decode_reply(raw, 1)
+
+
 @pytest.mark.parametrize(("case", "bad", "error"), BAD, ids=[c for c, _, _ in BAD])
 def test_each_door_refuses_alike_and_stores_nothing(case: str, bad: Bad, error: type[errors.ChronoqError],
                                                     tmp_path: Path, arun: Any) -> None:
@@ -127,6 +142,14 @@ def test_each_door_refuses_alike_and_stores_nothing(case: str, bad: Bad, error: 
             assert (refusal["error"], refusal["code"], refusal["message"]) == (
                 error.__name__, in_process.code, in_process.message), case
 
+            # A row without an id takes one as long as those the broker makes (34 characters),
+            # so a message refused for its size counts the same bytes through this door.
+            columns = await send_columns(h, bad.columns("D" * len(new_message_id())))
+            assert columns.status[0] == bulk.REFUSED, case
+            [(_, refusal)] = columns.errors
+            assert (refusal["error"], refusal["code"], refusal["message"]) == (
+                error.__name__, in_process.code, in_process.message), case
+
             assert h.broker.store.log.end_position == end, f"{case}: something was stored"
             assert [t.name for t in h.broker.list_topics()] == ["orders"], case
 
@@ -134,7 +157,7 @@ def test_each_door_refuses_alike_and_stores_nothing(case: str, bad: Bad, error: 
 
 
 def test_a_good_message_passes_every_door(tmp_path: Path, arun: Any) -> None:
-    """The control: the same three doors store a well-formed message (ASCII id, tag, keys,
+    """The control: the same four doors store a well-formed message (ASCII id, tag, keys,
     properties, a due time), so the refusals above are the rules', not the doors'."""
     async def body() -> None:
         async with running(tmp_path, clock=FakeClock(NOW_MS), background=False, **LIMITS) as h:
@@ -145,7 +168,9 @@ def test_a_good_message_passes_every_door(tmp_path: Path, arun: Any) -> None:
             assert reply.status.code == 20000, reply.status
             admin = await h.admin("SendBatch", {"messages": [Bad(**{**good.__dict__, "message_id": "id-3"}).json()]})
             assert "error" not in admin["results"][0], admin
-            for message_id in ("id-1", "id-2", "id-3"):
+            columns = await send_columns(h, good.columns("id-4"))
+            assert columns.status[0] == bulk.STORED | bulk.HAS_HANDLE, columns
+            for message_id in ("id-1", "id-2", "id-3", "id-4"):
                 [status] = h.broker.query(message_id, "orders")
                 assert status.state is TimerState.PENDING, status
 

@@ -140,3 +140,46 @@ def test_telemetry_answers_every_settings_and_survives_garbage(live, commands) -
         assert len(replies) == expected
 
     loop.run_until_complete(call())
+
+
+@pytest.mark.slow
+@FUZZ
+@given(st.data())
+def test_send_columns_answers_hostile_frames_and_stores_only_rows_it_reports_stored(live, data) -> None:
+    """Admin SendColumns (`protocol/bulk.py`): arbitrary bytes, or a valid frame with a byte
+    changed, get the JSON error object or the result columns, never a failed RPC nor an internal
+    error; the log grows only when some row is reported stored."""
+    from chronoq.protocol import bulk
+
+    loop, h = live
+    rows = data.draw(st.integers(1, 4), label="rows")
+    frame = bytearray(bulk.encode_request(
+        data.draw(st.sampled_from(["fuzzed", "bad topic", "rmq_sys_wheel_timer"]), label="topic"),
+        data.draw(st.lists(st.text(max_size=6), min_size=rows, max_size=rows), label="ids"),
+        data.draw(st.lists(st.binary(max_size=8), min_size=rows, max_size=rows), label="bodies"),
+        due_kind=bulk.DUE_DELAY, due=data.draw(st.lists(st.integers(-10, 10**10), min_size=rows, max_size=rows))))
+    if data.draw(st.booleans(), label="raw bytes?"):
+        frame = bytearray(data.draw(st.binary(max_size=200), label="bytes"))
+    elif data.draw(st.booleans(), label="change a byte?"):
+        frame[data.draw(st.integers(0, len(frame) - 1))] ^= data.draw(st.integers(1, 255))
+
+    async def call() -> None:
+        before = _log_end(h)
+        try:
+            raw = await h.channel.unary_unary(f"/chronoq.admin.v1.Admin/{bulk.METHOD}")(bytes(frame), timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            raise AssertionError(f"SendColumns failed as an RPC: {exc.code()} {exc.details()}") from None
+        if raw[:1] == b"{":
+            import json
+
+            reply = json.loads(raw)
+            assert reply["code"] != 20000 and reply["error"] != "InternalError", reply
+            assert _log_end(h) == before
+            return
+        reply = bulk.decode_reply(raw, len(raw) and int.from_bytes(raw[4:8], "little"))
+        if all(s & 0x0F != bulk.STORED for s in reply.status):
+            assert _log_end(h) == before, reply
+        for _, error in reply.errors:
+            assert error["error"] != "InternalError", error
+
+    loop.run_until_complete(call())

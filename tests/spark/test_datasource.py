@@ -120,6 +120,34 @@ def test_batch_write_read_timers_and_idempotent_retry(spark, server):
         spark.createDataFrame([("x",)], "nobody STRING").write.format("chronoq").mode("append") \
             .option("server", server).option("topic", "ds").save()
 
+    # The bulk write (option bulk: Arrow batches through SendColumns) stores the same rows the
+    # same way: the 40 rows again are duplicates, new rows (text bodies, tags, keys) are stored,
+    # derived ids dedupe per writeId, and timer rows wait in the timer topic.
+    def bulk(frame, write_id=None):
+        w = frame.write.format("chronoq").mode("append").option("server", server).option("topic", "ds") \
+            .option("bulk", "true").option("sendBatchSize", "7")
+        (w.option("writeId", write_id) if write_id else w).save()
+
+    bulk(df)
+    assert _read(spark, server, "ds").count() == 50
+    more = spark.createDataFrame([(f"bulk-{i:02d}", f"bulk body {i}", "bt", [f"bk{i}", "all"]) for i in range(30)],
+                                 "message_id STRING, body STRING, tag STRING, keys ARRAY<STRING>").repartition(3)
+    bulk(more)
+    got = {r["message_id"]: r for r in _read(spark, server, "ds").collect()}
+    assert len(got) == 80 and bytes(got["bulk-07"]["body"]) == b"bulk body 7"
+    assert got["bulk-07"]["tag"] == "bt" and got["bulk-07"]["keys"] == ["bk7", "all"]
+    for _ in range(2):
+        bulk(anon, "retry-2")
+    assert _read(spark, server, "ds").count() == 90
+    bulk(spark.createDataFrame([("b-at", b"later", due)], "message_id STRING, body BINARY, deliver_at TIMESTAMP"))
+    with Admin(server) as admin:
+        [status] = admin.query("b-at", "ds")
+        assert status.state == "pending" and status.deliver_at_ms == int(due.timestamp() * 1000)
+    with pytest.raises(Exception, match="properties"):
+        spark.createDataFrame([("x", {"a": "b"})], "body STRING, properties MAP<STRING, STRING>").write \
+            .format("chronoq").mode("append").option("server", server).option("topic", "ds") \
+            .option("bulk", "true").save()
+
 
 def test_stream_read_restarts_from_checkpoint_without_loss_or_duplicate(spark, server, tmp_path):
     from chronoq.client import Producer, outgoing
