@@ -623,6 +623,15 @@ class Broker:
         self._check_open()
         return await self.timer.fire_positions(positions, self.clock.fire_horizon_ms())
 
+    async def arm_timers(self, timers: list[tuple[int, str, str]]) -> list[tuple[str, str | None]]:
+        """For the Spark engine: hand these timers, (position, topic, message id), to the timer
+        loop, which fires each at its due time (`TimerService.arm`; idempotent)."""
+        self._check_open()
+        results, earliest = self.timer.arm(timers)
+        if earliest is not None:
+            self.timer_loop.wake_for(earliest)
+        return results
+
     def stats(self) -> dict[str, Any]:
         now = self.clock.now_ms()
         log_ = self.store.log

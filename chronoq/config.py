@@ -196,8 +196,9 @@ class Config:
     new setting, for one release."""
     timer_firer: Literal["broker", "spark"] = "broker"
     """Who fires due timers (`timer/firing.py`): "broker" (the default: its own loop) or "spark"
-    (a Spark job reads the timer topic and calls FireTimers; the broker's loop is only the
-    backstop, `timer_spark_backstop_ms`)."""
+    (a Spark job reads the timer topic and hands each timer to the broker, ArmTimers, when it
+    enters `timer_handoff_horizon_ms`; the broker's loop fires armed timers at their due time and
+    the others `timer_spark_backstop_ms` late, as a backstop)."""
     timer_wheel_slot_ms: int = limit(1000, maximum=60_000)
     """With timer_engine = "wheel": the width of one TimerWheel slot. Firing stays to the
     millisecond whatever the width (a slot's timers are ordered by their exact due times); the
@@ -209,6 +210,13 @@ class Config:
     timer_spark_backstop_ms: int = limit(60_000)
     """With timer_firer = "spark": the broker itself fires a timer overdue by this much (the
     Spark job is down, or dropped it), so none waits forever."""
+    timer_handoff_horizon_ms: int = limit(5 * 60_000, minimum=1000, maximum=DAY_MS)
+    """With timer_firer = "spark": the near horizon (`timer/handoff.py`). The job hands each timer
+    over (ArmTimers) when it comes this close to its due time, and the broker's loop then fires it
+    at its due time; a timer accepted already this close, or due this close when the broker
+    starts, is the broker's without a hand-over. The broker's memory holds the armed timers, so
+    it follows the timers due within the horizon; the job needs about two micro-batches to arm a
+    timer, so keep the horizon well above that (a minute or more)."""
     timer_precision_ms: int = limit(1)
     timer_max_delay_ms: int = limit(30 * DAY_MS, maximum=100 * 365 * DAY_MS)
     """Latest due time a send may ask for, from now. At most 100 years: a due time must fit the

@@ -104,6 +104,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     engine.add_argument("--shards", type=int, default=2, help="state keys per bucket (spread over executors)")
     engine.add_argument("--trigger-ms", type=int, default=200)
     engine.add_argument("--max-records-per-batch", type=int, default=200_000)
+    engine.add_argument("--mode", choices=["arm", "fire"], default="arm",
+                        help="arm: hand each timer to the broker as it enters its hand-off horizon, the broker fires "
+                             "it on time (default); fire: FireTimers at the due time (a micro-batch's precision)")
+    engine.add_argument("--handoff-ms", type=int, default=None,
+                        help="with --mode arm: hand timers over this long before they are due (default: the "
+                             "broker's timer_handoff_horizon_ms, asked at start; never more than it)")
     add_spark_arguments(engine)
     add_connection_arguments(engine)
     engine.set_defaults(func=cmd_engine)
@@ -116,6 +122,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     measure.add_argument("--lead-ms", type=int, default=20_000, help="first due time after sending starts")
     measure.add_argument("--bucket-ms", type=int, default=5_000)
     measure.add_argument("--shards", type=int, default=2)
+    measure.add_argument("--mode", choices=["arm", "fire"], default="arm", help="the engine's mode (see `engine`)")
+    measure.add_argument("--horizon-ms", type=int, default=5 * 60_000,
+                         help="the broker's timer_handoff_horizon_ms")
+    measure.add_argument("--backstop-ms", type=int, default=60_000, help="the broker's timer_spark_backstop_ms")
+    measure.add_argument("--kill-job-at", type=float, default=None, metavar="FRACTION",
+                         help="stop the engine at this fraction of the due-time window, restart it --job-down-s later")
+    measure.add_argument("--job-down-s", type=float, default=10.0)
+    measure.add_argument("--kill-broker-at", type=float, default=None, metavar="FRACTION",
+                         help="SIGKILL the broker at this fraction of the due-time window and start it again")
     measure.add_argument("--out", default=None, help="also write report.md/.json/.png here")
     add_spark_arguments(measure)
     measure.set_defaults(func=cmd_measure)
@@ -266,7 +281,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
     options = EngineOptions(server=connection.server, checkpoint=args.checkpoint, bucket_ms=args.bucket_ms,
                             shards=args.shards, trigger_ms=args.trigger_ms,
                             max_records_per_batch=args.max_records_per_batch,
-                            connection=access_options(connection))
+                            connection=access_options(connection), mode=args.mode, handoff_ms=args.handoff_ms)
     query = run_engine(spark, options)
     _quiet_interrupts()
     try:
@@ -287,7 +302,9 @@ def cmd_measure(args: argparse.Namespace) -> int:
 
     spark = build_session("chronoq-measure-engine", master=args.master, conf=spark_conf(args))
     options = MeasureOptions(work_dir=args.work_dir, messages=args.messages, spread_ms=args.spread_ms,
-                             lead_ms=args.lead_ms, bucket_ms=args.bucket_ms, shards=args.shards)
+                             lead_ms=args.lead_ms, bucket_ms=args.bucket_ms, shards=args.shards, mode=args.mode,
+                             horizon_ms=args.horizon_ms, backstop_ms=args.backstop_ms, kill_job_at=args.kill_job_at,
+                             job_down_s=args.job_down_s, kill_broker_at=args.kill_broker_at)
     report = run_measurement(spark, options, log=lambda line: print(line, flush=True))
     if args.out:
         write_report(report, args.out)

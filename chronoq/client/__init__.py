@@ -25,6 +25,8 @@ from chronoq.client.errors import (
 )
 from chronoq.client.sync import Admin, Consumer, Producer
 from chronoq.client.types import (
+    ArmOutcome,
+    ArmResult,
     BatchOutcome,
     BulkOutcome,
     FireOutcome,
@@ -43,6 +45,8 @@ __all__ = [
     "DEFAULT_SERVER",
     "SERVER_ENV",
     "Admin",
+    "ArmOutcome",
+    "ArmResult",
     "AsyncAdmin",
     "AsyncConsumer",
     "AsyncProducer",

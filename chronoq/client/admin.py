@@ -21,7 +21,15 @@ from typing import Any
 from chronoq.client import wire
 from chronoq.client.connection import Connection
 from chronoq.client.retry import retrying
-from chronoq.client.types import FireOutcome, ReadResult, TimerInfo, TopicDescription, TopicInfo
+from chronoq.client.types import (
+    ArmOutcome,
+    ArmResult,
+    FireOutcome,
+    ReadResult,
+    TimerInfo,
+    TopicDescription,
+    TopicInfo,
+)
 from chronoq.protocol.v2 import definition as pb
 from chronoq.protocol.v2 import service as svc
 from chronoq.timer.recall import encode_recall_handle
@@ -155,6 +163,16 @@ class AsyncAdmin(Connection):
         checked = [wire.nonnegative_int("position", p) for p in positions]
         reply = await self._admin("FireTimers", {"positions": checked})
         return FireOutcome(int(reply.get("fired", 0)), int(reply.get("skipped", 0)))
+
+    async def arm_timers(self, timers: Sequence[tuple[int, str, str]]) -> ArmOutcome:
+        """Hand pending timers, each (commit-log position, topic, message id), to the broker's own
+        loop, which then fires each at its due time (the Spark engine's hand-off, with
+        `timer_firer = "spark"`). Idempotent, so retried like a read. At most the server's
+        `max_send_batch` timers; per timer an `ArmResult`."""
+        body = [{"position": wire.nonnegative_int("position", p), "topic": t, "message_id": m} for p, t, m in timers]
+        reply = await self._admin_retried("ArmTimers", {"timers": body}, after_unknown=True)
+        return ArmOutcome(tuple(ArmResult(int(r["position"]), str(r["result"]), r.get("reason"))
+                                for r in reply.get("results", [])))
 
 
 def _schedule_fields(*, body: bytes | None, **fields: Any) -> dict[str, Any]:

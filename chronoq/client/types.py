@@ -143,6 +143,26 @@ class FireOutcome:
 
 
 @dataclass(frozen=True, slots=True)
+class ArmResult:
+    """`arm_timers`, one timer: `result` is "armed" or "already_armed" (the broker fires it at its
+    due time), or a refusal with its `reason`: "fired", "cancelled", "damaged", "unknown"."""
+
+    position: int
+    result: str
+    reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ArmOutcome:
+    """`arm_timers`: one result per timer, in request order."""
+
+    results: tuple[ArmResult, ...]
+
+    def count(self, result: str) -> int:
+        return sum(1 for r in self.results if r.result == result)
+
+
+@dataclass(frozen=True, slots=True)
 class BatchOutcome:
     """Per-message results of `send_batch`, in request order: a receipt or the error for it."""
 

@@ -14,7 +14,7 @@ limits, and serve programs as well.
 
 Auth (`chronoq.server.auth`): each call is authenticated from its metadata like a RocketMQ call,
 then each method asks the caller for what it needs before touching the broker: CreateTopic, Stats,
-FireTimers and QueryMessage by key are admin only (they span every topic); SendBatch needs publish
+FireTimers, ArmTimers and QueryMessage by key are admin only (they span every topic); SendBatch needs publish
 on every topic of the batch (one forbidden topic refuses the whole batch, nothing stored);
 CancelMessage publish on the topic (by handle: the handle's topic, which must match a topic the
 request also names); QueryMessage by id publish or subscribe on its topic (admin without one);
@@ -106,6 +106,7 @@ class AdminService:
             "DeleteSchedule": self.delete_schedule, "ListSchedules": self.list_schedules,
             "DescribeSchedule": self.describe_schedule,
         }
+        methods["ArmTimers"] = self.arm_timers  # the Spark engine's hand-off (below)
         handlers = {name: grpc.unary_unary_rpc_method_handler(self._handler(name, body))
                     for name, body in methods.items()}
         handlers[bulk.METHOD] = grpc.unary_unary_rpc_method_handler(self.send_columns)
@@ -246,6 +247,42 @@ class AdminService:
                                                       "in 0..2^63-1")
         fired, skipped = await self.broker.fire_timers(positions)
         return codec.ok_json(fired=fired, skipped=skipped)
+
+    # -- the Spark engine's hand-off ---------------------------------------------------------------
+
+    async def arm_timers(self, doc: dict[str, Any], caller: Principal) -> dict[str, Any]:
+        """For the Spark timer engine: hand pending timers to the broker's loop before they are
+        due (`timer/handoff.py`); each then fires at its due time. `timers`: a list of
+        {"position", "topic", "message_id"} (the timer record's commit-log position and the
+        timer it must be), at most `max_send_batch`. Admin only. Idempotent; per timer a
+        `result`: armed, already_armed, or refused with a `reason`: fired, cancelled, damaged,
+        unknown (`TimerService.arm`)."""
+        caller.require_admin("ArmTimers")
+        timers = doc.get("timers")
+        if not isinstance(timers, list):
+            raise MalformedRequest("ArmTimers", "'timers' must be a list of {position, topic, message_id}")
+        if len(timers) > self.config.max_send_batch:
+            raise InvalidBatchSize(len(timers), self.config.max_send_batch)
+        wanted: list[tuple[int, str, str]] = []
+        for i, t in enumerate(timers):
+            if not isinstance(t, dict):
+                raise InvalidField(f"timers[{i}]", "must be an object {position, topic, message_id}")
+            position = t.get("position")
+            if type(position) is not int or not 0 <= position <= codec.MAX_STORED_INT:
+                raise InvalidField(f"timers[{i}].position",
+                                   f"{codec.show_int(position) if type(position) is int else repr(position)} "
+                                   "is not a commit-log position in 0..2^63-1")
+            topic = codec.arg_topic(t, self.config)
+            message_id = check_message_id(codec.arg_str(t, "message_id"), self.config)
+            wanted.append((position, topic, message_id))
+        results = await self.broker.arm_timers(wanted)
+        counts = {name: 0 for name in ("armed", "already_armed", "fired", "cancelled", "damaged", "unknown")}
+        out = []
+        for (position, _, _), (result, reason) in zip(wanted, results, strict=True):
+            counts[result] += 1
+            out.append({"position": position, "result": result} if reason is None
+                       else {"position": position, "result": result, "reason": reason})
+        return codec.ok_json(results=out, **counts)
 
     # -- reads, stats, sends ---------------------------------------------------------------------
 

@@ -1,25 +1,36 @@
-"""The Spark timer engine: a Structured Streaming job that holds pending timers and fires them.
+"""The Spark timer engine: a Structured Streaming job that holds the far timers and hands them over.
 
 Theory of operation. With `timer_firer = "spark"` the broker appends timer messages (and
-cancels, as tombstones) to its timer topic `rmq_sys_wheel_timer` and leaves the rest to this job:
+cancels, as tombstones) to its timer topic `rmq_sys_wheel_timer`; this job keeps the timers
+that are far off (the wheel's far levels) and hands each to the broker as it enters the broker's
+hand-off horizon (`timer_handoff_horizon_ms`, `timer/handoff.py`):
 
     chronoq source (timer topic, per-queue offsets)
       -> timer_entries(): (timer key, due_ms, position, tombstone) from the system properties
       (+ a heartbeat from Spark's rate source, so every trigger runs a batch; see with_heartbeat)
-      -> groupBy(shard, bucket).transformWithStateInPandas(BucketTimerProcessor, ProcessingTime)
-      -> the `chronoq-fire` sink: each task calls FireTimers {positions}, in (due, position) order
+      -> groupBy(shard, bucket).transformWithStateInPandas(BucketTimerProcessor, ProcessingTime),
+         releasing each timer `lead_ms` (the horizon) before its due time
+      -> the `chronoq-fire` sink: each task calls ArmTimers {position, topic, id}, in (due,
+         position) order; the broker's loop then fires each timer at its due time
+
+So the firing precision is the broker's loop's (milliseconds), not the micro-batch's (a second
+or two): the job only has to arm a timer within the horizon (minutes) of the time it enters it.
+`mode = "fire"` is the older way, kept for comparison: the processor releases a timer at its due
+time and the sink calls FireTimers {positions}, so the error is the micro-batch's.
 
 State lives in Spark's RocksDB state store and the source offsets in the checkpoint, so a job
 stopped and restarted from its checkpoint reloads every pending timer and re-reads only what the
-last uncommitted batch read. Re-running that batch may fire its timers again: FireTimers is
-idempotent by commit-log position, so the broker writes each delivered copy once. Firing happens
-only inside a micro-batch; measured on 2 cores a batch takes 0.45-0.9 s, which bounds the error
-(docs/spark.md). The job decides *when*; the broker still writes the delivered message.
+last uncommitted batch read. Re-running that batch arms (or fires) its timers again: ArmTimers
+and FireTimers are idempotent by commit-log position, so the broker writes each delivered copy
+once. A job stopped for less than the horizon costs nothing: what fell into the horizon
+meanwhile is armed by its first batch, before it is due. A broker restarted needs nothing from
+the job: it arms every timer due within its horizon at its first step (`timer/handoff.py`).
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +42,8 @@ from chronoq.model import SYS_REAL_TOPIC, SYS_TIMER_DEL_UNIQKEY, SYS_TIMER_OUT_M
 FIRE_SINK_NAME = "chronoq-fire"
 HEARTBEAT_ID = "__chronoq_heartbeat"
 FIRE_CHUNK = 1024
-"""Positions per FireTimers call (the broker refuses more than max_send_batch, default 1024)."""
+"""Positions per FireTimers or ArmTimers call (the broker refuses more than max_send_batch, default 1024)."""
+MODES = ("arm", "fire")
 
 
 @dataclass(frozen=True)
@@ -46,6 +58,37 @@ class EngineOptions:
     max_records_per_batch: int = 200_000
     tombstone_grace_ms: int = 10 * 60_000
     query_name: str = "chronoq-timer-engine"
+    mode: str = "arm"
+    """"arm": hand each timer to the broker as it enters the horizon (ArmTimers); "fire": fire it
+    at its due time (FireTimers, the micro-batch's precision)."""
+    handoff_ms: int | None = None
+    """With mode "arm": how long before its due time a timer is handed over. None: the broker's
+    `timer_handoff_horizon_ms`, asked at start (the job must not arm earlier than the broker's
+    horizon: a restarted broker arms only what is due within it)."""
+
+
+def release_lead_ms(options: EngineOptions) -> int:
+    """How long before its due time the processor releases a timer: 0 to fire, the broker's
+    hand-off horizon to arm (asked of the broker when `handoff_ms` is None)."""
+    if options.mode not in MODES:
+        raise ValueError(f"engine mode {options.mode!r} is not one of {', '.join(MODES)}")
+    if options.mode == "fire":
+        return 0
+    if options.handoff_ms is not None:
+        if options.handoff_ms < 0:
+            raise ValueError(f"handoff_ms {options.handoff_ms} must not be negative")
+        return options.handoff_ms
+    if not options.server:
+        return 0  # no broker to ask (a test's sink writes only its log)
+    from chronoq.spark.datasource import BrokerAccess, admin_client
+
+    access = BrokerAccess.from_options({**dict(options.connection or {}), "server": options.server})
+    with admin_client(access) as admin:
+        handoff = admin.stats()["timer"].get("handoff")
+    if not handoff:
+        raise ValueError(f"the broker at {options.server} does not take hand-overs: its timer_firer is not "
+                         '"spark" (set it, or run the engine with mode "fire")')
+    return int(handoff["horizon_ms"])
 
 
 def timer_entries(records: Any, options: EngineOptions) -> Any:
@@ -109,33 +152,33 @@ def with_heartbeat(spark: Any, entries: Any, options: EngineOptions) -> Any:
     return entries.unionByName(beat)
 
 
-def fired_stream(entries: Any, options: EngineOptions) -> Any:
-    """Apply the bucketed processor: a stream of (message_id, position, due_ms, fired_ms)."""
+def fired_stream(entries: Any, options: EngineOptions, lead_ms: int = 0) -> Any:
+    """Apply the bucketed processor: a stream of (message_id, position, due_ms, fired_ms, topic),
+    each timer released `lead_ms` before its due time."""
     from chronoq.spark.timer_processor import OUTPUT_SCHEMA, BucketTimerProcessor
 
     return entries.groupBy("shard", "bucket").transformWithStateInPandas(
-        statefulProcessor=BucketTimerProcessor(tombstone_grace_ms=options.tombstone_grace_ms),
+        statefulProcessor=BucketTimerProcessor(tombstone_grace_ms=options.tombstone_grace_ms, lead_ms=lead_ms),
         outputStructType=OUTPUT_SCHEMA,
         outputMode="Append",
         timeMode="ProcessingTime",
     )
 
 
-def fire_positions(server: Any, positions: Sequence[int]) -> int:
-    """FireTimers on the broker, in chunks; returns how many it fired (repeats are skipped). A
-    broker whose `max_send_batch` is below `FIRE_CHUNK` refuses a chunk with the limit it keeps:
-    the chunks shrink to it (before, every batch firing more than it failed, and its replays too,
-    so the engine stopped for good)."""
+def _in_chunks(server: Any, items: Sequence[Any], call: Any) -> None:
+    """`call(admin, chunk)` over `items` in chunks of at most `FIRE_CHUNK`. A broker whose
+    `max_send_batch` is below it refuses a chunk with the limit it keeps: the chunks shrink to it
+    (before, every batch firing more than it failed, and its replays too, so the engine stopped
+    for good)."""
     from chronoq.errors import InvalidBatchSize
     from chronoq.spark.datasource import admin_client
 
-    fired = 0
     chunk = FIRE_CHUNK
     with admin_client(server) as admin:
         start = 0
-        while start < len(positions):
+        while start < len(items):
             try:
-                fired += admin.fire_timers([int(p) for p in positions[start:start + chunk]]).fired
+                call(admin, items[start:start + chunk])
             except InvalidBatchSize as e:
                 limit = (e.details or {}).get("max_batch_size")
                 if not isinstance(limit, int) or not 1 <= limit < chunk:
@@ -143,26 +186,56 @@ def fire_positions(server: Any, positions: Sequence[int]) -> int:
                 chunk = limit
                 continue
             start += chunk
-    return fired
+
+
+def fire_positions(server: Any, positions: Sequence[int]) -> int:
+    """FireTimers on the broker, in chunks; returns how many it fired (repeats are skipped)."""
+    fired = [0]
+
+    def call(admin: Any, chunk: Sequence[int]) -> None:
+        fired[0] += admin.fire_timers([int(p) for p in chunk]).fired
+
+    _in_chunks(server, positions, call)
+    return fired[0]
+
+
+def arm_timers(server: Any, timers: Sequence[tuple[int, str, str]]) -> Counter[str]:
+    """ArmTimers on the broker, in chunks, for (position, topic, message id); returns how many of
+    each result ("armed", "already_armed", "fired", "cancelled", "damaged", "unknown"). A refusal
+    is no error here: a cancelled or fired timer needs nothing more, and an unknown position is a
+    timer a roll moved (its new record comes through the timer topic and is armed in turn)."""
+    counts: Counter[str] = Counter()
+
+    def call(admin: Any, chunk: Sequence[tuple[int, str, str]]) -> None:
+        counts.update(r.result for r in admin.arm_timers(chunk).results)
+
+    _in_chunks(server, timers, call)
+    return counts
 
 
 class FireSinkWriter(DataSourceStreamWriter):
-    """Runs on executors: each task fires its partition's rows in (due, position) order and, when
-    option `firedLog` is set, appends them as JSON lines to that file (an audit log; tests read it)."""
+    """Runs on executors: each task arms (option `mode` "arm", the default) or fires ("fire") its
+    partition's rows in (due, position) order and, when option `firedLog` is set, appends them as
+    JSON lines to that file (an audit log; tests read it)."""
 
     def __init__(self, options: Mapping[str, str]) -> None:
         from chronoq.spark.datasource import BrokerAccess
 
         self.server = BrokerAccess.from_options(options) if options.get("server") else None
         self.fired_log = options.get("firedLog") or None
+        self.mode = options.get("mode") or "arm"
 
     def write(self, iterator: Iterator[Any]) -> WriterCommitMessage:
-        rows = sorted(((r["message_id"], r["position"], r["due_ms"], r["fired_ms"]) for r in iterator),
+        rows = sorted(((r["message_id"], r["position"], r["due_ms"], r["fired_ms"], r["topic"]) for r in iterator),
                       key=lambda r: (r[2], r[1]))
         if rows and self.server:
-            fire_positions(self.server, [r[1] for r in rows])
+            if self.mode == "fire":
+                fire_positions(self.server, [r[1] for r in rows])
+            else:
+                # A key without a topic (none the broker writes) cannot be named: the backstop has it.
+                arm_timers(self.server, [(int(r[1]), r[4], r[0]) for r in rows if r[4]])
         if rows and self.fired_log:
-            append_fired_log(self.fired_log, rows)
+            append_fired_log(self.fired_log, [r[:4] for r in rows])
         return FireCommit(len(rows))
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
@@ -207,8 +280,8 @@ class FireSink(DataSource):
 def run_engine(spark: Any, options: EngineOptions, *, records: Any | None = None,
                fired_log: str | None = None) -> Any:
     """Start the engine; returns the StreamingQuery. `records` defaults to the chronoq source on
-    the timer topic. Fired timers go to FireTimers on `options.server` (unless it is empty) and,
-    with `fired_log`, to that JSON-lines file."""
+    the timer topic. Released timers go to ArmTimers (or FireTimers, `options.mode`) on
+    `options.server` (unless it is empty) and, with `fired_log`, to that JSON-lines file."""
     from chronoq.spark.datasource import SOURCE_NAME, register
 
     if records is None:
@@ -217,9 +290,11 @@ def run_engine(spark: Any, options: EngineOptions, *, records: Any | None = None
                    .option("server", options.server).option("topic", TIMER_TOPIC).option("startingOffsets", "earliest")
                    .option("maxRecordsPerBatch", str(options.max_records_per_batch)).load())
     spark.dataSource.register(FireSink)
-    fired = fired_stream(with_heartbeat(spark, timer_entries(records, options), options), options)
+    lead_ms = release_lead_ms(options)
+    fired = fired_stream(with_heartbeat(spark, timer_entries(records, options), options), options, lead_ms)
     writer = (fired.writeStream.queryName(options.query_name).format(FIRE_SINK_NAME)
               .options(**dict(options.connection or {})).option("server", options.server)
+              .option("mode", options.mode)
               .option("checkpointLocation", options.checkpoint)
               .trigger(processingTime=f"{options.trigger_ms} milliseconds"))
     if fired_log:

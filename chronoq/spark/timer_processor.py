@@ -19,12 +19,19 @@ and exactly one processing-time timer, at the earliest due time among its live t
 - on expiry the list is read, entries with `due_ms <= batch time` emitted in (due, position)
   order, the rest put back and the timer re-armed at their minimum.
 
-Never early: an entry is emitted only when `due_ms <= timerValues.getCurrentProcessingTimeInMs()`,
-the batch timestamp, which Spark takes before the batch runs. A tombstone whose timer has not been
-seen (it may sit in another queue, read in a later batch) is kept until `tombstone_grace_ms` after
-its due time, then dropped. The output row says which commit-log position to fire; the broker's
-FireTimers is idempotent by position, so re-running the last uncommitted batch after a restart
-fires nothing twice.
+Never early: an entry is emitted only when `due_ms - lead_ms <=` the batch timestamp
+(`timerValues.getCurrentProcessingTimeInMs()`), which Spark takes before the batch runs. A
+tombstone whose timer has not been seen (it may sit in another queue, read in a later batch) is
+kept until `tombstone_grace_ms` after its due time, then dropped. The output row says which
+commit-log position to fire; the broker's FireTimers is idempotent by position, so re-running
+the last uncommitted batch after a restart fires nothing twice.
+
+The lead. With `lead_ms` 0 an output row is a timer to fire now (FireTimers). With `lead_ms` the
+broker's hand-off horizon (`timer_handoff_horizon_ms`) a row is a timer to hand over (ArmTimers)
+as it enters the horizon, and the broker's loop fires it at its due time: every comparison above
+is against `batch time + lead_ms`, and a key's processing-time timer is set `lead_ms` before its
+earliest due time. A handed-over timer leaves the job's state, so the state holds the far timers
+only (beyond the horizon) and the broker's memory the near ones. ArmTimers is idempotent too.
 """
 
 from __future__ import annotations
@@ -47,10 +54,11 @@ of the key still loads (an old entry and a new tombstone then do not match, and 
 handed to FireTimers, which skips a cancelled one: the broker judges)."""
 TIMER_KEY_SEP = "\x00"
 """Between topic and id in a timer key: no topic name can hold it (names are [%|a-zA-Z0-9_-])."""
-OUTPUT_SCHEMA = "message_id STRING, position LONG, due_ms LONG, fired_ms LONG"
-"""A fired timer: `fired_ms` is the batch timestamp that released it (>= due_ms)."""
+OUTPUT_SCHEMA = "message_id STRING, position LONG, due_ms LONG, fired_ms LONG, topic STRING"
+"""A released timer: `fired_ms` is the batch timestamp that released it (>= due_ms - lead_ms);
+`topic` its real topic (null for a key without one), which ArmTimers names with the id."""
 ENTRY_COLUMNS = ("message_id", "due_ms", "position", "tombstone")
-OUTPUT_COLUMNS = ("message_id", "position", "due_ms", "fired_ms")
+OUTPUT_COLUMNS = ("message_id", "position", "due_ms", "fired_ms", "topic")
 DEFAULT_TOMBSTONE_GRACE_MS = 10 * 60_000
 
 
@@ -63,9 +71,15 @@ def message_id_of(key: str) -> str:
     return key.split(TIMER_KEY_SEP, 1)[-1]
 
 
+def topic_of(key: str) -> str | None:
+    """The topic in a timer key (None when it has none)."""
+    return key.split(TIMER_KEY_SEP, 1)[0] if TIMER_KEY_SEP in key else None
+
+
 def _empty_output() -> pd.DataFrame:
     return pd.DataFrame({"message_id": pd.Series([], dtype=object), "position": pd.Series([], dtype="int64"),
-                         "due_ms": pd.Series([], dtype="int64"), "fired_ms": pd.Series([], dtype="int64")})
+                         "due_ms": pd.Series([], dtype="int64"), "fired_ms": pd.Series([], dtype="int64"),
+                         "topic": pd.Series([], dtype=object)})
 
 
 def _to_output(entries: list[tuple], fired_ms: int) -> pd.DataFrame:
@@ -75,6 +89,7 @@ def _to_output(entries: list[tuple], fired_ms: int) -> pd.DataFrame:
         "position": pd.Series([e[2] for e in entries], dtype="int64"),
         "due_ms": pd.Series([e[1] for e in entries], dtype="int64"),
         "fired_ms": pd.Series([fired_ms] * len(entries), dtype="int64"),
+        "topic": pd.Series([topic_of(e[0]) for e in entries], dtype=object),
     })
 
 
@@ -125,8 +140,10 @@ def next_wakeup_ms(pending: list[tuple], grace_ms: int) -> int | None:
 class BucketTimerProcessor(StatefulProcessor):
     """transformWithStateInPandas processor; see the module docstring."""
 
-    def __init__(self, tombstone_grace_ms: int = DEFAULT_TOMBSTONE_GRACE_MS) -> None:
+    def __init__(self, tombstone_grace_ms: int = DEFAULT_TOMBSTONE_GRACE_MS, lead_ms: int = 0) -> None:
         self.tombstone_grace_ms = tombstone_grace_ms
+        self.lead_ms = lead_ms
+        """Release each timer this long before its due time (the hand-off horizon; 0: at it)."""
 
     def init(self, handle: StatefulProcessorHandle) -> None:
         self.handle = handle
@@ -146,21 +163,22 @@ class BucketTimerProcessor(StatefulProcessor):
     def handleInputRows(self, key: Any, rows: Iterator[pd.DataFrame],
                         timerValues: TimerValues) -> Iterator[pd.DataFrame]:
         now_ms = timerValues.getCurrentProcessingTimeInMs()
+        release_ms = now_ms + self.lead_ms
         # Heartbeat rows (position < 0, see engine.with_heartbeat) only make Spark run the batch.
         incoming = [e for e in _entries(pd.concat(list(rows), ignore_index=True)) if e[2] >= 0]
         if not incoming:
             yield _empty_output()
             return
         if not any(e[3] for e in incoming):
-            due = [e for e in incoming if e[1] <= now_ms]
-            later = [e for e in incoming if e[1] > now_ms]
+            due = [e for e in incoming if e[1] <= release_ms]
+            later = [e for e in incoming if e[1] > release_ms]
             if later:
                 self.entries.appendList(later)
-                self._arm(min(e[1] for e in later), only_earlier=True)
+                self._arm(min(e[1] for e in later) - self.lead_ms, only_earlier=True)
             yield _to_output(due, now_ms) if due else _empty_output()
             return
         stored = list(self.entries.get())
-        due, pending = split_due([tuple(e) for e in stored] + incoming, now_ms, self.tombstone_grace_ms)
+        due, pending = split_due([tuple(e) for e in stored] + incoming, release_ms, self.tombstone_grace_ms)
         self._store(pending)
         yield _to_output(due, now_ms) if due else _empty_output()
 
@@ -168,7 +186,7 @@ class BucketTimerProcessor(StatefulProcessor):
                            expiredTimerInfo: ExpiredTimerInfo) -> Iterator[pd.DataFrame]:
         now_ms = timerValues.getCurrentProcessingTimeInMs()
         stored = [tuple(e) for e in self.entries.get()]
-        due, pending = split_due(stored, now_ms, self.tombstone_grace_ms)
+        due, pending = split_due(stored, now_ms + self.lead_ms, self.tombstone_grace_ms)
         self._store(pending, expired_ms=expiredTimerInfo.getExpiryTimeInMs())
         yield _to_output(due, now_ms) if due else _empty_output()
 
@@ -178,6 +196,8 @@ class BucketTimerProcessor(StatefulProcessor):
         else:
             self.entries.clear()
         wakeup = next_wakeup_ms(pending, self.tombstone_grace_ms)
+        if wakeup is not None:
+            wakeup -= self.lead_ms
         current = [t for t in self.handle.listTimers() if t != expired_ms]
         for t in current:
             if t != wakeup:

@@ -75,6 +75,12 @@ class TimerLoop:
         """Something changed what is due first (a cancel): look again now."""
         self._wakeup.set()
 
+    def wake_for(self, due_ms: int) -> None:
+        """A timer due at `due_ms` was handed to the loop (ArmTimers): wake it if it would sleep
+        past that. (A running loop reads the next deadline again before it sleeps.)"""
+        if due_ms < self._asleep_until_ms:
+            self._wakeup.set()
+
     def index(self, msgs: list[StoredMessage]) -> None:
         """The timer index's step of dispatch (`chronoq/dispatch.py`): apply durable records to
         the index (before their senders are released, so an acknowledged timer is indexed, and a

@@ -19,7 +19,9 @@ Theory of operation (RocketMQ 5's shape, with RocksDB in place of the timer log 
    picks them) until their link record is durable, even if the caller went away meanwhile.
    Delay-level queues are scanned at their heads and fire as full copies, RocketMQ 4's way
    (`timer/delay_queues.py`). Who fires and when the broker's loop steps in is the firing
-   policy's (`timer/firing.py`: the broker, or a Spark job with the loop as its backstop).
+   policy's (`timer/firing.py`: the broker, or a Spark job with the loop as its backstop). With
+   a job, the job hands each timer over before it is due (`arm`, ArmTimers) and the loop fires
+   the armed ones at their due time, the others by the backstop (`timer/handoff.py`).
    A timer whose record fails its checks (damaged) is marked DAMAGED, not fired.
 4. Cancel: a tombstone record in the timer topic (RocketMQ 5's delete). It names the timer by
    (topic, message id, due time), the three a recall handle carries, and cancels only timers due
@@ -87,6 +89,7 @@ from chronoq.timefmt import instant
 from chronoq.timer.delay_queues import DelayLevelQueues
 from chronoq.timer.engine import DueTimers, IndexBatch, TimerEngine, TimerEntry
 from chronoq.timer.firing import firing_policy
+from chronoq.timer.handoff import HandOff
 from chronoq.timer.indexing import index_batch
 from chronoq.timer.levels import DelayLevels
 from chronoq.timer.reads import delivered_properties
@@ -105,6 +108,8 @@ class TimerService:
         self.levels = DelayLevels(config.delay_levels_ms)
         self.delay_queues = DelayLevelQueues(self.levels, store, engine)
         self.firing = firing_policy(config)
+        self.handoff = HandOff(self.firing.handoff_ms) if self.firing.firer == "job" else None
+        """Which pending timers are armed (fire at their due time), when a job is the firer."""
         self._append = append
         self._holding: set[tuple[str, str, int]] = set()
         """(topic, message id, due time) with a cancel being made durable: fire and roll leave
@@ -192,6 +197,13 @@ class TimerService:
             self._unreserve_all(indexed_seconds)
             raise
         self._unreserve_all(indexed_seconds)
+        handoff = self.handoff
+        if handoff is not None:
+            if now_ms is not None:
+                for entry in batch.adds:
+                    handoff.arm_on_accept(entry.position, entry.deliver_at_ms, now_ms)
+            for old_position, entry in batch.rolled:
+                handoff.moved(old_position, entry.position, entry.deliver_at_ms)
         if batch.level_progress or any(m.topic == SCHEDULE_TOPIC for m in msgs):
             self.delay_queues.invalidate()
 
@@ -218,7 +230,10 @@ class TimerService:
     # -- fire -------------------------------------------------------------------------------
 
     def next_deadline_ms(self) -> int | None:
-        deadlines = [d for d in (self.firing.loop_deadline_ms(self.engine.next_deadline_ms()),
+        handoff = self.handoff
+        timers = (self.firing.loop_deadline_ms(self.engine.next_deadline_ms()) if handoff is None
+                  else handoff.deadline_ms(self.engine.next_deadline_ms(), self.firing.backstop_ms))
+        deadlines = [d for d in (timers,
                                  self.delay_queues.next_deadline_ms()) if d is not None]
         return min(deadlines) if deadlines else None
 
@@ -232,9 +247,16 @@ class TimerService:
     async def fire_due(self, now_ms: int) -> int:
         """Fire what is due at `now_ms`, up to `timer_fire_batch`; return how many fired."""
         batch = self.config.timer_fire_batch
-        # When a job fires (the Spark engine) this loop is only its backstop: `timer/firing.py`.
-        horizon_ms = self.firing.loop_horizon_ms(now_ms)
-        due = self.engine.due_timers(horizon_ms, batch)
+        handoff = self.handoff
+        if handoff is None:
+            due = self.engine.due_timers(self.firing.loop_horizon_ms(now_ms), batch)
+        else:
+            # A job owns the far timers: the armed ones fire now, the rest by the backstop
+            # (`timer/handoff.py`).
+            handoff.start(now_ms)
+            due = self.engine.due_timers(handoff.scan_horizon_ms(now_ms, self.firing.backstop_ms), batch)
+            if len(due) < batch:
+                due = self._with_armed(due, now_ms, batch)
         firing, busy = self._firing, self._busy
         if due.rows and (firing or self._holding or self._firing_ids):  # (none while one step follows another)
             due = due.without({position for position, key in zip(due.positions, due.ids(), strict=True)
@@ -246,7 +268,37 @@ class TimerService:
             for level, off, rec in self.delay_queues.due(now_ms, batch - len(links), self._firing):
                 copies.append(self.delivered_copy(rec, {SYS_FIRED_OFFSET: str(off), SYS_DELAY_LEVEL: str(level)}))
         await self._append_fired(links, keys, copies, now_ms)
+        if handoff is not None and links:
+            due_at = dict(zip(due.positions, due.deliver_at_ms, strict=True))
+            armed = sum(1 for position in links.positions if handoff.is_armed(position, due_at[position]))
+            handoff.fired_armed += armed
+            handoff.fired_by_backstop += len(links) - armed
+            handoff.fired(links.positions)
         return len(links) + len(copies) + len(damaged)
+
+    def _with_armed(self, due: DueTimers, now_ms: int, batch: int) -> DueTimers:
+        """`due` (from the index) plus the armed timers due at `now_ms`, up to `batch` in all, in
+        (due time, position) order. An armed timer no longer pending (cancelled, rolled away)
+        leaves the armed set here."""
+        handoff = self.handoff
+        assert handoff is not None
+        have = set(due.positions)
+        rows = list(due.rows)
+        for position in handoff.due(now_ms, batch - len(rows) + len(have)):
+            if position in have:
+                continue
+            entry = self._pending_at(position)
+            if entry is None:
+                handoff.drop(position)
+                continue
+            rows.append((entry.deliver_at_ms, entry.position, entry.size, entry.message_id, entry.topic,
+                         entry.accepted_ms, entry.keys, entry.tag_hash, entry.queue_id, entry.group_hash))
+            if len(rows) >= batch:
+                break
+        if len(rows) == len(due.rows):
+            return due
+        rows.sort(key=lambda row: (row[0], row[1]))
+        return DueTimers(rows)
 
     def _links_for(self, due: DueTimers) -> tuple[LinkBatch, list[tuple[str, str, int]], list[TimerEntry]]:
         """The links that fire these pending timers, their (topic, id, due time), and the ones
@@ -378,7 +430,55 @@ class TimerService:
         links, keys, damaged = self._links_for(DueTimers.of(entries))
         self._mark_damaged(damaged, now_ms)
         await self._append_fired(links, keys, [], now_ms)
+        if self.handoff is not None:
+            self.handoff.fired(links.positions)
         return len(links), len(positions) - len(links)
+
+    def arm(self, timers: list[tuple[int, str, str]]) -> tuple[list[tuple[str, str | None]], int | None]:
+        """Hand these timers, each (commit-log position, topic, message id), to the broker's loop:
+        each fires at its due time from now on (`timer/handoff.py`). Idempotent. Returns, per
+        timer in order, (result, why) and the earliest due time newly armed (the loop wakes for
+        it). Results: "armed"; "already_armed" (by an earlier call, at acceptance, or because it
+        is due within the horizon; with the broker as the firer every pending timer is);
+        refused, with the reason: "fired", "cancelled" (a cancel wins over a later arm),
+        "damaged", "unknown" (no timer of that id and topic recorded at that position)."""
+        if self.index_damaged is not None:
+            raise TimerIndexRebuilding(self.index_damaged)
+        handoff = self.handoff
+        results: list[tuple[str, str | None]] = []
+        earliest: int | None = None
+        for position, topic, message_id in timers:
+            entry = self._pending_at(position)
+            if entry is not None and entry.topic == topic and entry.message_id == message_id:
+                if handoff is not None and handoff.arm(position, entry.deliver_at_ms):
+                    handoff.armed_by_call += 1
+                    earliest = entry.deliver_at_ms if earliest is None else min(earliest, entry.deliver_at_ms)
+                    results.append(("armed", None))
+                else:
+                    results.append(("already_armed", None))
+                continue
+            if entry is not None:
+                results.append(("unknown", f"the timer recorded at position {position} is {entry.message_id!r} on "
+                                           f"topic {entry.topic!r}, not {message_id!r} on topic {topic!r}"))
+                continue
+            named = [st for st in self.engine.lookup_id(message_id, topic) if st.position == position]
+            if not named:
+                results.append(("unknown", f"no timer {message_id!r} on topic {topic!r} is recorded at position "
+                                           f"{position} (never there, moved to a newer record by a roll, or "
+                                           "finished long enough ago to be forgotten)"))
+            elif named[0].state is TimerState.DELIVERED:
+                results.append(("fired", f"timer {message_id!r} on topic {topic!r} (due "
+                                         f"{instant(named[0].deliver_at_ms)}) has fired"))
+            elif named[0].state is TimerState.CANCELLED:
+                results.append(("cancelled", f"timer {message_id!r} on topic {topic!r} (due "
+                                             f"{instant(named[0].deliver_at_ms)}) was cancelled; it stays cancelled"))
+            elif named[0].state is TimerState.DAMAGED:
+                results.append(("damaged", f"timer {message_id!r} on topic {topic!r}: its record at position "
+                                           f"{position} is damaged, it cannot be delivered"))
+            else:  # known there, yet not pending there: moved on by a roll
+                results.append(("unknown", f"timer {message_id!r} on topic {topic!r} is no longer recorded at "
+                                           f"position {position} (a roll moved it to a newer record)"))
+        return results, earliest
 
     def _pending_at(self, position: int) -> TimerEntry | None:
         for entry in self.engine.pending_in(position, position + 1, 1):
@@ -522,6 +622,8 @@ class TimerService:
 
     def stats(self, now_ms: int) -> dict[str, Any]:
         out = self.engine.metrics(now_ms).to_dict()
+        if self.handoff is not None:
+            out["handoff"] = self.handoff.stats()
         out["pending_by_delay_level"] = self.delay_queues.pending_by_level()
         out["damaged"] = self.damaged_timers
         return out

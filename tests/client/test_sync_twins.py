@@ -24,6 +24,8 @@ import pytest
 
 from chronoq.client import (
     Admin,
+    ArmOutcome,
+    ArmResult,
     AsyncAdmin,
     AsyncConsumer,
     AsyncProducer,
@@ -95,8 +97,10 @@ def test_a_public_callable_without_a_twin_is_refused_by_name() -> None:
 
 @pytest.fixture(scope="module")
 def spark_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    # timer_firer = "spark": the broker does not fire timers itself (for 60 s), FireTimers does.
-    with ServerProcess(tmp_path_factory.mktemp("twins") / "data", settings={"timer_firer": "spark"}) as proc:
+    # timer_firer = "spark": the broker fires by itself only timers due within a second (its hand-off
+    # horizon) and those handed over (ArmTimers); the others, for 60 s (its backstop), only by FireTimers.
+    with ServerProcess(tmp_path_factory.mktemp("twins") / "data",
+                       settings={"timer_firer": "spark", "timer_handoff_horizon_ms": 1000}) as proc:
         yield proc.address
 
 
@@ -116,7 +120,7 @@ def test_receive_stream_is_a_plain_generator_against_a_real_server(spark_server:
 
 def test_fire_timers_and_record_positions_through_the_blocking_sdk(spark_server: str, tmp_path: Path) -> None:
     with Admin(spark_server) as admin, Producer(spark_server) as producer:
-        receipt = producer.send("fired-by-job", "t", deliver_at=int(time.time() * 1000) + 200)
+        receipt = producer.send("fired-by-job", "t", deliver_at=int(time.time() * 1000) + 1500)
         assert receipt.deliver_at_ms is not None
         records = [r for q in admin.describe_topic(TIMER_TOPIC).queues
                    for r in admin.read(TIMER_TOPIC, q.queue_id, q.min_offset, 64).messages
@@ -211,3 +215,26 @@ def test_close_from_another_thread_interrupts_a_long_poll_with_client_closed(spa
                 await cancelled
 
     asyncio.run(async_side())
+
+
+def test_arm_timers_through_the_blocking_sdk(spark_server: str) -> None:
+    """A timer accepted within the hand-off horizon is the broker's own: an arm of it is a
+    repeat, it fires at its due time without the job, and an arm after that says it fired."""
+    with Admin(spark_server) as admin, Producer(spark_server) as producer:
+        receipt = producer.send("armed-by-job", "t", deliver_at=int(time.time() * 1000) + 300)
+        assert receipt.deliver_at_ms is not None
+        position = next(r.position for q in admin.describe_topic(TIMER_TOPIC).queues
+                        for r in admin.read(TIMER_TOPIC, q.queue_id, q.min_offset, 64).messages
+                        if r.message_id == receipt.message_id)
+        assert position is not None
+        timer = (position, "armed-by-job", receipt.message_id)
+        first = admin.arm_timers([timer])
+        assert first == ArmOutcome((ArmResult(position, "already_armed"),)) and first.count("already_armed") == 1
+        deadline = time.monotonic() + 10
+        while admin.query(receipt.message_id)[0].state != "delivered":
+            assert time.monotonic() < deadline, "the armed timer did not fire"
+            time.sleep(0.05)
+        status = admin.query(receipt.message_id)[0]
+        assert status.fired_ms is not None and status.fired_ms >= receipt.deliver_at_ms
+        again = admin.arm_timers([timer]).results[0]
+        assert again.result == "fired" and again.reason is not None and "has fired" in again.reason

@@ -185,14 +185,15 @@ def test_on_disk_decoders_raise_only_corruption_errors(decoder: tuple[str, Calla
 
 
 ADMIN_METHODS = ["CreateTopic", "ListTopics", "DescribeTopic", "QueryMessage", "CancelMessage", "ReadMessages",
-                 "Stats", "SendBatch", "FireTimers"]
+                 "Stats", "SendBatch", "FireTimers", "ArmTimers"]
 
 
 @pytest.mark.parametrize("auth", [AuthConfig(), AUTH], ids=["auth-off", "auth-on"])
 def test_every_admin_method_answers_garbage_with_a_json_code(tmp_path: Path, arun: Any, auth: AuthConfig) -> None:
     bodies = [b"", b"\xff", b"[]", b"null", b'{"name": 5}', b'{"messages": [{}]}', b'{"positions": [-1]}',
               b'{"recall_handle": "AAAA"}', b'{"topic": "t", "queue_id": "x", "max_messages": 1e99}',
-              b'{"max_messages": 9999999999999999999999}', b"[" * 5000, b'{"from_ms": ' + b"1" * 5000 + b"}"]
+              b'{"max_messages": 9999999999999999999999}', b'{"timers": [{"position": -1}, 5]}',
+              b"[" * 5000, b'{"from_ms": ' + b"1" * 5000 + b"}"]
 
     async def body() -> None:
         async with running(tmp_path, auth) as srv, grpc.aio.insecure_channel(srv.address) as channel:

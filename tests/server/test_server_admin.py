@@ -200,6 +200,11 @@ def test_search_and_fire_refuse_times_and_positions_beyond_what_is_stored(tmp_pa
                 ("SearchTimers", {"from_ms": 10**40, "to_ms": 1}, "from_ms", "a 41-digit number is not"),
                 ("FireTimers", {"positions": [0, 2**70]}, "positions[1]", "is not a commit-log position in 0..2^63-1"),
                 ("FireTimers", {"positions": [-1]}, "positions[0]", "-1 is not a commit-log position"),
+                ("ArmTimers", {"timers": [{"position": 2**70, "topic": "t1", "message_id": "m"}]},
+                 "timers[0].position", "is not a commit-log position in 0..2^63-1"),
+                ("ArmTimers", {"timers": [{"position": "7", "topic": "t1", "message_id": "m"}]},
+                 "timers[0].position", "'7' is not a commit-log position"),
+                ("ArmTimers", {"timers": [5]}, "timers[0]", "must be an object {position, topic, message_id}"),
             ]
             for method, doc, field, says in cases:
                 reply = await h.admin(method, doc)
@@ -209,6 +214,10 @@ def test_search_and_fire_refuse_times_and_positions_beyond_what_is_stored(tmp_pa
             reply = await h.admin("SearchTimers", {"from_ms": 2**63 - 2, "to_ms": 2**63 - 1})
             assert reply["code"] == 20000 and reply["timers"] == [], reply
             assert (await h.admin("FireTimers", {"positions": [2**63 - 1]}))["code"] == 20000
+            reply = await h.admin("ArmTimers", {"timers": [{"position": 2**63 - 1, "topic": "t1", "message_id": "m"}]})
+            assert reply["code"] == 20000 and reply["unknown"] == 1, reply
+            assert reply["results"][0]["result"] == "unknown" and "position 9223372036854775807" in \
+                reply["results"][0]["reason"], reply
             assert (await h.admin("Stats", {}))["code"] == 20000
     run(body())
 

@@ -1,5 +1,7 @@
 """The Spark timer engine end to end: a real `chronoq serve` with timer_firer=spark, the engine
-reading its timer topic through the chronoq source and firing through FireTimers.
+reading its timer topic through the chronoq source and handing each timer over through ArmTimers
+as it enters the broker's hand-off horizon (a second here, so that every timer below is the job's
+to hand over), the broker firing it.
 
 Timer semantics as the embedded engine's tests state them: never early, a cancel wins, timers due
 in the same millisecond are delivered in send order, and after a stop and a restart from the
@@ -20,13 +22,15 @@ need_module("pyspark", "spark")  # every test here runs on Spark
 pytestmark = pytest.mark.spark
 
 RESTART_MARGIN_MS = 20_000
+HORIZON_MS = 1000
 
 
 @pytest.fixture(scope="module")
 def spark_engine_server(tmp_path_factory):
     from chronoq.client.testing import ServerProcess
 
-    proc = ServerProcess(tmp_path_factory.mktemp("spark-engine") / "data", settings={"timer_firer": "spark"}).start()
+    proc = ServerProcess(tmp_path_factory.mktemp("spark-engine") / "data",
+                         settings={"timer_firer": "spark", "timer_handoff_horizon_ms": HORIZON_MS}).start()
     try:
         yield proc.address
     finally:
@@ -86,6 +90,10 @@ def test_spark_engine_end_to_end(spark, spark_engine_server, tmp_path):
         finally:
             query.stop()
         assert states["h"].fired_ms >= states["h"].deliver_at_ms
+        # Each was handed over by the job (none was due within the horizon when accepted), and the
+        # broker's loop fired it: none waited for the backstop.
+        handoff = admin.stats()["timer"]["handoff"]
+        assert handoff["armed_by_call"] >= 5 and handoff["fired_by_backstop"] == 0, handoff
 
         delivered = admin.read("e2e", 0, 0, 100).messages
     ids = [m.message_id for m in delivered]
@@ -100,22 +108,27 @@ def test_fire_chunks_shrink_to_a_brokers_smaller_batch_limit(tmp_path):
     from chronoq.client.testing import ServerProcess
     from chronoq.client.wire import outgoing
     from chronoq.model import TIMER_TOPIC
-    from chronoq.spark.engine import fire_positions
+    from chronoq.spark.engine import arm_timers, fire_positions
 
-    server = ServerProcess(tmp_path / "data", settings={"timer_firer": "spark", "max_send_batch": 256}).start()
+    # Due beyond the broker's hand-off horizon and not handed over: only FireTimers fires them.
+    server = ServerProcess(tmp_path / "data", settings={"timer_firer": "spark", "max_send_batch": 256,
+                                                         "timer_handoff_horizon_ms": 1000}).start()
     try:
         with Admin(server.address) as admin, Producer(server.address) as producer:
             admin.create_topic("small", queue_count=1)
             for start in range(0, 300, 100):
-                producer.send_batch([outgoing("small", b"t", message_id=f"t{i}", delay=1)
+                producer.send_batch([outgoing("small", b"t", message_id=f"t{i}", delay=1500)
                                      for i in range(start, start + 100)])
             positions: list[int] = []
             while len(positions) < 300:  # the timer records, as the engine reads them
                 page = admin.read(TIMER_TOPIC, 0, len(positions), 256)
                 assert page.messages
                 positions += [m.position for m in page.messages]
-        time.sleep(0.05)  # all due
+        time.sleep(1.6)  # all due
         assert fire_positions(server.address, positions) == 300
         assert fire_positions(server.address, positions) == 0  # a replay fires nothing twice
+        # ArmTimers' chunks shrink the same way; every one of them has fired.
+        timers = [(p, "small", f"t{i}") for i, p in enumerate(positions)]
+        assert arm_timers(server.address, timers) == {"fired": 300}
     finally:
         server.stop()

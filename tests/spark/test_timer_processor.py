@@ -184,3 +184,25 @@ def test_heartbeat_rows_are_ignored():
     t = _tester()
     out = t.testInPandas((-1, -1), _frame(("__chronoq_heartbeat", -1, -1)))
     assert out.empty and t.peekListState("entries", (-1, -1)) == [] and list(t.handle.listTimers()) == []
+
+
+def test_with_a_lead_each_timer_is_released_that_long_before_it_is_due_never_earlier():
+    """The hand-off: with `lead_ms` the broker's horizon, a timer is released (handed to ArmTimers)
+    as it enters the horizon, not at its due time, and leaves the job's state; a cancel before
+    that keeps it from being handed over at all."""
+    t = TwsTester(BucketTimerProcessor(tombstone_grace_ms=10_000, lead_ms=60_000), timeMode="ProcessingTime")
+    t.testInPandas(KEY, _frame(("orders\x00a", 100_000, 1), ("orders\x00b", 130_000, 2),
+                               ("orders\x00c", 130_000, 3)))
+    assert list(t.handle.listTimers()) == [40_000]  # a's due time less the lead
+    assert t.setProcessingTime(39_999).empty
+    out = t.setProcessingTime(40_000)
+    assert list(zip(out["message_id"], out["topic"], out["due_ms"], out["fired_ms"], strict=True)) == [
+        ("a", "orders", 100_000, 40_000)]
+    assert list(t.handle.listTimers()) == [70_000]
+    t.testInPandas(KEY, _frame(("orders\x00c", 130_000, 4, True)))  # c cancelled while in the job's state
+    # Already inside the horizon when it arrives: handed over by this very batch.
+    out = t.testInPandas(KEY, _frame(("orders\x00d", 95_000, 5)))
+    assert list(out["message_id"]) == ["d"] and list(out["fired_ms"]) == [40_000]
+    out = t.setProcessingTime(70_000)
+    assert list(out["message_id"]) == ["b"]
+    assert t.peekListState("entries", KEY) == [] and list(t.handle.listTimers()) == []

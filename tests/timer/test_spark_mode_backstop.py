@@ -1,5 +1,6 @@
-"""timer_firer = "spark": the Spark job fires timers through FireTimers; the broker's own loop
-is only a backstop for timers overdue by `timer_spark_backstop_ms`, and never fires twice."""
+"""timer_firer = "spark": a timer the Spark job neither hands over (ArmTimers, `test_handoff.py`) nor
+fires (FireTimers) waits for the job; the broker's own loop is its backstop, for timers overdue by
+`timer_spark_backstop_ms`, and never fires twice."""
 
 from __future__ import annotations
 
@@ -19,11 +20,14 @@ pytestmark = pytest.mark.usefixtures("each_timer_engine")
 def test_the_broker_leaves_timers_to_the_job_then_backs_it_up(tmp_path: Path) -> None:
     async def body() -> None:
         clock = FakeClock()
-        config = Config(data_dir=tmp_path, timer_firer="spark", timer_spark_backstop_ms=60_000)
+        # Due beyond the hand-off horizon when accepted: the job's, not the broker's.
+        config = Config(data_dir=tmp_path, timer_firer="spark", timer_spark_backstop_ms=60_000,
+                        timer_handoff_horizon_ms=1000)
         broker = await open_broker(config, clock=clock, background=False)
-        by_job = await broker.send(OutgoingMessage("t", b"fired by the job", delay_ms=1000))
-        dropped = await broker.send(OutgoingMessage("t", b"dropped by the job", delay_ms=1000))
-        clock.advance(1000)
+        await broker.run_due()
+        by_job = await broker.send(OutgoingMessage("t", b"fired by the job", delay_ms=2000))
+        dropped = await broker.send(OutgoingMessage("t", b"dropped by the job", delay_ms=2000))
+        clock.advance(2000)
         assert await broker.run_due() == 0  # due, but the job decides
         # The job fires the first one (by the position of its timer record).
         timer_pos = broker.query(by_job.message_id)[0].position
