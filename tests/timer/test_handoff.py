@@ -12,6 +12,8 @@ nothing twice; the loop's deadline follows the armed set.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,18 @@ BACKSTOP_MS = 30_000
 SETTINGS = {"timer_firer": "spark", "timer_handoff_horizon_ms": HORIZON_MS, "timer_spark_backstop_ms": BACKSTOP_MS}
 
 pytestmark = pytest.mark.usefixtures("each_timer_engine")
+
+
+@asynccontextmanager
+async def _broker(tmp_path: Path) -> AsyncIterator[tuple[Broker, FakeClock]]:
+    """A broker on the simulated clock with the hand-off's settings, its loop's first step taken."""
+    clock = FakeClock(START_MS)
+    b = await simulated_broker(tmp_path, clock, **SETTINGS)
+    try:
+        await b.run_due()
+        yield b, clock
+    finally:
+        await b.close()
 
 
 async def _send(b: Broker, body: bytes, due_ms: int) -> SendResult:
@@ -83,10 +97,7 @@ def test_an_armed_timer_fires_at_its_due_time_and_an_unarmed_one_by_the_backstop
 
 def test_a_timer_accepted_inside_the_horizon_is_armed_at_acceptance(tmp_path: Path) -> None:
     async def body() -> None:
-        clock = FakeClock(START_MS)
-        b = await simulated_broker(tmp_path, clock, **SETTINGS)
-        try:
-            await b.run_due()
+        async with _broker(tmp_path) as (b, clock):
             now = START_MS + 10 * MINUTE_MS
             clock.set(now)
             near = await _send(b, b"near", now + HORIZON_MS)  # at the horizon's edge: the broker's own
@@ -97,18 +108,13 @@ def test_a_timer_accepted_inside_the_horizon_is_armed_at_acceptance(tmp_path: Pa
             assert await _fired_at(b, clock, now + HORIZON_MS + 1) == []
             assert await _fired_at(b, clock, now + HORIZON_MS + 1 + BACKSTOP_MS) == [b"far"]
             assert b.query(far.message_id)[0].state is TimerState.DELIVERED
-        finally:
-            await b.close()
 
     run(body())
 
 
 def test_arm_results_name_what_became_of_each_timer(tmp_path: Path) -> None:
     async def body() -> None:
-        clock = FakeClock(START_MS)
-        b = await simulated_broker(tmp_path, clock, **SETTINGS)
-        try:
-            await b.run_due()
+        async with _broker(tmp_path) as (b, clock):
             due = START_MS + 10 * MINUTE_MS
             fired, cancelled, pending = [await _send(b, name, due) for name in (b"f", b"c", b"p")]
             clock.set(due - HORIZON_MS)
@@ -126,18 +132,13 @@ def test_arm_results_name_what_became_of_each_timer(tmp_path: Path) -> None:
             assert "not 'another-id' on topic 'orders'" in results[4][1]
             assert f"is recorded at position {pending.position + 1}" in results[6][1]
             assert await _fired_at(b, clock, due + 1) == [b"p"]  # armed after its due time: fires at once
-        finally:
-            await b.close()
 
     run(body())
 
 
 def test_a_cancel_wins_over_an_arm_before_it_after_it_and_racing_it(tmp_path: Path) -> None:
     async def body() -> None:
-        clock = FakeClock(START_MS)
-        b = await simulated_broker(tmp_path, clock, **SETTINGS)
-        try:
-            await b.run_due()
+        async with _broker(tmp_path) as (b, clock):
             due = START_MS + 10 * MINUTE_MS
             before, after, racing, kept = [await _send(b, name, due) for name in (b"b", b"a", b"r", b"k")]
             clock.set(due - HORIZON_MS)
@@ -159,8 +160,6 @@ def test_a_cancel_wins_over_an_arm_before_it_after_it_and_racing_it(tmp_path: Pa
             assert [b.query(r.message_id)[0].state for r in (before, after, racing)] == [TimerState.CANCELLED] * 3
             assert await _fired_at(b, clock, due + BACKSTOP_MS) == []  # nor does the backstop fire them
             assert _handoff(b)["armed"] == 0  # the cancelled ones left the armed set when due
-        finally:
-            await b.close()
 
     run(body())
 
