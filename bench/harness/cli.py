@@ -12,7 +12,9 @@ for the start time under `bench.results_dir()` (`$BENCH_RESULTS_DIR`, else the g
 `python -m bench timer-engines` runs the engine-level comparison instead (`bench/bench_timer_engines.py`:
 the RocksDB index and the file wheel side by side, no servers); `python -m bench schedules`, the
 recurring-schedules run (`bench/bench_schedules.py`: N schedules every minute beside the same due
-times as one-shot timers, each on its own `chronoq serve`). Each takes its own options.
+times as one-shot timers, each on its own `chronoq serve`); `python -m bench spark-hold`, the Spark
+engine holding N far timers (`bench/bench_spark_hold.py`: the broker's RSS and the job's state). Each
+takes its own options.
 """
 
 from __future__ import annotations
@@ -136,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.bench_schedules import main as schedules
 
         return schedules(given[1:])
+    if given[:1] == ["spark-hold"]:  # the Spark engine holding far timers: its own options
+        from bench.bench_spark_hold import main as spark_hold
+
+        return spark_hold(given[1:])
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)
     started = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())

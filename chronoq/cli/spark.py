@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import logging
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from chronoq.cli.common import (
@@ -99,8 +100,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     engine = sub.add_parser("engine", help="run the Spark timer engine (a Structured Streaming job)")
     engine.add_argument("--checkpoint", required=True, help="checkpoint directory (shared storage on a cluster)")
-    engine.add_argument("--bucket-ms", type=int, default=5_000,
-                        help="state key time bucket (smaller: cheaper firing, slower ingest)")
+    engine.add_argument("--bucket-ms", type=int, default=None,
+                        help="state key time bucket (default: 10 minutes with --mode arm, 5 s with --mode fire; "
+                             "larger: fewer keys, cheaper ingest)")
     engine.add_argument("--shards", type=int, default=2, help="state keys per bucket (spread over executors)")
     engine.add_argument("--trigger-ms", type=int, default=200)
     engine.add_argument("--max-records-per-batch", type=int, default=200_000)
@@ -110,6 +112,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     engine.add_argument("--handoff-ms", type=int, default=None,
                         help="with --mode arm: hand timers over this long before they are due (default: the "
                              "broker's timer_handoff_horizon_ms, asked at start; never more than it)")
+    engine.add_argument("--release-step-ms", type=int, default=None,
+                        help="with --mode arm: a state key hands over its timers once a step, each between the "
+                             "horizon and the horizon less a step ahead (default: a fifth of the horizon, at "
+                             "most 60000; at most half of it)")
     add_spark_arguments(engine)
     add_connection_arguments(engine)
     engine.set_defaults(func=cmd_engine)
@@ -120,7 +126,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     measure.add_argument("--messages", type=int, default=10_000)
     measure.add_argument("--spread-ms", type=int, default=60_000, help="due times spread over this span")
     measure.add_argument("--lead-ms", type=int, default=20_000, help="first due time after sending starts")
-    measure.add_argument("--bucket-ms", type=int, default=5_000)
+    measure.add_argument("--bucket-ms", type=int, default=None, help="the engine's (default: its mode's)")
     measure.add_argument("--shards", type=int, default=2)
     measure.add_argument("--mode", choices=["arm", "fire"], default="arm", help="the engine's mode (see `engine`)")
     measure.add_argument("--horizon-ms", type=int, default=5 * 60_000,
@@ -188,6 +194,23 @@ def _quiet_interrupts() -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, on_interrupt)
+
+
+@contextlib.contextmanager
+def _keeping_sigint_handler() -> Iterator[None]:
+    """Within: attempts to replace the SIGINT handler (the SparkContext's, as it starts) are ignored."""
+    import signal
+
+    install = signal.signal
+
+    def keep_sigint(signum: int, handler: Any) -> Any:
+        return signal.getsignal(signum) if signum == signal.SIGINT else install(signum, handler)
+
+    signal.signal = keep_sigint  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        signal.signal = install
 
 
 def _stop_quietly(spark: Any) -> None:
@@ -277,17 +300,23 @@ def cmd_engine(args: argparse.Namespace) -> int:
     from chronoq.spark.engine import EngineOptions, run_engine
     from chronoq.spark.session import build_session
 
-    spark = build_session("chronoq-timer-engine", master=args.master, conf=spark_conf(args))
     options = EngineOptions(server=connection.server, checkpoint=args.checkpoint, bucket_ms=args.bucket_ms,
                             shards=args.shards, trigger_ms=args.trigger_ms,
                             max_records_per_batch=args.max_records_per_batch,
-                            connection=access_options(connection), mode=args.mode, handoff_ms=args.handoff_ms)
-    query = run_engine(spark, options)
+                            connection=access_options(connection), mode=args.mode, handoff_ms=args.handoff_ms,
+                            release_step_ms=args.release_step_ms)
+    spark = None
+    # Ctrl-C while Spark starts is as quiet as later: the SparkContext's own SIGINT handler (which
+    # cancels jobs, loudly, and raises) is not installed; `_stop_quietly` cancels them instead.
     _quiet_interrupts()
     try:
+        with _keeping_sigint_handler():
+            spark = build_session("chronoq-timer-engine", master=args.master, conf=spark_conf(args))
+        query = run_engine(spark, options)
         query.awaitTermination()
     except KeyboardInterrupt:
-        _stop_quietly(spark)
+        if spark is not None:
+            _stop_quietly(spark)
         print("chronoq spark engine: stopped; pending timers are kept in the checkpoint, and the same command "
               f"with --checkpoint {args.checkpoint} resumes them", file=sys.stderr)
         return EXIT_INTERRUPTED

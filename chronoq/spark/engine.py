@@ -52,7 +52,8 @@ class EngineOptions:
     checkpoint: str
     connection: Mapping[str, str] | None = None
     """More connection options for every broker client (`BrokerAccess.options()`: TLS, keys)."""
-    bucket_ms: int = 5_000
+    bucket_ms: int | None = None
+    """The state key's time bucket (`bucket_ms_of`: None is 10 minutes to arm, 5 s to fire)."""
     shards: int = 2
     trigger_ms: int = 200
     max_records_per_batch: int = 200_000
@@ -65,6 +66,35 @@ class EngineOptions:
     """With mode "arm": how long before its due time a timer is handed over. None: the broker's
     `timer_handoff_horizon_ms`, asked at start (the job must not arm earlier than the broker's
     horizon: a restarted broker arms only what is due within it)."""
+    release_step_ms: int | None = None
+    """With mode "arm": a key hands over once a step (`BucketTimerProcessor._wake`). None: a fifth
+    of the lead, at most a minute (a 5-minute horizon: each timer armed 4 to 5 minutes ahead)."""
+
+
+ARM_BUCKET_MS = 10 * 60_000
+"""The bucket when handing over: the job arms minutes ahead, so a key may hold a wide span; few
+keys keep ingestion cheap (each key costs a few state calls a batch), and a key's list is read
+and rewritten only once a release step."""
+FIRE_BUCKET_MS = 5_000
+"""The bucket when firing at the due time: a key's list is rewritten on every expiry, so small."""
+
+
+def bucket_ms_of(options: EngineOptions) -> int:
+    if options.bucket_ms is not None:
+        if options.bucket_ms < 1:
+            raise ValueError(f"bucket_ms {options.bucket_ms} must be at least 1")
+        return options.bucket_ms
+    return ARM_BUCKET_MS if options.mode == "arm" else FIRE_BUCKET_MS
+
+
+def release_step_ms(options: EngineOptions, lead_ms: int) -> int:
+    """How often a key hands over (0: at each timer's own release time); at most half the lead."""
+    if options.release_step_ms is not None:
+        if not 0 <= options.release_step_ms <= lead_ms // 2:
+            raise ValueError(f"release_step_ms {options.release_step_ms} must be from 0 to half the lead "
+                             f"({lead_ms} ms)")
+        return options.release_step_ms
+    return min(60_000, lead_ms // 5) if options.mode == "arm" else 0
 
 
 def release_lead_ms(options: EngineOptions) -> int:
@@ -129,7 +159,7 @@ def timer_entries(records: Any, options: EngineOptions) -> Any:
         # Shard by due second, not by id: timers due in the same millisecond share a state key, hence
         # a task, which fires them in position order; a bucket still spreads over `shards` keys.
         F.pmod(F.floor(F.col("due_ms") / 1000), F.lit(options.shards)).cast("int").alias("shard"),
-        F.floor(F.col("due_ms") / options.bucket_ms).cast("bigint").alias("bucket"),
+        F.floor(F.col("due_ms") / bucket_ms_of(options)).cast("bigint").alias("bucket"),
     )
 
 
@@ -158,7 +188,8 @@ def fired_stream(entries: Any, options: EngineOptions, lead_ms: int = 0) -> Any:
     from chronoq.spark.timer_processor import OUTPUT_SCHEMA, BucketTimerProcessor
 
     return entries.groupBy("shard", "bucket").transformWithStateInPandas(
-        statefulProcessor=BucketTimerProcessor(tombstone_grace_ms=options.tombstone_grace_ms, lead_ms=lead_ms),
+        statefulProcessor=BucketTimerProcessor(tombstone_grace_ms=options.tombstone_grace_ms, lead_ms=lead_ms,
+                                               step_ms=release_step_ms(options, lead_ms)),
         outputStructType=OUTPUT_SCHEMA,
         outputMode="Append",
         timeMode="ProcessingTime",

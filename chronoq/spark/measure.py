@@ -38,7 +38,8 @@ class MeasureOptions:
     messages: int = 10_000
     spread_ms: int = 60_000
     lead_ms: int = 20_000
-    bucket_ms: int = 5_000
+    bucket_ms: int | None = None
+    """The engine's bucket (None: its mode's default, `engine.bucket_ms_of`)."""
     shards: int = 2
     trigger_ms: int = 200
     mode: str = "arm"

@@ -18,6 +18,8 @@ and exactly one processing-time timer, at the earliest due time among its live t
 - a tombstone forces a rewrite: the list is read, the cancelled timers dropped;
 - on expiry the list is read, entries with `due_ms <= batch time` emitted in (due, position)
   order, the rest put back and the timer re-armed at their minimum.
+A call with nothing to emit yields no frame at all: PySpark turns every frame yielded into an
+Arrow batch, an empty one included, and that conversion per key was most of the ingest's work.
 
 Never early: an entry is emitted only when `due_ms - lead_ms <=` the batch timestamp
 (`timerValues.getCurrentProcessingTimeInMs()`), which Spark takes before the batch runs. A
@@ -32,6 +34,10 @@ as it enters the horizon, and the broker's loop fires it at its due time: every 
 is against `batch time + lead_ms`, and a key's processing-time timer is set `lead_ms` before its
 earliest due time. A handed-over timer leaves the job's state, so the state holds the far timers
 only (beyond the horizon) and the broker's memory the near ones. ArmTimers is idempotent too.
+With a lead a key wakes only on multiples of `step_ms` (a fraction of the lead): it hands over
+together every timer that entered the horizon during the step, each between `lead` and
+`lead - step` before it is due, and its list is read and rewritten once a step, not once a
+micro-batch; that is what lets a key (a bucket) hold many timers.
 """
 
 from __future__ import annotations
@@ -74,12 +80,6 @@ def message_id_of(key: str) -> str:
 def topic_of(key: str) -> str | None:
     """The topic in a timer key (None when it has none)."""
     return key.split(TIMER_KEY_SEP, 1)[0] if TIMER_KEY_SEP in key else None
-
-
-def _empty_output() -> pd.DataFrame:
-    return pd.DataFrame({"message_id": pd.Series([], dtype=object), "position": pd.Series([], dtype="int64"),
-                         "due_ms": pd.Series([], dtype="int64"), "fired_ms": pd.Series([], dtype="int64"),
-                         "topic": pd.Series([], dtype=object)})
 
 
 def _to_output(entries: list[tuple], fired_ms: int) -> pd.DataFrame:
@@ -140,10 +140,25 @@ def next_wakeup_ms(pending: list[tuple], grace_ms: int) -> int | None:
 class BucketTimerProcessor(StatefulProcessor):
     """transformWithStateInPandas processor; see the module docstring."""
 
-    def __init__(self, tombstone_grace_ms: int = DEFAULT_TOMBSTONE_GRACE_MS, lead_ms: int = 0) -> None:
+    def __init__(self, tombstone_grace_ms: int = DEFAULT_TOMBSTONE_GRACE_MS, lead_ms: int = 0,
+                 step_ms: int = 0) -> None:
+        if not 0 <= step_ms <= max(0, lead_ms // 2):
+            raise ValueError(f"release step {step_ms} ms must be from 0 to half the lead ({lead_ms} ms)")
         self.tombstone_grace_ms = tombstone_grace_ms
         self.lead_ms = lead_ms
         """Release each timer this long before its due time (the hand-off horizon; 0: at it)."""
+        self.step_ms = step_ms
+        """A key wakes only on multiples of this (0: at its earliest release time): see `_wake`."""
+
+    def _wake(self, release_ms: int | None) -> int | None:
+        """When a key whose earliest entry is released at `release_ms` runs: that time, rounded up
+        to a multiple of `step_ms`. With a lead, a key then runs once a step and hands over all it
+        holds that entered the horizon meanwhile, not once a micro-batch rewriting its list each
+        time; each timer is still released at or after `due - lead` (never early) and at most a
+        step later, so at least `lead - step` before it is due."""
+        if release_ms is None or self.step_ms <= 0:
+            return release_ms
+        return -(-release_ms // self.step_ms) * self.step_ms
 
     def init(self, handle: StatefulProcessorHandle) -> None:
         self.handle = handle
@@ -167,20 +182,21 @@ class BucketTimerProcessor(StatefulProcessor):
         # Heartbeat rows (position < 0, see engine.with_heartbeat) only make Spark run the batch.
         incoming = [e for e in _entries(pd.concat(list(rows), ignore_index=True)) if e[2] >= 0]
         if not incoming:
-            yield _empty_output()
             return
         if not any(e[3] for e in incoming):
             due = [e for e in incoming if e[1] <= release_ms]
             later = [e for e in incoming if e[1] > release_ms]
             if later:
                 self.entries.appendList(later)
-                self._arm(min(e[1] for e in later) - self.lead_ms, only_earlier=True)
-            yield _to_output(due, now_ms) if due else _empty_output()
+                self._arm(self._wake(min(e[1] for e in later) - self.lead_ms), only_earlier=True)
+            if due:
+                yield _to_output(due, now_ms)
             return
         stored = list(self.entries.get())
         due, pending = split_due([tuple(e) for e in stored] + incoming, release_ms, self.tombstone_grace_ms)
         self._store(pending)
-        yield _to_output(due, now_ms) if due else _empty_output()
+        if due:
+            yield _to_output(due, now_ms)
 
     def handleExpiredTimer(self, key: Any, timerValues: TimerValues,
                            expiredTimerInfo: ExpiredTimerInfo) -> Iterator[pd.DataFrame]:
@@ -188,7 +204,8 @@ class BucketTimerProcessor(StatefulProcessor):
         stored = [tuple(e) for e in self.entries.get()]
         due, pending = split_due(stored, now_ms + self.lead_ms, self.tombstone_grace_ms)
         self._store(pending, expired_ms=expiredTimerInfo.getExpiryTimeInMs())
-        yield _to_output(due, now_ms) if due else _empty_output()
+        if due:
+            yield _to_output(due, now_ms)
 
     def _store(self, pending: list[tuple], expired_ms: int | None = None) -> None:
         if pending:
@@ -197,7 +214,7 @@ class BucketTimerProcessor(StatefulProcessor):
             self.entries.clear()
         wakeup = next_wakeup_ms(pending, self.tombstone_grace_ms)
         if wakeup is not None:
-            wakeup -= self.lead_ms
+            wakeup = self._wake(wakeup - self.lead_ms)
         current = [t for t in self.handle.listTimers() if t != expired_ms]
         for t in current:
             if t != wakeup:

@@ -28,7 +28,11 @@ import pyarrow.parquet as pq  # noqa: E402
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.long]
 
 MESSAGES = 400
-LEAD_MS = 60_000
+LEAD_MS = 300_000
+HORIZON_MS = 10_000
+"""The broker's hand-off horizon: the timers are due well beyond it when scheduled, however slowly
+the cluster runs the schedule on a loaded host, so the engine on the cluster holds them and arms
+each (the broker would arm those due within it at once, and the engine would not be needed)."""
 BACKSTOP_MS = 900_000
 """The broker fires a timer the engine has not fired this long after due: long enough that every
 timer here is the engine's to fire, however slowly the cluster starts on a loaded host."""
@@ -72,8 +76,8 @@ def test_schedule_and_engine_on_a_standalone_cluster(cluster, tmp_path):
                                      pa.timestamp("ms", tz="UTC"))})
     pq.write_table(table, tmp_path / "in.parquet")
     conf = ["--conf", "spark.sql.shuffle.partitions=2", "--conf", "spark.executor.memory=1g"]
-    with ServerProcess(tmp_path / "data", settings={"timer_firer": "spark",
-                                                               "timer_spark_backstop_ms": BACKSTOP_MS}) as server:
+    with ServerProcess(tmp_path / "data", settings={"timer_firer": "spark", "timer_handoff_horizon_ms": HORIZON_MS,
+                                                    "timer_spark_backstop_ms": BACKSTOP_MS}) as server:
         with Admin(server.address) as admin:
             admin.create_topic("clustered", queue_count=2)
         sched = subprocess.run(
@@ -102,6 +106,7 @@ def test_schedule_and_engine_on_a_standalone_cluster(cluster, tmp_path):
                     assert time.monotonic() < deadline, f"not all delivered: {[s.state for s in states]}"
                     time.sleep(1)
                 every = [admin.query(f"c{i}", "clustered") for i in range(MESSAGES)]
+                handoff = admin.stats()["timer"]["handoff"]
         finally:
             if engine.poll() is None:
                 os.killpg(engine.pid, signal.SIGINT)
@@ -113,5 +118,8 @@ def test_schedule_and_engine_on_a_standalone_cluster(cluster, tmp_path):
         # Fired by the engine (not the broker's backstop) and never early.
         errors = [rows[0].fired_ms - rows[0].deliver_at_ms for rows in every]
         assert min(errors) >= 0 and max(errors) < BACKSTOP_MS, (min(errors), max(errors))
+        # Handed over by the engine (any scheduled late, already inside the horizon, by the broker).
+        assert handoff["armed_by_call"] > 0 and handoff["fired_by_backstop"] == 0, handoff
+        assert handoff["armed_by_call"] + handoff["armed_on_accept"] >= MESSAGES, handoff
         engine_apps = _apps(cluster) - apps
         assert engine_apps, "the engine ran no executors on the cluster"

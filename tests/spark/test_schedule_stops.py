@@ -100,7 +100,9 @@ def test_ctrl_c_while_sending_says_what_was_done_in_one_line(tmp_path):
         assert after[0].startswith(f"chronoq spark schedule: interrupted while sending {ROWS:,} messages to "
                                    f"{server.address} topic cc (no rejects written): some may be stored. "
                                    "Rerunning the same command is safe while"), after[0]
-        assert 0 < stored < ROWS, stored
+        # Interrupted in the sending phase: some rows stored, or all of them when the write tasks
+        # (in the JVM's session, not the driver's) finished before the cancel reached them.
+        assert 0 < stored <= ROWS, stored
 
         # The rerun it advises (the broker kept running): every row stored once.
         rerun = subprocess.run(_schedule_cmd(src, server.address, "cc"), capture_output=True, text=True,
@@ -140,7 +142,9 @@ def test_a_broker_that_stops_mid_send_gives_one_error_and_a_safe_rerun(tmp_path)
 
         server.start()  # same data directory: what was stored is kept; the dedupe window is not
         stored = _pending(server.address, "bs")
-        assert 0 < stored < ROWS, stored
+        # Interrupted in the sending phase: some rows stored, or all of them when the write tasks
+        # (in the JVM's session, not the driver's) finished before the cancel reached them.
+        assert 0 < stored <= ROWS, stored
         rerun = subprocess.run(_schedule_cmd(src, server.address, "bs", "--skip-stored"), capture_output=True,
                                text=True, env=_env(), timeout=CHILD_TIMEOUT_S)
         assert rerun.returncode == 0, rerun.stderr

@@ -206,3 +206,44 @@ def test_with_a_lead_each_timer_is_released_that_long_before_it_is_due_never_ear
     out = t.setProcessingTime(70_000)
     assert list(out["message_id"]) == ["b"]
     assert t.peekListState("entries", KEY) == [] and list(t.handle.listTimers()) == []
+
+
+def test_with_a_release_step_a_key_wakes_once_a_step_and_hands_over_what_entered_the_horizon():
+    """`step_ms`: the key's timer is rounded up to a multiple of the step, so a bucket holding
+    many timers is read and rewritten once a step, not once a micro-batch. Each timer is still
+    released at or after `due - lead` (never before it enters the horizon) and at most a step later."""
+    t = TwsTester(BucketTimerProcessor(tombstone_grace_ms=10_000, lead_ms=60_000, step_ms=10_000),
+                  timeMode="ProcessingTime")
+    t.testInPandas(KEY, _frame(("q\x00a", 100_000, 1), ("q\x00b", 105_000, 2), ("q\x00c", 112_000, 3)))
+    assert list(t.handle.listTimers()) == [40_000]  # a enters the horizon on a step
+    assert list(t.setProcessingTime(40_000)["message_id"]) == ["a"]
+    assert list(t.handle.listTimers()) == [50_000]  # b enters at 45,000: handed over at the next step
+    assert t.setProcessingTime(49_999).empty
+    out = t.setProcessingTime(50_000)
+    assert list(out["message_id"]) == ["b"] and list(out["fired_ms"]) == [50_000]  # c enters at 52,000: not yet
+    assert list(t.handle.listTimers()) == [60_000]
+    out = t.setProcessingTime(60_000)
+    assert list(out["message_id"]) == ["c"]
+    for due, fired in zip(out["due_ms"], out["fired_ms"], strict=True):
+        assert due - 60_000 <= fired <= due - 60_000 + 10_000
+    assert t.peekListState("entries", KEY) == [] and list(t.handle.listTimers()) == []
+
+
+@pytest.mark.parametrize(("lead_ms", "step_ms"), [(60_000, 30_001), (0, 1), (60_000, -1)])
+def test_a_release_step_past_half_the_lead_is_refused(lead_ms: int, step_ms: int):
+    with pytest.raises(ValueError, match="release step"):
+        BucketTimerProcessor(lead_ms=lead_ms, step_ms=step_ms)
+
+
+def test_the_engine_buckets_and_steps_by_its_mode():
+    from chronoq.spark.engine import ARM_BUCKET_MS, FIRE_BUCKET_MS, EngineOptions, bucket_ms_of, release_step_ms
+
+    arm, fire = EngineOptions(server="", checkpoint="c"), EngineOptions(server="", checkpoint="c", mode="fire")
+    assert (bucket_ms_of(arm), bucket_ms_of(fire)) == (ARM_BUCKET_MS, FIRE_BUCKET_MS)
+    assert bucket_ms_of(EngineOptions(server="", checkpoint="c", bucket_ms=1_000)) == 1_000
+    assert release_step_ms(arm, 300_000) == 60_000 and release_step_ms(arm, 60_000) == 12_000
+    assert release_step_ms(fire, 0) == 0
+    with pytest.raises(ValueError, match="release_step_ms 200000 must be from 0 to half"):
+        release_step_ms(EngineOptions(server="", checkpoint="c", release_step_ms=200_000), 300_000)
+    with pytest.raises(ValueError, match="bucket_ms 0 must be at least 1"):
+        bucket_ms_of(EngineOptions(server="", checkpoint="c", bucket_ms=0))
