@@ -58,9 +58,12 @@ LOCAL_CONF: dict[str, str] = {
 """Settings for a small local run (tests, a laptop): small shuffles, no web UI, loopback only."""
 
 QUIET_LOG4J = Path(__file__).with_name("log4j2-quiet.properties")
-JVM_NOISE = (b"WARNING: Using incubator modules:",)
-"""Lines the JVM prints at every start that say nothing to a chronoq user (Spark's launcher adds
-`--add-modules=jdk.incubator.vector`, and the JVM warns about it)."""
+JVM_NOISE = (b"WARNING: Using incubator modules:", b"Starting Streaming TransformWithStateInPandas Python worker",
+             b"Streaming TransformWithStateInPandas Python worker")
+"""Lines the JVM prints that say nothing to a chronoq user: at every start (Spark's launcher adds
+`--add-modules=jdk.incubator.vector`, and the JVM warns about it), and at every start of a
+stateful query (its driver-side Python worker prints each step of its set-up, a blank line after
+each, which the JVM passes on). A blank line right after a dropped one is dropped too."""
 _SILENCED = threading.Event()
 """Set by `silence_jvm`: the JVM's stderr is no longer passed on."""
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -152,7 +155,12 @@ def _launch_filtered_gateway(settings: Mapping[str, str]) -> None:
 
 def _pass_stderr(pipe: Any) -> None:
     out = sys.stderr.buffer
+    dropped = False
     for line in iter(pipe.readline, b""):
-        if not line.startswith(JVM_NOISE) and not _SILENCED.is_set():
+        if line.startswith(JVM_NOISE) or (dropped and not line.strip()):
+            dropped = True
+            continue
+        dropped = False
+        if not _SILENCED.is_set():
             out.write(line)
             out.flush()
