@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import results_dir
-from bench.bench_backlog_memory import _children, tree_rss_bytes
+from bench.bench_backlog_memory import _children, _rss_bytes, tree_rss_bytes
+from bench.harness.procs import dir_size_bytes
 
 TOPIC = "hold"
 CHUNK = 100_000
@@ -46,17 +47,6 @@ CHUNK = 100_000
 
 def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def _du(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
-
-
-def _status_kb(pid: int, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field):
-            return int(line.split()[1])
-    return 0
 
 
 def _jvm_pid() -> int | None:
@@ -151,15 +141,15 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "engine_read_after_send_s": round(ingest_s, 1),
             "broker_rss_idle_mb": round(rss_idle / 2**20, 1),
             "broker_rss_mb": round(tree_rss_bytes(pid) / 2**20, 1),
-            "broker_rss_peak_mb": round(_status_kb(pid, "VmHWM:") / 1024, 1),
-            "broker_data_mb": round(_du(work / "data") / 2**20, 1),
+            "broker_rss_peak_mb": round(_rss_bytes(pid, "VmHWM:") / 2**20, 1),
+            "broker_data_mb": round(dir_size_bytes(work / "data") / 2**20, 1),
             "broker_pending": timer_stats.get("pending_total"),
             "broker_handoff": timer_stats.get("handoff"),
             "state_rows": state.get("numRowsTotal"),
             "state_memory_mb": round(int(state.get("memoryUsedBytes", 0)) / 2**20, 1),
-            "state_on_disk_mb": round(_du(work / "ckpt" / "state") / 2**20, 1),
-            "checkpoint_mb": round(_du(work / "ckpt") / 2**20, 1),
-            "driver_jvm_rss_mb": round(_status_kb(jvm, "VmRSS:") / 1024, 1) if jvm else None,
+            "state_on_disk_mb": round(dir_size_bytes(work / "ckpt" / "state") / 2**20, 1),
+            "checkpoint_mb": round(dir_size_bytes(work / "ckpt") / 2**20, 1),
+            "driver_jvm_rss_mb": round(_rss_bytes(jvm, "VmRSS:") / 2**20, 1) if jvm else None,
             "batches": len(read),
         }
     finally:
