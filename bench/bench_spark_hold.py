@@ -90,7 +90,7 @@ def _source_rows(progress: dict[str, Any]) -> int:
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from chronoq.client import Admin
     from chronoq.client.testing import ServerProcess
-    from chronoq.spark.engine import EngineOptions, bucket_ms_of, run_engine
+    from chronoq.spark.engine import EngineOptions, bucket_ms_of, release_lead_ms, run_engine, trigger_ms_of
     from chronoq.spark.session import build_session
 
     settings: dict[str, Any] = {"timer_firer": "spark", **dict(kv.split("=", 1) for kv in args.set)}
@@ -136,7 +136,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         jvm = _jvm_pid()
         result = {
             "timers": stored, "from_s": args.from_s, "days": args.days, "settings": settings,
-            "bucket_ms": bucket_ms_of(engine), "shards": engine.shards, "trigger_ms": engine.trigger_ms,
+            "bucket_ms": bucket_ms_of(engine), "shards": engine.shards,
+            "trigger_ms": trigger_ms_of(engine, release_lead_ms(engine)),
             "send_s": round(send_s, 1), "send_per_s": round(stored / send_s),
             "engine_read_after_send_s": round(ingest_s, 1),
             "broker_rss_idle_mb": round(rss_idle / 2**20, 1),

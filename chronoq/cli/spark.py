@@ -104,7 +104,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="state key time bucket (default: 10 minutes with --mode arm, 5 s with --mode fire; "
                              "larger: fewer keys, cheaper ingest)")
     engine.add_argument("--shards", type=int, default=2, help="state keys per bucket (spread over executors)")
-    engine.add_argument("--trigger-ms", type=int, default=200)
+    engine.add_argument("--trigger-ms", type=int, default=None,
+                        help="micro-batch interval (default: 5 s with --mode arm, at most a quarter of what the "
+                             "release step leaves of the horizon; 200 ms with --mode fire, where it bounds the error)")
     engine.add_argument("--max-records-per-batch", type=int, default=200_000)
     engine.add_argument("--mode", choices=["arm", "fire"], default="arm",
                         help="arm: hand each timer to the broker as it enters its hand-off horizon, the broker fires "
@@ -128,6 +130,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     measure.add_argument("--lead-ms", type=int, default=20_000, help="first due time after sending starts")
     measure.add_argument("--bucket-ms", type=int, default=None, help="the engine's (default: its mode's)")
     measure.add_argument("--shards", type=int, default=2)
+    measure.add_argument("--trigger-ms", type=int, default=None, help="the engine's (default: its mode's)")
     measure.add_argument("--mode", choices=["arm", "fire"], default="arm", help="the engine's mode (see `engine`)")
     measure.add_argument("--horizon-ms", type=int, default=5 * 60_000,
                          help="the broker's timer_handoff_horizon_ms")
@@ -331,8 +334,9 @@ def cmd_measure(args: argparse.Namespace) -> int:
 
     spark = build_session("chronoq-measure-engine", master=args.master, conf=spark_conf(args))
     options = MeasureOptions(work_dir=args.work_dir, messages=args.messages, spread_ms=args.spread_ms,
-                             lead_ms=args.lead_ms, bucket_ms=args.bucket_ms, shards=args.shards, mode=args.mode,
-                             horizon_ms=args.horizon_ms, backstop_ms=args.backstop_ms, kill_job_at=args.kill_job_at,
+                             lead_ms=args.lead_ms, bucket_ms=args.bucket_ms, shards=args.shards,
+                             trigger_ms=args.trigger_ms, mode=args.mode, horizon_ms=args.horizon_ms,
+                             backstop_ms=args.backstop_ms, kill_job_at=args.kill_job_at,
                              job_down_s=args.job_down_s, kill_broker_at=args.kill_broker_at)
     report = run_measurement(spark, options, log=lambda line: print(line, flush=True))
     if args.out:

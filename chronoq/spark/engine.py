@@ -55,7 +55,8 @@ class EngineOptions:
     bucket_ms: int | None = None
     """The state key's time bucket (`bucket_ms_of`: None is 10 minutes to arm, 5 s to fire)."""
     shards: int = 2
-    trigger_ms: int = 200
+    trigger_ms: int | None = None
+    """How often a micro-batch runs (`trigger_ms_of`: None is 5 s to arm, 200 ms to fire)."""
     max_records_per_batch: int = 200_000
     tombstone_grace_ms: int = 10 * 60_000
     query_name: str = "chronoq-timer-engine"
@@ -95,6 +96,33 @@ def release_step_ms(options: EngineOptions, lead_ms: int) -> int:
                              f"({lead_ms} ms)")
         return options.release_step_ms
     return min(60_000, lead_ms // 5) if options.mode == "arm" else 0
+
+
+FIRE_TRIGGER_MS = 200
+"""The micro-batch interval when firing at the due time: it bounds the firing error."""
+ARM_TRIGGER_MS = 5_000
+"""The micro-batch interval when handing over: a timer only has to reach the broker before it is
+due, minutes after it enters the horizon, so a batch every few seconds is early enough. Every
+micro-batch costs the stateful stage's Python workers whether or not a key wakes (at 200 ms, a
+core of two on an idle job holding 50,000 timers), so the interval is the idle job's CPU."""
+
+
+def trigger_ms_of(options: EngineOptions, lead_ms: int) -> int:
+    """The micro-batch interval: `options.trigger_ms`, else 200 ms to fire and, to arm, 5 s or a
+    quarter of what the release step leaves of the lead (a short horizon), whichever is less. A
+    timer is armed at the latest a step, a trigger and a batch's run after it enters the horizon."""
+    step_ms = release_step_ms(options, lead_ms)
+    if options.trigger_ms is not None:
+        if options.trigger_ms < 1:
+            raise ValueError(f"trigger_ms {options.trigger_ms} must be at least 1")
+        if options.mode == "arm" and lead_ms and options.trigger_ms > (lead_ms - step_ms) // 2:
+            raise ValueError(f"trigger_ms {options.trigger_ms} must be at most half of what the release step "
+                             f"({step_ms} ms) leaves of the lead ({lead_ms} ms): {(lead_ms - step_ms) // 2} ms, "
+                             f"or timers could be armed after they are due")
+        return options.trigger_ms
+    if options.mode != "arm" or not lead_ms:
+        return FIRE_TRIGGER_MS
+    return max(FIRE_TRIGGER_MS, min(ARM_TRIGGER_MS, (lead_ms - step_ms) // 4))
 
 
 def release_lead_ms(options: EngineOptions) -> int:
@@ -327,7 +355,7 @@ def run_engine(spark: Any, options: EngineOptions, *, records: Any | None = None
               .options(**dict(options.connection or {})).option("server", options.server)
               .option("mode", options.mode)
               .option("checkpointLocation", options.checkpoint)
-              .trigger(processingTime=f"{options.trigger_ms} milliseconds"))
+              .trigger(processingTime=f"{trigger_ms_of(options, lead_ms)} milliseconds"))
     if fired_log:
         writer = writer.option("firedLog", fired_log)
     return writer.start()

@@ -41,7 +41,8 @@ class MeasureOptions:
     bucket_ms: int | None = None
     """The engine's bucket (None: its mode's default, `engine.bucket_ms_of`)."""
     shards: int = 2
-    trigger_ms: int = 200
+    trigger_ms: int | None = None
+    """The engine's micro-batch interval (None: its mode's default, `engine.trigger_ms_of`)."""
     mode: str = "arm"
     """The engine's mode: "arm" (hand over, the broker fires) or "fire" (FireTimers at due)."""
     horizon_ms: int = 5 * 60_000

@@ -247,3 +247,22 @@ def test_the_engine_buckets_and_steps_by_its_mode():
         release_step_ms(EngineOptions(server="", checkpoint="c", release_step_ms=200_000), 300_000)
     with pytest.raises(ValueError, match="bucket_ms 0 must be at least 1"):
         bucket_ms_of(EngineOptions(server="", checkpoint="c", bucket_ms=0))
+
+
+def test_the_engine_triggers_by_its_mode_and_never_too_late_to_arm():
+    from chronoq.spark.engine import ARM_TRIGGER_MS, FIRE_TRIGGER_MS, EngineOptions, release_step_ms, trigger_ms_of
+
+    arm, fire = EngineOptions(server="", checkpoint="c"), EngineOptions(server="", checkpoint="c", mode="fire")
+    assert trigger_ms_of(arm, 300_000) == ARM_TRIGGER_MS == 5_000
+    assert trigger_ms_of(fire, 0) == FIRE_TRIGGER_MS == 200
+    assert trigger_ms_of(arm, 0) == FIRE_TRIGGER_MS  # nothing to hand over ahead (no broker to ask)
+    # A short horizon: a quarter of what the step leaves of it, so a timer is armed well before due.
+    assert release_step_ms(arm, 10_000) == 2_000 and trigger_ms_of(arm, 10_000) == 2_000
+    assert trigger_ms_of(arm, 1_000) == FIRE_TRIGGER_MS  # never below the firing interval
+    given = EngineOptions(server="", checkpoint="c", trigger_ms=1_000)
+    assert trigger_ms_of(given, 300_000) == 1_000
+    with pytest.raises(ValueError, match=r"trigger_ms 120001 must be at most half .* \(60000 ms\) .* \(300000 ms\)"):
+        trigger_ms_of(EngineOptions(server="", checkpoint="c", trigger_ms=120_001), 300_000)
+    assert trigger_ms_of(EngineOptions(server="", checkpoint="c", trigger_ms=120_000), 300_000) == 120_000
+    with pytest.raises(ValueError, match="trigger_ms 0 must be at least 1"):
+        trigger_ms_of(EngineOptions(server="", checkpoint="c", trigger_ms=0, mode="fire"), 0)
