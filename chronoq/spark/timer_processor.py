@@ -12,12 +12,17 @@ share a key, so one task fires them. An entry's `message_id` is its timer key, t
 
 Per key the processor keeps one ListState of entries `(message_id, due_ms, position, tombstone)`
 and exactly one processing-time timer, at the earliest due time among its live timers:
-- new timers only: `appendList` plus, if needed, moving the key's timer earlier; the list is not
-  read, which keeps ingestion at one append and at most two timer calls per key per batch;
+- new entries, timers and tombstones alike: `appendList` plus, if needed, moving the key's timer
+  earlier; the list is not read, which keeps ingestion at one append and at most two timer calls
+  per key per batch, a cancel included (a tombstone meets the timers of its own batch at once);
 - new entries already due (`due_ms <= batch time`) are emitted at once, never stored;
-- a tombstone forces a rewrite: the list is read, the cancelled timers dropped;
-- on expiry the list is read, entries with `due_ms <= batch time` emitted in (due, position)
-  order, the rest put back and the timer re-armed at their minimum.
+- on expiry the list is read, tombstones applied (a cancelled timer and its tombstone dropped),
+  entries with `due_ms <= batch time` emitted in (due, position) order, the rest put back and
+  the timer re-armed at their minimum.
+So a cancelled timer's entry stays in its key until the key next runs on expiry (at the latest
+when the cancelled timer would have been released); a cancel never reads the bucket's list. A
+timer that arrives already due after its tombstone (another queue, read later) is emitted: the
+broker refuses to arm or fire a cancelled timer, so the job's cancel only saves that work.
 A call with nothing to emit yields no frame at all: PySpark turns every frame yielded into an
 Arrow batch, an empty one included, and that conversion per key was most of the ingest's work.
 
@@ -183,18 +188,17 @@ class BucketTimerProcessor(StatefulProcessor):
         incoming = [e for e in _entries(pd.concat(list(rows), ignore_index=True)) if e[2] >= 0]
         if not incoming:
             return
-        if not any(e[3] for e in incoming):
+        if any(e[3] for e in incoming):
+            # Tombstones meet the timers of this batch now; those of the key's list when the key
+            # next runs on expiry (it reads its list then anyway): a cancel costs an append, not
+            # a read and rewrite of a bucket that may hold tens of thousands of timers.
+            due, later = split_due(incoming, release_ms, self.tombstone_grace_ms)
+        else:
             due = [e for e in incoming if e[1] <= release_ms]
             later = [e for e in incoming if e[1] > release_ms]
-            if later:
-                self.entries.appendList(later)
-                self._arm(self._wake(min(e[1] for e in later) - self.lead_ms), only_earlier=True)
-            if due:
-                yield _to_output(due, now_ms)
-            return
-        stored = list(self.entries.get())
-        due, pending = split_due([tuple(e) for e in stored] + incoming, release_ms, self.tombstone_grace_ms)
-        self._store(pending)
+        if later:
+            self.entries.appendList(later)
+            self._arm(self._wake(next_wakeup_ms(later, self.tombstone_grace_ms) - self.lead_ms), only_earlier=True)
         if due:
             yield _to_output(due, now_ms)
 

@@ -76,6 +76,40 @@ def test_cancel_before_and_after_the_timer_arrives():
     assert t.peekListState("entries", KEY) == []
 
 
+class _CountingReads:
+    """The processor's real ListState, counting whole-list reads (`get`)."""
+
+    def __init__(self, state):
+        self.state, self.reads = state, 0
+
+    def get(self):
+        self.reads += 1
+        return self.state.get()
+
+    def __getattr__(self, name):
+        return getattr(self.state, name)
+
+
+def test_a_cancel_appends_its_tombstone_and_never_reads_the_buckets_list():
+    lead, step = 300_000, 60_000
+    t = TwsTester(BucketTimerProcessor(tombstone_grace_ms=600_000, lead_ms=lead, step_ms=step),
+                  timeMode="ProcessingTime")
+    t.processor.entries = reads = _CountingReads(t.processor.entries)
+    timers = [(f"m{i}", 4_000_000 + i, 10 + i) for i in range(2_000)]
+    t.testInPandas(KEY, _frame(*timers))
+    # Cancels of stored timers, and one of a timer sent in the same batch (met at once).
+    out = t.testInPandas(KEY, _frame(("m5", 4_000_005, 5_000, True), ("m7", 4_000_007, 5_001, True),
+                                     ("new", 4_100_000, 5_002), ("new", 4_100_000, 5_003, True)))
+    assert out.empty and reads.reads == 0
+    stored = t.peekListState("entries", KEY)
+    assert len(stored) == 2_000 + 2  # the two tombstones appended; "new" and its tombstone never stored
+    assert list(t.handle.listTimers()) == [-(-(4_000_000 - lead) // step) * step]
+    released = t.setProcessingTime(4_000_000 - lead + step)
+    assert reads.reads == 1
+    assert sorted(released["message_id"]) == sorted(m for m, _, _ in timers if m not in ("m5", "m7"))
+    assert t.peekListState("entries", KEY) == []
+
+
 def test_orphan_tombstone_expires_after_grace():
     t = _tester(grace_ms=10_000)
     t.testInPandas(KEY, _frame(("ghost", 1000, 1, True)))
