@@ -101,7 +101,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     engine = sub.add_parser("engine", help="run the Spark timer engine (a Structured Streaming job)")
     engine.add_argument("--checkpoint", required=True, help="checkpoint directory (shared storage on a cluster)")
     engine.add_argument("--bucket-ms", type=int, default=None,
-                        help="state key time bucket (default: 10 minutes with --mode arm, 5 s with --mode fire; "
+                        help="state key time bucket (default: an hour with --mode arm, 5 s with --mode fire; "
                              "larger: fewer keys, cheaper ingest)")
     engine.add_argument("--shards", type=int, default=2, help="state keys per bucket (spread over executors)")
     engine.add_argument("--trigger-ms", type=int, default=None,

@@ -53,7 +53,7 @@ class EngineOptions:
     connection: Mapping[str, str] | None = None
     """More connection options for every broker client (`BrokerAccess.options()`: TLS, keys)."""
     bucket_ms: int | None = None
-    """The state key's time bucket (`bucket_ms_of`: None is 10 minutes to arm, 5 s to fire)."""
+    """The state key's time bucket (`bucket_ms_of`: None is an hour to arm, 5 s to fire)."""
     shards: int = 2
     trigger_ms: int | None = None
     """How often a micro-batch runs (`trigger_ms_of`: None is 5 s to arm, 200 ms to fire)."""
@@ -72,10 +72,12 @@ class EngineOptions:
     of the lead, at most a minute (a 5-minute horizon: each timer armed 4 to 5 minutes ahead)."""
 
 
-ARM_BUCKET_MS = 10 * 60_000
-"""The bucket when handing over: the job arms minutes ahead, so a key may hold a wide span; few
-keys keep ingestion cheap (each key costs a few state calls a batch), and a key's list is read
-and rewritten only once a release step."""
+ARM_BUCKET_MS = 60 * 60_000
+"""The bucket when handing over: the job arms minutes ahead, so a key may hold a wide span. Few
+keys keep ingestion cheap: each key a micro-batch touches costs the stateful stage a few
+milliseconds whatever it holds (100,000 timers over 30 days into 8,642 keys of 10 minutes took
+the stage 49-56 s, into 1,442 keys of an hour 22-23 s, one core). A key's chunks are read and
+rewritten once a release step while its hour is handed over, a cost per timer of microseconds."""
 FIRE_BUCKET_MS = 5_000
 """The bucket when firing at the due time: a key's list is rewritten on every expiry, so small."""
 

@@ -10,11 +10,18 @@ rule: one id may name several timers, on several topics); timers due in the same
 share a key, so one task fires them. An entry's `message_id` is its timer key, topic and id
 (`timer_key`); the output gives the id alone.
 
-Per key the processor keeps one ListState of entries `(message_id, due_ms, position, tombstone)`
-and exactly one processing-time timer, at the earliest due time among its live timers:
-- new entries, timers and tombstones alike: `appendList` plus, if needed, moving the key's timer
-  earlier; the list is not read, which keeps ingestion at one append and at most two timer calls
-  per key per batch, a cancel included (a tombstone meets the timers of its own batch at once);
+Per key the processor keeps one ListState of *chunks* and its processing-time timers: the
+earliest is the key's next wake-up (its earliest live due time), and any later one, registered by
+a batch that brought later entries, is dropped when the key next runs. A chunk is one binary value holding many entries
+`(message_id, due_ms, position, tombstone)` (`pack_entries`): what one micro-batch brought the
+key, or what an expiry put back. PySpark sends list-state values to the JVM one pickled value at
+a time, and the JVM writes each as its own RocksDB merge: with an entry per value that per-value
+cost was most of the job's ingestion (the Python workers waited on the JVM's state calls); with a
+chunk per value it is paid once per key per batch, whatever the number of timers.
+- new entries, timers and tombstones alike: `appendList` of one chunk and `registerTimer` at
+  their earliest wake-up; neither the list nor the timers are read, which keeps ingestion at two
+  state calls per key per batch, a cancel included (a tombstone meets the timers of its own batch
+  at once);
 - new entries already due (`due_ms <= batch time`) are emitted at once, never stored;
 - on expiry the list is read, tombstones applied (a cancelled timer and its tombstone dropped),
   entries with `due_ms <= batch time` emitted in (due, position) order, the rest put back and
@@ -47,7 +54,8 @@ micro-batch; that is what lets a key (a bucket) hold many timers.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import struct
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import pandas as pd
@@ -59,10 +67,15 @@ from pyspark.sql.streaming.stateful_processor import (
 )
 
 ENTRY_SCHEMA = "message_id STRING, due_ms LONG, position LONG, tombstone BOOLEAN"
-"""A row of the processor's input and of its ListState. `message_id` is the timer's key,
-`timer_key(topic, id)`: the column keeps its name so that state written before topics were part
-of the key still loads (an old entry and a new tombstone then do not match, and the timer is
-handed to FireTimers, which skips a cancelled one: the broker judges)."""
+"""A row of the processor's input (and of the `entries` ListState of earlier versions, one entry
+a value, still read and emptied on expiry). `message_id` is the timer's key, `timer_key(topic,
+id)`: the column keeps its name so that state written before topics were part of the key still
+loads (an old entry and a new tombstone then do not match, and the timer is handed to
+FireTimers, which skips a cancelled one: the broker judges)."""
+CHUNK_SCHEMA = "chunk BINARY"
+"""A value of the `chunks` ListState: entries packed by `pack_entries`."""
+_ENTRY_HEAD = struct.Struct("<qq?H")
+"""A packed entry: due_ms, position, tombstone, the key's UTF-8 length; then the key."""
 TIMER_KEY_SEP = "\x00"
 """Between topic and id in a timer key: no topic name can hold it (names are [%|a-zA-Z0-9_-])."""
 OUTPUT_SCHEMA = "message_id STRING, position LONG, due_ms LONG, fired_ms LONG, topic STRING"
@@ -96,6 +109,30 @@ def _to_output(entries: list[tuple], fired_ms: int) -> pd.DataFrame:
         "fired_ms": pd.Series([fired_ms] * len(entries), dtype="int64"),
         "topic": pd.Series([topic_of(e[0]) for e in entries], dtype=object),
     })
+
+
+def pack_entries(entries: Iterable[tuple]) -> bytes:
+    """Entries as one chunk: each `_ENTRY_HEAD` then its key (a timer key is a topic name and a
+    message id, both bounded far below 64 KiB by the broker's rules)."""
+    head = _ENTRY_HEAD.pack
+    parts: list[bytes] = []
+    for message_id, due_ms, position, tombstone in entries:
+        key = message_id.encode()
+        parts.append(head(due_ms, position, tombstone, len(key)))
+        parts.append(key)
+    return b"".join(parts)
+
+
+def unpack_entries(chunk: bytes) -> list[tuple]:
+    """The entries of a chunk, in the order packed."""
+    out: list[tuple] = []
+    unpack, size, i, n = _ENTRY_HEAD.unpack_from, _ENTRY_HEAD.size, 0, len(chunk)
+    while i < n:
+        due_ms, position, tombstone, length = unpack(chunk, i)
+        i += size
+        out.append((chunk[i:i + length].decode(), due_ms, position, tombstone))
+        i += length
+    return out
 
 
 def _entries(frame: pd.DataFrame) -> list[tuple]:
@@ -167,18 +204,18 @@ class BucketTimerProcessor(StatefulProcessor):
 
     def init(self, handle: StatefulProcessorHandle) -> None:
         self.handle = handle
+        self.chunks = handle.getListState("chunks", CHUNK_SCHEMA)
         self.entries = handle.getListState("entries", ENTRY_SCHEMA)
+        """Earlier versions' one-entry values: read with the chunks on expiry, then emptied."""
+        self._legacy = False
 
-    def _arm(self, wakeup_ms: int | None, *, only_earlier: bool) -> None:
-        """Keep exactly one timer per key, at `wakeup_ms` (or none)."""
-        current = list(self.handle.listTimers())
-        if only_earlier and wakeup_ms is not None and current and min(current) <= wakeup_ms:
-            return
-        for t in current:
-            if t != wakeup_ms:
-                self.handle.deleteTimer(t)
-        if wakeup_ms is not None and wakeup_ms not in current:
-            self.handle.registerTimer(wakeup_ms)
+    def _load(self) -> list[tuple]:
+        """Every entry the current key holds, in both layouts (`_store` empties the old one)."""
+        out = [e for (chunk,) in self.chunks.get() for e in unpack_entries(chunk)]
+        self._legacy = self.entries.exists()
+        if self._legacy:
+            out += [tuple(e) for e in self.entries.get()]
+        return out
 
     def handleInputRows(self, key: Any, rows: Iterator[pd.DataFrame],
                         timerValues: TimerValues) -> Iterator[pd.DataFrame]:
@@ -197,32 +234,38 @@ class BucketTimerProcessor(StatefulProcessor):
             due = [e for e in incoming if e[1] <= release_ms]
             later = [e for e in incoming if e[1] > release_ms]
         if later:
-            self.entries.appendList(later)
-            self._arm(self._wake(next_wakeup_ms(later, self.tombstone_grace_ms) - self.lead_ms), only_earlier=True)
+            self.chunks.appendList([(pack_entries(later),)])
+            # Registered without listing the key's timers first (a state call saved per key a batch):
+            # a later one it may already hold is dropped when the key next runs (`_store`).
+            wake = self._wake(next_wakeup_ms(later, self.tombstone_grace_ms) - self.lead_ms)
+            assert wake is not None
+            self.handle.registerTimer(wake)
         if due:
             yield _to_output(due, now_ms)
 
     def handleExpiredTimer(self, key: Any, timerValues: TimerValues,
                            expiredTimerInfo: ExpiredTimerInfo) -> Iterator[pd.DataFrame]:
         now_ms = timerValues.getCurrentProcessingTimeInMs()
-        stored = [tuple(e) for e in self.entries.get()]
-        due, pending = split_due(stored, now_ms + self.lead_ms, self.tombstone_grace_ms)
+        due, pending = split_due(self._load(), now_ms + self.lead_ms, self.tombstone_grace_ms)
         self._store(pending, expired_ms=expiredTimerInfo.getExpiryTimeInMs())
         if due:
             yield _to_output(due, now_ms)
 
     def _store(self, pending: list[tuple], expired_ms: int | None = None) -> None:
         if pending:
-            self.entries.put(pending)
+            self.chunks.put([(pack_entries(pending),)])
         else:
+            self.chunks.clear()
+        if self._legacy:
             self.entries.clear()
+            self._legacy = False
         wakeup = next_wakeup_ms(pending, self.tombstone_grace_ms)
         if wakeup is not None:
             wakeup = self._wake(wakeup - self.lead_ms)
         current = [t for t in self.handle.listTimers() if t != expired_ms]
         for t in current:
             if t != wakeup:
-                self.handle.deleteTimer(t)
+                self.handle.deleteTimer(t)  # a later one an input batch registered, or one now needless
         if wakeup is not None and wakeup not in current:
             self.handle.registerTimer(wakeup)
 

@@ -13,7 +13,12 @@ need_module("pyspark", "spark")  # every test here runs on Spark; the imports be
 import pandas as pd  # noqa: E402
 from pyspark.sql.streaming.tws_tester import TwsTester  # noqa: E402
 
-from chronoq.spark.timer_processor import BucketTimerProcessor, split_due  # noqa: E402
+from chronoq.spark.timer_processor import (  # noqa: E402
+    BucketTimerProcessor,
+    pack_entries,
+    split_due,
+    unpack_entries,
+)
 
 pytestmark = pytest.mark.spark
 
@@ -27,6 +32,11 @@ def _frame(*entries: tuple) -> pd.DataFrame:
         "position": pd.Series([e[2] for e in entries], dtype="int64"),
         "tombstone": pd.Series([e[3] if len(e) > 3 else False for e in entries], dtype=bool),
     })
+
+
+def _held(t: TwsTester, key: tuple = KEY) -> list[tuple]:
+    """The entries a key's state holds, unpacked from its chunks."""
+    return [e for (chunk,) in t.peekListState("chunks", key) for e in unpack_entries(chunk)]
 
 
 def _tester(grace_ms: int = 10_000) -> TwsTester:
@@ -50,15 +60,18 @@ def test_never_early_and_one_timer_per_key():
     assert list(t.handle.listTimers()) == [1500]
     assert _fired(t.setProcessingTime(2499)) == [("b", 2499)]
     assert _fired(t.setProcessingTime(2500)) == [("c", 2500)]
-    assert t.peekListState("entries", KEY) == []
+    assert _held(t) == []
     assert list(t.handle.listTimers()) == []
 
 
-def test_earlier_arrival_moves_the_timer_and_due_input_fires_at_once():
+def test_earlier_arrival_wakes_the_key_earlier_and_due_input_fires_at_once():
     t = _tester()
     t.testInPandas(KEY, _frame(("late", 5000, 1)))
     t.testInPandas(KEY, _frame(("early", 3000, 2)))
-    assert list(t.handle.listTimers()) == [3000]
+    # Registered without reading the key's timers: the later one stays until the key runs.
+    assert sorted(t.handle.listTimers()) == [3000, 5000]
+    assert _fired(t.setProcessingTime(3000)) == [("early", 3000)]
+    assert list(t.handle.listTimers()) == [5000]
     t.setProcessingTime(4000)
     # Already due when it arrives: emitted by this very batch, stamped with the batch time.
     assert _fired(t.testInPandas(KEY, _frame(("past", 3500, 3)))) == [("past", 4000)]
@@ -73,7 +86,7 @@ def test_cancel_before_and_after_the_timer_arrives():
     t.testInPandas(KEY, _frame(("x", 2000, 9, True)))
     t.testInPandas(KEY, _frame(("x", 2000, 4)))
     assert _fired(t.setProcessingTime(5000)) == [("b", 5000)]
-    assert t.peekListState("entries", KEY) == []
+    assert _held(t) == []
 
 
 class _CountingReads:
@@ -94,31 +107,51 @@ def test_a_cancel_appends_its_tombstone_and_never_reads_the_buckets_list():
     lead, step = 300_000, 60_000
     t = TwsTester(BucketTimerProcessor(tombstone_grace_ms=600_000, lead_ms=lead, step_ms=step),
                   timeMode="ProcessingTime")
-    t.processor.entries = reads = _CountingReads(t.processor.entries)
+    t.processor.chunks = reads = _CountingReads(t.processor.chunks)
     timers = [(f"m{i}", 4_000_000 + i, 10 + i) for i in range(2_000)]
     t.testInPandas(KEY, _frame(*timers))
     # Cancels of stored timers, and one of a timer sent in the same batch (met at once).
     out = t.testInPandas(KEY, _frame(("m5", 4_000_005, 5_000, True), ("m7", 4_000_007, 5_001, True),
                                      ("new", 4_100_000, 5_002), ("new", 4_100_000, 5_003, True)))
     assert out.empty and reads.reads == 0
-    stored = t.peekListState("entries", KEY)
+    stored = _held(t)
     assert len(stored) == 2_000 + 2  # the two tombstones appended; "new" and its tombstone never stored
-    assert list(t.handle.listTimers()) == [-(-(4_000_000 - lead) // step) * step]
+    assert len(t.peekListState("chunks", KEY)) == 2  # a chunk a batch, not a value a timer
+    first_wake = -(-(4_000_000 - lead) // step) * step
+    # The earliest timer is the timers' release; the later one the unmatched tombstones' expiry.
+    assert sorted(t.handle.listTimers()) == [first_wake, -(-(4_000_007 + 600_000 - lead) // step) * step]
     released = t.setProcessingTime(4_000_000 - lead + step)
     assert reads.reads == 1
     assert sorted(released["message_id"]) == sorted(m for m, _, _ in timers if m not in ("m5", "m7"))
-    assert t.peekListState("entries", KEY) == []
+    assert _held(t) == [] and list(t.handle.listTimers()) == []
+
+
+def test_entries_pack_and_unpack_exactly():
+    entries = [("orders\x00o-1", 1_800_000_000_123, 4_096, False), ("orders\x00o-1", 1_800_000_000_123, 9_999, True),
+               ("t\x00é-ü", 0, 0, False), ("k" * 300, (1 << 63) - 1, (1 << 62), True)]
+    assert unpack_entries(pack_entries(entries)) == entries
+    assert unpack_entries(pack_entries([])) == []
+
+
+def test_state_of_the_one_entry_layout_is_read_and_emptied_on_expiry():
+    t = _tester()
+    t.testInPandas(KEY, _frame(("new", 3000, 5)))
+    # What an earlier version stored: one entry a value, in the `entries` ListState.
+    t.handle.setGroupingKey(KEY)
+    t.processor.entries.put([("old", 2000, 1, False), ("gone", 2500, 2, False), ("gone", 2500, 3, True)])
+    assert _fired(t.setProcessingTime(3000)) == [("old", 3000), ("new", 3000)]
+    assert t.peekListState("entries", KEY) == [] and _held(t) == []
 
 
 def test_orphan_tombstone_expires_after_grace():
     t = _tester(grace_ms=10_000)
     t.testInPandas(KEY, _frame(("ghost", 1000, 1, True)))
-    assert t.peekListState("entries", KEY) == [("ghost", 1000, 1, True)]
+    assert _held(t) == [("ghost", 1000, 1, True)]
     assert list(t.handle.listTimers()) == [11_000]
     t.setProcessingTime(10_999)
-    assert len(t.peekListState("entries", KEY)) == 1
+    assert len(_held(t)) == 1
     t.setProcessingTime(11_000)
-    assert t.peekListState("entries", KEY) == []
+    assert _held(t) == []
     assert list(t.handle.listTimers()) == []
 
 
@@ -217,7 +250,7 @@ def test_a_tombstone_cancels_only_the_timer_of_its_id_due_at_its_due_time():
 def test_heartbeat_rows_are_ignored():
     t = _tester()
     out = t.testInPandas((-1, -1), _frame(("__chronoq_heartbeat", -1, -1)))
-    assert out.empty and t.peekListState("entries", (-1, -1)) == [] and list(t.handle.listTimers()) == []
+    assert out.empty and _held(t, (-1, -1)) == [] and list(t.handle.listTimers()) == []
 
 
 def test_with_a_lead_each_timer_is_released_that_long_before_it_is_due_never_earlier():
@@ -239,7 +272,7 @@ def test_with_a_lead_each_timer_is_released_that_long_before_it_is_due_never_ear
     assert list(out["message_id"]) == ["d"] and list(out["fired_ms"]) == [40_000]
     out = t.setProcessingTime(70_000)
     assert list(out["message_id"]) == ["b"]
-    assert t.peekListState("entries", KEY) == [] and list(t.handle.listTimers()) == []
+    assert _held(t) == [] and list(t.handle.listTimers()) == []
 
 
 def test_with_a_release_step_a_key_wakes_once_a_step_and_hands_over_what_entered_the_horizon():
@@ -260,7 +293,7 @@ def test_with_a_release_step_a_key_wakes_once_a_step_and_hands_over_what_entered
     assert list(out["message_id"]) == ["c"]
     for due, fired in zip(out["due_ms"], out["fired_ms"], strict=True):
         assert due - 60_000 <= fired <= due - 60_000 + 10_000
-    assert t.peekListState("entries", KEY) == [] and list(t.handle.listTimers()) == []
+    assert _held(t) == [] and list(t.handle.listTimers()) == []
 
 
 @pytest.mark.parametrize(("lead_ms", "step_ms"), [(60_000, 30_001), (0, 1), (60_000, -1)])
