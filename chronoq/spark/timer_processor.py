@@ -11,13 +11,14 @@ share a key, so one task fires them. An entry's `message_id` is its timer key, t
 (`timer_key`); the output gives the id alone.
 
 Per key the processor keeps one ListState of *chunks* and its processing-time timers: the
-earliest is the key's next wake-up (its earliest live due time), and any later one, registered by
-a batch that brought later entries, is dropped when the key next runs. A chunk is one binary value holding many entries
-`(message_id, due_ms, position, tombstone)` (`pack_entries`): what one micro-batch brought the
-key, or what an expiry put back. PySpark sends list-state values to the JVM one pickled value at
-a time, and the JVM writes each as its own RocksDB merge: with an entry per value that per-value
-cost was most of the job's ingestion (the Python workers waited on the JVM's state calls); with a
-chunk per value it is paid once per key per batch, whatever the number of timers.
+earliest is the key's next wake-up (its earliest live due time, less the lead, `_wake`), and any
+later one, registered by a batch that brought later entries, is dropped when the key next runs.
+A chunk is one binary value holding many entries `(message_id, due_ms, position, tombstone)`
+(`pack_entries`): what one micro-batch brought the key, or what an expiry put back. PySpark
+sends list-state values to the JVM one pickled value at a time, and the JVM writes each as its
+own RocksDB merge: with an entry per value that per-value cost was most of the job's ingestion
+(the Python workers waited on the JVM's state calls); with a chunk per value it is paid once per
+key per batch, whatever the number of timers.
 - new entries, timers and tombstones alike: `appendList` of one chunk and `registerTimer` at
   their earliest wake-up; neither the list nor the timers are read, which keeps ingestion at two
   state calls per key per batch, a cancel included (a tombstone meets the timers of its own batch
