@@ -208,15 +208,14 @@ class BucketTimerProcessor(StatefulProcessor):
         self.chunks = handle.getListState("chunks", CHUNK_SCHEMA)
         self.entries = handle.getListState("entries", ENTRY_SCHEMA)
         """Earlier versions' one-entry values: read with the chunks on expiry, then emptied."""
-        self._legacy = False
 
-    def _load(self) -> list[tuple]:
-        """Every entry the current key holds, in both layouts (`_store` empties the old one)."""
+    def _load(self) -> tuple[list[tuple], bool]:
+        """Every entry the current key holds, in both layouts, and whether it held the old one."""
         out = [e for (chunk,) in self.chunks.get() for e in unpack_entries(chunk)]
-        self._legacy = self.entries.exists()
-        if self._legacy:
+        legacy = self.entries.exists()
+        if legacy:
             out += [tuple(e) for e in self.entries.get()]
-        return out
+        return out, legacy
 
     def handleInputRows(self, key: Any, rows: Iterator[pd.DataFrame],
                         timerValues: TimerValues) -> Iterator[pd.DataFrame]:
@@ -226,14 +225,10 @@ class BucketTimerProcessor(StatefulProcessor):
         incoming = [e for e in _entries(pd.concat(list(rows), ignore_index=True)) if e[2] >= 0]
         if not incoming:
             return
-        if any(e[3] for e in incoming):
-            # Tombstones meet the timers of this batch now; those of the key's list when the key
-            # next runs on expiry (it reads its list then anyway): a cancel costs an append, not
-            # a read and rewrite of a bucket that may hold tens of thousands of timers.
-            due, later = split_due(incoming, release_ms, self.tombstone_grace_ms)
-        else:
-            due = [e for e in incoming if e[1] <= release_ms]
-            later = [e for e in incoming if e[1] > release_ms]
+        # Tombstones meet the timers of this batch now; those of the key's list when the key next
+        # runs on expiry (it reads its list then anyway): a cancel costs an append, not a read and
+        # rewrite of a bucket that may hold tens of thousands of timers.
+        due, later = split_due(incoming, release_ms, self.tombstone_grace_ms)
         if later:
             self.chunks.appendList([(pack_entries(later),)])
             # Registered without listing the key's timers first (a state call saved per key a batch):
@@ -247,19 +242,19 @@ class BucketTimerProcessor(StatefulProcessor):
     def handleExpiredTimer(self, key: Any, timerValues: TimerValues,
                            expiredTimerInfo: ExpiredTimerInfo) -> Iterator[pd.DataFrame]:
         now_ms = timerValues.getCurrentProcessingTimeInMs()
-        due, pending = split_due(self._load(), now_ms + self.lead_ms, self.tombstone_grace_ms)
-        self._store(pending, expired_ms=expiredTimerInfo.getExpiryTimeInMs())
+        stored, legacy = self._load()
+        due, pending = split_due(stored, now_ms + self.lead_ms, self.tombstone_grace_ms)
+        self._store(pending, expiredTimerInfo.getExpiryTimeInMs(), clear_legacy=legacy)
         if due:
             yield _to_output(due, now_ms)
 
-    def _store(self, pending: list[tuple], expired_ms: int | None = None) -> None:
+    def _store(self, pending: list[tuple], expired_ms: int, *, clear_legacy: bool) -> None:
         if pending:
             self.chunks.put([(pack_entries(pending),)])
         else:
             self.chunks.clear()
-        if self._legacy:
+        if clear_legacy:
             self.entries.clear()
-            self._legacy = False
         wakeup = next_wakeup_ms(pending, self.tombstone_grace_ms)
         if wakeup is not None:
             wakeup = self._wake(wakeup - self.lead_ms)
