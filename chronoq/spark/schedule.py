@@ -279,21 +279,22 @@ def _mark_repeated_ids(out: Any) -> Any:
     valid = F.col("reason_code").isNull()
     group = Window.partitionBy("message_id", valid)
     ordered = group.orderBy(INPUT_ORDER)
-    out = (out.withColumn("_rank", F.row_number().over(ordered))
-           .withColumn("_copies", F.count(F.lit(1)).over(group)))
+    out = out.withColumns({"_rank": F.row_number().over(ordered), "_copies": F.count(F.lit(1)).over(group)})
     repeat = valid & (F.col("_rank") > 1)
     text = F.format_string("message id '%s' is on %d valid rows; only the first in input order is sent: the "
                            "broker stores a repeated id once (its dedupe window answers the others as "
                            "duplicates)", F.col("message_id"), F.col("_copies"))
-    return (out.withColumn("reason", F.when(repeat, text).otherwise(F.col("reason")))
-            .withColumn("reason_code", F.when(repeat, F.lit("duplicate_id")).otherwise(F.col("reason_code")))
+    return (out.withColumns({"reason": F.when(repeat, text).otherwise(F.col("reason")),
+                             "reason_code": F.when(repeat, F.lit("duplicate_id")).otherwise(F.col("reason_code"))})
             .drop("_rank", "_copies", INPUT_ORDER))
 
 
 def validate(df: Any, fmt: str, options: ScheduleOptions, now_ms: int) -> Any:
     """The input plus `message_id`, `deliver_at_ms`/`delay_ms`, `body_bin`, `reason_code` (for
     counting; null for a valid row) and `reason` (text naming the value and the limit; for
-    `TIME_REASONS`, written by `with_human_times` on the rejects)."""
+    `TIME_REASONS`, written by `with_human_times` on the rejects). Built as two projections
+    (`withColumns`: the derived values, then the checks over them), not a `withColumn` a column:
+    Spark analyses the whole plan again at each call."""
     from pyspark.sql import functions as F
 
     body = F.col(f"`{options.body_column}`")
@@ -302,9 +303,9 @@ def validate(df: Any, fmt: str, options: ScheduleOptions, now_ms: int) -> Any:
         message_id = F.col(f"`{options.id_column}`").cast("string")
     else:
         message_id = F.concat(F.lit("SQ"), F.upper(F.substring(F.sha2(_row_identity(fmt), 256), 1, 32)))
-    out = df.withColumn("message_id", message_id).withColumn("body_bin", body_bin)
+    derived = {"message_id": message_id, "body_bin": body_bin}
     if options.id_column:  # taken beside the file's own columns, where `_metadata` is at hand
-        out = out.withColumn(INPUT_ORDER, F.struct(*_input_order(fmt)))
+        derived[INPUT_ORDER] = F.struct(*_input_order(fmt))
     size = F.octet_length(F.col("body_bin"))
     checks = [
         (F.col("body_bin").isNull(), "body_missing",
@@ -332,7 +333,7 @@ def validate(df: Any, fmt: str, options: ScheduleOptions, now_ms: int) -> Any:
                        F.lit("keys must be non-empty, comma-separated, without control characters")))
     if options.deliver_at_column:
         ms, raw = _deliver_at_ms(df, options.deliver_at_column)
-        out = out.withColumn("deliver_at_ms", ms)
+        derived["deliver_at_ms"] = ms
         ahead = F.col("deliver_at_ms") - F.lit(now_ms)
         checks += [
             (F.col("deliver_at_ms").isNull(), "unparseable_time",
@@ -343,7 +344,7 @@ def validate(df: Any, fmt: str, options: ScheduleOptions, now_ms: int) -> Any:
     else:
         assert options.delay_column
         ms, raw = _delay_ms(df, options.delay_column)
-        out = out.withColumn("delay_ms", ms)
+        derived["delay_ms"] = ms
         checks += [
             (F.col("delay_ms").isNull(), "unparseable_delay", F.format_string("unparseable delay '%s'", raw)),
             (F.col("delay_ms") < 0, "negative_delay", F.lit(None).cast("string")),
@@ -354,7 +355,7 @@ def validate(df: Any, fmt: str, options: ScheduleOptions, now_ms: int) -> Any:
     for condition, kind, text in reversed(checks):  # the first failing check names the row's reason
         reason = F.when(condition, text).otherwise(reason)
         code = F.when(condition, F.lit(kind)).otherwise(code)
-    out = out.withColumn("reason", reason).withColumn("reason_code", code)
+    out = df.withColumns(derived).withColumns({"reason": reason, "reason_code": code})
     return _mark_repeated_ids(out) if options.id_column else out
 
 

@@ -238,3 +238,63 @@ def test_prepare_columns_answers_as_prepare_row_by_row(rows: list[dict[str, Any]
             continue
         assert not isinstance(outcome, errors.ChronoqError), (r, outcome)
         assert outcome == expected
+
+
+_USUAL_ROW = st.fixed_dictionaries({
+    # Mostly rows that pass, so whole batches take the column-at-a-time check; now and then a
+    # row at or past a limit, so the check must see it and leave the batch to the row loop.
+    "message_id": st.one_of(st.from_regex(r"[A-Za-z0-9_.:-]{1,12}", fullmatch=True),
+                            st.sampled_from(["x" * 40, "x" * 41, "", "a b", "é", "\x7f", "~!"])),
+    "body": st.one_of(st.binary(min_size=1, max_size=8), st.sampled_from([b"", b"x" * 1800, b"x" * 5000])),
+    "due": st.one_of(st.integers(NOW - DAY_MS, NOW + 2 * DAY_MS), st.integers(-3, 3),
+                     st.sampled_from([999_999_999, 1_000_000_000, 99_999_999_999, 100_000_000_000,
+                                      NOW + 3 * DAY_MS, 2 * DAY_MS, 3 * DAY_MS, True])),
+})
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_USUAL_ROW, min_size=1, max_size=6), st.sampled_from(["deliver_at_ms", "delay_ms", None]),
+       st.booleans(), st.sampled_from([1, 7, 1000]), st.sampled_from([None, "empty"]))
+def test_a_batch_judged_a_column_at_a_time_answers_as_prepare_row_by_row(
+        rows: list[dict[str, Any]], kind: str | None, timers_on: bool, precision: int, extras: str | None) -> None:
+    """The common bulk send (bytes bodies, text ids, no tags, keys or properties, the optional
+    columns absent or all empty) is judged by whole-column checks; its answer is what `prepare`
+    gives each row, and a batch with any row outside a rule gets each row's own error."""
+    config = Config(**LIMITS, timer_wheel_enable=timers_on, timer_precision_ms=precision)
+    levels = DelayLevels.from_config(config)
+    n = len(rows)
+    got = prepare_columns("orders", [r["message_id"] for r in rows], [r["body"] for r in rows], config, NOW, levels,
+                          due_kind=kind, due=[r["due"] for r in rows] if kind else None,
+                          tags=[""] * n if extras else None, keys=[()] * n if extras else None,
+                          properties=[{}] * n if extras else None)
+    for r, outcome in zip(rows, got, strict=True):
+        single = OutgoingMessage(topic="orders", body=r["body"], message_id=r["message_id"],
+                                 **({kind: r["due"]} if kind else {}))
+        try:
+            expected: Any = prepare(single, config, NOW, levels)
+        except errors.ChronoqError as e:
+            assert isinstance(outcome, errors.ChronoqError), (r, outcome, e)
+            assert _same_error(outcome, e), (r, outcome, e)
+            continue
+        assert not isinstance(outcome, errors.ChronoqError), (r, outcome)
+        assert outcome == expected
+
+
+def test_the_column_at_a_time_check_takes_a_batch_that_passes_and_leaves_one_that_does_not() -> None:
+    """The lane is taken when it may be (so the test above covers it), and a single bad row, last
+    of 4,096, leaves the batch to the row loop, which refuses that row alone."""
+    from chronoq.validate import _usual_columns
+
+    config = Config(**LIMITS)
+    ids = [f"r{i}" for i in range(4096)]
+    bodies = [b"pay"] * 4096
+    due = [NOW + 60_000 + i for i in range(4096)]
+    args = (config, NOW, "deliver_at_ms")
+    assert _usual_columns("orders", ids, bodies, *args, due, None, None, None) is not None
+    for bad_ids, bad_bodies, bad_due in (([*ids[:-1], "a b"], bodies, due), (ids, [*bodies[:-1], b""], due),
+                                         (ids, bodies, [*due[:-1], NOW + 40 * DAY_MS]),
+                                         (ids, bodies, [*due[:-1], 1_700_000_000])):
+        assert _usual_columns("orders", bad_ids, bad_bodies, *args, bad_due, None, None, None) is None
+        got = prepare_columns("orders", bad_ids, bad_bodies, config, NOW, DelayLevels.from_config(config),
+                              due_kind="deliver_at_ms", due=bad_due)
+        assert [isinstance(o, errors.ChronoqError) for o in got] == [False] * 4095 + [True]
