@@ -271,11 +271,18 @@ def _input_order(fmt: str) -> list[Any]:
 INPUT_ORDER = "_chronoq_input_order"
 
 
-def _mark_repeated_ids(out: Any) -> Any:
-    """Valid rows whose id an earlier valid row already carries become `duplicate_id` rejects."""
+def _mark_repeated_ids(out: Any, partitions: int) -> Any:
+    """Valid rows whose id an earlier valid row already carries become `duplicate_id` rejects.
+
+    The rows are hashed by id into `partitions` (the write's task count) for the window that
+    finds repeats, which needs every row of an id in one partition; the window takes that
+    partitioning as it is, and so does the send: one shuffle, not the window's (sized by
+    `spark.sql.shuffle.partitions`, 200 unless set: 200 small tasks on a small cluster) and then
+    the write's."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
+    out = out.repartition(partitions, "message_id")
     valid = F.col("reason_code").isNull()
     group = Window.partitionBy("message_id", valid)
     ordered = group.orderBy(INPUT_ORDER)
@@ -289,12 +296,13 @@ def _mark_repeated_ids(out: Any) -> Any:
             .drop("_rank", "_copies", INPUT_ORDER))
 
 
-def validate(df: Any, fmt: str, options: ScheduleOptions, now_ms: int) -> Any:
+def validate(df: Any, fmt: str, options: ScheduleOptions, now_ms: int, partitions: int = 2) -> Any:
     """The input plus `message_id`, `deliver_at_ms`/`delay_ms`, `body_bin`, `reason_code` (for
     counting; null for a valid row) and `reason` (text naming the value and the limit; for
     `TIME_REASONS`, written by `with_human_times` on the rejects). Built as two projections
     (`withColumns`: the derived values, then the checks over them), not a `withColumn` a column:
-    Spark analyses the whole plan again at each call."""
+    Spark analyses the whole plan again at each call. With an id column the result is in
+    `partitions` partitions by id (`_mark_repeated_ids`)."""
     from pyspark.sql import functions as F
 
     body = F.col(f"`{options.body_column}`")
@@ -356,7 +364,7 @@ def validate(df: Any, fmt: str, options: ScheduleOptions, now_ms: int) -> Any:
         reason = F.when(condition, text).otherwise(reason)
         code = F.when(condition, F.lit(kind)).otherwise(code)
     out = df.withColumns(derived).withColumns({"reason": reason, "reason_code": code})
-    return _mark_repeated_ids(out) if options.id_column else out
+    return _mark_repeated_ids(out, partitions) if options.id_column else out
 
 
 def _messages(valid: Any, options: ScheduleOptions) -> Any:
@@ -416,7 +424,13 @@ def run_schedule(spark: Any, options: ScheduleOptions, *, now_ms: int | None = N
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
     register(spark)
     df, fmt = read_input(spark, options)
-    checked = validate(df, fmt, options, now_ms).persist(StorageLevel.MEMORY_AND_DISK)
+    # Small write tasks: progress moves every ROWS_PER_WRITE_TASK rows and a retried task resends
+    # little (ids come from the input, so a reshuffle cannot change them). With an id column the
+    # rows are put in that many partitions once, for the repeated-id check and the send alike,
+    # so the input is counted first (Parquet's from its files' footers).
+    parallelism = spark.sparkContext.defaultParallelism
+    tasks = max(parallelism, -(-df.count() // ROWS_PER_WRITE_TASK)) if options.id_column else parallelism
+    checked = validate(df, fmt, options, now_ms, tasks).persist(StorageLevel.MEMORY_AND_DISK)
     already_stored = None
     skipped_stored = 0
     try:
@@ -437,10 +451,9 @@ def run_schedule(spark: Any, options: ScheduleOptions, *, now_ms: int | None = N
             if valid_count:
                 status.phase = "sending"
                 progress(f"sending {valid_count} messages to {options.server} topic {options.topic}")
-                # Small write tasks: progress moves every ROWS_PER_WRITE_TASK rows and a retried task
-                # resends little (ids come from the input, so a reshuffle cannot change them).
-                tasks = max(spark.sparkContext.defaultParallelism, -(-valid_count // ROWS_PER_WRITE_TASK))
-                valid = checked.filter(F.col("reason_code").isNull()).repartition(tasks)
+                valid = checked.filter(F.col("reason_code").isNull())
+                if not options.id_column:  # (with one, `checked` is already in `tasks` partitions)
+                    valid = valid.repartition(max(parallelism, -(-valid_count // ROWS_PER_WRITE_TASK)))
                 report_path = Path(scratch) / "commit.json"
                 writer = (_messages(valid, options).write.format(SOURCE_NAME).mode("append")
                           .options(**dict(options.connection or {}))
