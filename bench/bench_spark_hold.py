@@ -7,15 +7,16 @@ The claim is that the broker's memory follows the horizon's timers and the job's
 of far timers, not their spread. This run puts it to the test:
 
 1. a `chronoq serve` child (timer_firer=spark, the default horizon unless `--set`) and the engine
-   (`run_engine`, its defaults: 5 s buckets, 2 shards, 200 ms trigger) in this process's Spark;
+   (`run_engine` on its defaults: hour buckets, 2 shards, a micro-batch every 5 s) in this process's Spark;
 2. N timers sent through the SDK's bulk send (`AsyncProducer.send_columns`), due at random over
    `--from-s`..`--days` ahead (none inside the horizon, so none is armed);
 3. wait until the engine has read every one: the chronoq source's input rows, summed over the
    query's progress reports by batch id, reach N, and a batch has run since;
 4. report the broker's RSS (VmRSS now, VmHWM the peak, from /proc), its data directory, the
-   engine's state (rows and memory the state operator reports, the checkpoint's `state/` on
-   disk), the driver JVM's RSS, the broker's hand-off counters (armed: 0 expected), the send rate
-   and how long the engine took to take it all in.
+   engine's state (rows and memory the state operator reports, the files its last version names,
+   the checkpoint's `state/` on disk with the older versions Spark keeps), the driver JVM's RSS,
+   the broker's hand-off counters (armed: 0 expected), the send rate and how long the engine took
+   to take it all in.
 
 Results go to `spark-hold.json` under `bench.results_dir()` (or `--out`).
 
@@ -32,6 +33,7 @@ import os
 import random
 import tempfile
 import time
+import zipfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,28 @@ CHUNK = 100_000
 
 def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def last_version_mb(state_dir: Path) -> float | None:
+    """The state's live size: the SST files named by the newest version of each state partition
+    (the RocksDB state store's checkpoint: `<operator>/<partition>/<version>.zip`, whose `metadata`
+    is a version line and JSON listing `sstFiles` with their sizes). The rest of `state/` is older
+    versions' files, kept for `spark.sql.streaming.minBatchesToRetain` batches. None when the
+    checkpoint is not laid out so (another Spark, another state store)."""
+    total = 0
+    found = False
+    try:
+        for partition in state_dir.glob("*/*"):
+            versions = sorted((p for p in partition.glob("*.zip") if p.stem.isdigit()), key=lambda p: int(p.stem))
+            if not versions:
+                continue
+            with zipfile.ZipFile(versions[-1]) as archive:
+                text = archive.read("metadata").decode()
+            total += sum(int(f["sizeBytes"]) for f in json.loads(text.split("\n", 1)[1])["sstFiles"])
+            found = True
+    except (OSError, KeyError, ValueError, IndexError, zipfile.BadZipFile):
+        return None
+    return round(total / 2**20, 1) if found else None
 
 
 def _jvm_pid() -> int | None:
@@ -148,6 +172,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "broker_handoff": timer_stats.get("handoff"),
             "state_rows": state.get("numRowsTotal"),
             "state_memory_mb": round(int(state.get("memoryUsedBytes", 0)) / 2**20, 1),
+            "state_last_version_mb": last_version_mb(work / "ckpt" / "state"),
             "state_on_disk_mb": round(dir_size_bytes(work / "ckpt" / "state") / 2**20, 1),
             "checkpoint_mb": round(dir_size_bytes(work / "ckpt") / 2**20, 1),
             "driver_jvm_rss_mb": round(_rss_bytes(jvm, "VmRSS:") / 2**20, 1) if jvm else None,

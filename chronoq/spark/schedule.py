@@ -427,7 +427,7 @@ def run_schedule(spark: Any, options: ScheduleOptions, *, now_ms: int | None = N
     # Small write tasks: progress moves every ROWS_PER_WRITE_TASK rows and a retried task resends
     # little (ids come from the input, so a reshuffle cannot change them). With an id column the
     # rows are put in that many partitions once, for the repeated-id check and the send alike,
-    # so the input is counted first (Parquet's from its files' footers).
+    # so the input is counted first (Parquet from its files' footers; CSV and JSON by one more read).
     parallelism = spark.sparkContext.defaultParallelism
     tasks = max(parallelism, -(-df.count() // ROWS_PER_WRITE_TASK)) if options.id_column else parallelism
     checked = validate(df, fmt, options, now_ms, tasks).persist(StorageLevel.MEMORY_AND_DISK)
