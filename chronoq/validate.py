@@ -394,13 +394,13 @@ def prepare_columns(topic: str, ids: Sequence[str | None], bodies: Sequence[byte
             raise SystemTopicForbidden(topic)
     except ChronoqError as e:
         return [e] * n
-    whole = _usual_columns(topic, ids, bodies, config, now_ms, due_kind, due, tags, keys, properties)
+    fixed_size = HEADER_SIZE + len(topic) + 256  # as `prepare` counts: 256 for the system properties
+    whole = _usual_columns(topic, fixed_size, ids, bodies, config, now_ms, due_kind, due, tags, keys, properties)
     if whole is not None:
         return whole
     out: list[Any] = [None] * n
     timers_on = config.timer_wheel_enable
     max_size = config.max_message_size_bytes
-    fixed_size = HEADER_SIZE + len(topic) + 256  # as `prepare` counts: 256 for the system properties
     mtype = MessageType.NORMAL if due_kind is None else MessageType.DELAY
     for i in range(n):
         body, message_id = bodies[i], ids[i]
@@ -443,8 +443,8 @@ def prepare_columns(topic: str, ids: Sequence[str | None], bodies: Sequence[byte
     return out
 
 
-def _usual_columns(topic: str, ids: Sequence[Any], bodies: Sequence[Any], config: Config, now_ms: int,
-                   due_kind: str | None, due: Sequence[Any] | None, tags: Sequence[Any] | None,
+def _usual_columns(topic: str, fixed_size: int, ids: Sequence[Any], bodies: Sequence[Any], config: Config,
+                   now_ms: int, due_kind: str | None, due: Sequence[Any] | None, tags: Sequence[Any] | None,
                    keys: Sequence[Any] | None, properties: Sequence[Any] | None) -> list[Any] | None:
     """`prepare_columns`' answer when every row has the usual shape and passes every rule, judged
     a column at a time: C loops over whole columns (the lengths' min and max, the ids joined into
@@ -463,7 +463,7 @@ def _usual_columns(topic: str, ids: Sequence[Any], bodies: Sequence[Any], config
             or not _message_id_chars_ok("".join(ids)):
         return None
     largest = max(map(int.__add__, map(len, bodies), id_lengths))
-    if HEADER_SIZE + len(topic) + 256 + largest > config.max_message_size_bytes:  # as `prepare` counts
+    if fixed_size + largest > config.max_message_size_bytes:
         return None
     if due is None:
         return [(PreparedMessage(topic, message_id, MessageType.NORMAL, body, now_ms, "", (), {}, {}, None, None),

@@ -296,7 +296,7 @@ def _mark_repeated_ids(out: Any, partitions: int) -> Any:
             .drop("_rank", "_copies", INPUT_ORDER))
 
 
-def validate(df: Any, fmt: str, options: ScheduleOptions, now_ms: int, partitions: int = 2) -> Any:
+def validate(df: Any, fmt: str, options: ScheduleOptions, now_ms: int, partitions: int) -> Any:
     """The input plus `message_id`, `deliver_at_ms`/`delay_ms`, `body_bin`, `reason_code` (for
     counting; null for a valid row) and `reason` (text naming the value and the limit; for
     `TIME_REASONS`, written by `with_human_times` on the rejects). Built as two projections
@@ -429,7 +429,11 @@ def run_schedule(spark: Any, options: ScheduleOptions, *, now_ms: int | None = N
     # rows are put in that many partitions once, for the repeated-id check and the send alike,
     # so the input is counted first (Parquet from its files' footers; CSV and JSON by one more read).
     parallelism = spark.sparkContext.defaultParallelism
-    tasks = max(parallelism, -(-df.count() // ROWS_PER_WRITE_TASK)) if options.id_column else parallelism
+
+    def write_tasks(rows: int) -> int:
+        return max(parallelism, -(-rows // ROWS_PER_WRITE_TASK))
+
+    tasks = write_tasks(df.count()) if options.id_column else parallelism
     checked = validate(df, fmt, options, now_ms, tasks).persist(StorageLevel.MEMORY_AND_DISK)
     already_stored = None
     skipped_stored = 0
@@ -453,7 +457,7 @@ def run_schedule(spark: Any, options: ScheduleOptions, *, now_ms: int | None = N
                 progress(f"sending {valid_count} messages to {options.server} topic {options.topic}")
                 valid = checked.filter(F.col("reason_code").isNull())
                 if not options.id_column:  # (with one, `checked` is already in `tasks` partitions)
-                    valid = valid.repartition(max(parallelism, -(-valid_count // ROWS_PER_WRITE_TASK)))
+                    valid = valid.repartition(write_tasks(valid_count))
                 report_path = Path(scratch) / "commit.json"
                 writer = (_messages(valid, options).write.format(SOURCE_NAME).mode("append")
                           .options(**dict(options.connection or {}))

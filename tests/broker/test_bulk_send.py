@@ -226,17 +226,23 @@ def test_prepare_columns_answers_as_prepare_row_by_row(rows: list[dict[str, Any]
                           due_kind=kind, due=[r["due"] for r in rows] if kind else None,
                           tags=[r["tag"] for r in rows], keys=[r["keys"] for r in rows],
                           properties=[r["properties"] for r in rows])
-    for r, outcome in zip(rows, got, strict=True):
-        single = OutgoingMessage(topic=topic, body=r["body"], message_id=r["message_id"], tag=r["tag"] or None,
-                                 keys=r["keys"], properties=r["properties"],
-                                 **({kind: r["due"]} if kind else {}))
+    singles = [OutgoingMessage(topic=topic, body=r["body"], message_id=r["message_id"], tag=r["tag"] or None,
+                               keys=r["keys"], properties=r["properties"], **({kind: r["due"]} if kind else {}))
+               for r in rows]
+    _assert_answers_as_prepare(singles, got, config, levels)
+
+
+def _assert_answers_as_prepare(singles: list[OutgoingMessage], got: list[Any], config: Config,
+                               levels: DelayLevels) -> None:
+    """Each row's outcome is what `prepare` gives the same message alone: its result, or its error."""
+    for single, outcome in zip(singles, got, strict=True):
         try:
             expected: Any = prepare(single, config, NOW, levels)
         except errors.ChronoqError as e:
-            assert isinstance(outcome, errors.ChronoqError), (r, outcome, e)
-            assert _same_error(outcome, e), (r, outcome, e)
+            assert isinstance(outcome, errors.ChronoqError), (single, outcome, e)
+            assert _same_error(outcome, e), (single, outcome, e)
             continue
-        assert not isinstance(outcome, errors.ChronoqError), (r, outcome)
+        assert not isinstance(outcome, errors.ChronoqError), (single, outcome)
         assert outcome == expected
 
 
@@ -267,22 +273,15 @@ def test_a_batch_judged_a_column_at_a_time_answers_as_prepare_row_by_row(
                           due_kind=kind, due=[r["due"] for r in rows] if kind else None,
                           tags=[""] * n if extras else None, keys=[()] * n if extras else None,
                           properties=[{}] * n if extras else None)
-    for r, outcome in zip(rows, got, strict=True):
-        single = OutgoingMessage(topic="orders", body=r["body"], message_id=r["message_id"],
-                                 **({kind: r["due"]} if kind else {}))
-        try:
-            expected: Any = prepare(single, config, NOW, levels)
-        except errors.ChronoqError as e:
-            assert isinstance(outcome, errors.ChronoqError), (r, outcome, e)
-            assert _same_error(outcome, e), (r, outcome, e)
-            continue
-        assert not isinstance(outcome, errors.ChronoqError), (r, outcome)
-        assert outcome == expected
+    singles = [OutgoingMessage(topic="orders", body=r["body"], message_id=r["message_id"],
+                               **({kind: r["due"]} if kind else {})) for r in rows]
+    _assert_answers_as_prepare(singles, got, config, levels)
 
 
 def test_the_column_at_a_time_check_takes_a_batch_that_passes_and_leaves_one_that_does_not() -> None:
     """The lane is taken when it may be (so the test above covers it), and a single bad row, last
     of 4,096, leaves the batch to the row loop, which refuses that row alone."""
+    from chronoq.store.record import HEADER_SIZE
     from chronoq.validate import _usual_columns
 
     config = Config(**LIMITS)
@@ -290,11 +289,12 @@ def test_the_column_at_a_time_check_takes_a_batch_that_passes_and_leaves_one_tha
     bodies = [b"pay"] * 4096
     due = [NOW + 60_000 + i for i in range(4096)]
     args = (config, NOW, "deliver_at_ms")
-    assert _usual_columns("orders", ids, bodies, *args, due, None, None, None) is not None
+    fixed_size = HEADER_SIZE + len("orders") + 256
+    assert _usual_columns("orders", fixed_size, ids, bodies, *args, due, None, None, None) is not None
     for bad_ids, bad_bodies, bad_due in (([*ids[:-1], "a b"], bodies, due), (ids, [*bodies[:-1], b""], due),
                                          (ids, bodies, [*due[:-1], NOW + 40 * DAY_MS]),
                                          (ids, bodies, [*due[:-1], 1_700_000_000])):
-        assert _usual_columns("orders", bad_ids, bad_bodies, *args, bad_due, None, None, None) is None
+        assert _usual_columns("orders", fixed_size, bad_ids, bad_bodies, *args, bad_due, None, None, None) is None
         got = prepare_columns("orders", bad_ids, bad_bodies, config, NOW, DelayLevels.from_config(config),
                               due_kind="deliver_at_ms", due=bad_due)
         assert [isinstance(o, errors.ChronoqError) for o in got] == [False] * 4095 + [True]
